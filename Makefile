@@ -1,0 +1,34 @@
+# The README's two commands: `make train` and `make test`. Both create the venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+# A CPU build of this torch lies on the machines we develop on; install it first so pip
+# never resolves a multi-GB CUDA build through a looser requirement.
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: venv train test unit benchmark clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+# Hydra overrides go in ARGS, e.g. make train ARGS="strategy=data trainer.devices=2"
+train: venv
+	$(PY) recipes/train.py $(ARGS)
+
+test: venv
+	$(PY) -m pytest tests $(ARGS)
+
+unit: venv
+	$(PY) -m pytest tests/unit $(ARGS)
+
+benchmark: venv
+	$(PY) benchmarks/dp_vs_ddp.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun lightning_logs

@@ -1,0 +1,24 @@
+"""lightning_parallel: Lightning strategies for data, tensor, pipeline and hybrid parallelism.
+
+Importing the package registers the strategy names with Lightning, so
+``Trainer(strategy="data_parallel")`` works after ``import lightning_parallel``.
+"""
+
+from lightning_parallel.layout import ParallelLayout, RankCoordinates
+from lightning_parallel.observe.comm import CommStats
+from lightning_parallel.observe.summary import TrainingSummary
+from lightning_parallel.parallelize.data import COMM_HOOKS, DataParallelConfig
+from lightning_parallel.strategies import DataParallelStrategy, ParallelEngineStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COMM_HOOKS",
+    "CommStats",
+    "DataParallelConfig",
+    "DataParallelStrategy",
+    "ParallelEngineStrategy",
+    "ParallelLayout",
+    "RankCoordinates",
+    "TrainingSummary",
+]

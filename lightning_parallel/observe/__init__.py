@@ -1,0 +1,1 @@
+"""Observing what a layout costs: communication counters and training summaries."""

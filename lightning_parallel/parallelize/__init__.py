@@ -1,0 +1,1 @@
+"""Pure module transforms ``(module, mesh or group, options) -> module``; no Lightning, no Hydra."""

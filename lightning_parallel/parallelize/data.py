@@ -1,0 +1,139 @@
+"""Replicate a module over the data-parallel ranks with torch's DistributedDataParallel.
+
+Pure transform: ``(module, process group, options) -> DDP module``. Strategies pass plain arguments;
+nothing here reads Hydra or Lightning state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_parallel.observe.comm import CommStats, counting_comm_hook
+
+log = logging.getLogger(__name__)
+
+#: Gradient communication hooks selectable by name.
+COMM_HOOKS: dict[str, str] = {
+    "allreduce": "plain all-reduce of the averaged gradients (exact; the default)",
+    "fp16": "gradients compressed to float16 for the all-reduce (half the bytes, lossy)",
+    "bf16": "gradients compressed to bfloat16 for the all-reduce (NCCL only, lossy)",
+    "powersgd": "PowerSGD low-rank compression after `powersgd_start_iter` exact steps (lossy)",
+}
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """Options of the data-parallel dimension, as torch's DistributedDataParallel names them.
+
+    Args:
+        bucket_cap_mb: Gradient bucket size; larger buckets mean fewer, bigger all-reduces.
+        find_unused_parameters: Tolerate parameters that get no gradient in some steps (costs a graph walk).
+        static_graph: Promise that the set of used parameters never changes (enables optimizations).
+        gradient_as_bucket_view: Let gradients alias the communication buckets (saves one gradient copy).
+        comm_hook: Name of the gradient communication hook, one of :data:`COMM_HOOKS`.
+        powersgd_rank: Rank of the low-rank approximation for ``comm_hook="powersgd"``.
+        powersgd_start_iter: Exact all-reduce steps before PowerSGD compression starts (must be > 1:
+            PowerSGD's error feedback needs a warm start).
+    """
+
+    bucket_cap_mb: float = 25.0
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = False
+    comm_hook: str = "allreduce"
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.comm_hook not in COMM_HOOKS:
+            raise ValueError(
+                f"comm_hook={self.comm_hook!r} is unknown. Choose one of: {', '.join(COMM_HOOKS)}."
+            )
+        if self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb} must be positive (megabytes per gradient bucket).")
+        if self.powersgd_rank < 1:
+            raise ValueError(f"powersgd_rank={self.powersgd_rank} must be >= 1.")
+        if self.powersgd_start_iter < 2:
+            raise ValueError(
+                f"powersgd_start_iter={self.powersgd_start_iter} must be >= 2: PowerSGD's error feedback needs at "
+                f"least one exact all-reduce step first."
+            )
+
+    def check_backend(self, backend: str) -> None:
+        """Reject hooks the process-group backend cannot run, before any model is wrapped."""
+        if self.comm_hook == "bf16" and backend != "nccl":
+            raise ValueError(
+                f"comm_hook='bf16' needs the NCCL backend (CUDA), but the process group uses {backend!r}. "
+                f"Use comm_hook='fp16' for compressed gradients on CPU/gloo."
+            )
+
+
+def apply_ddp(
+    module: nn.Module,
+    process_group: dist.ProcessGroup,
+    config: DataParallelConfig,
+    device_ids: list[int] | None = None,
+    comm_stats: CommStats | None = None,
+) -> DistributedDataParallel:
+    """Wrap ``module`` in DistributedDataParallel over ``process_group`` and register the comm hook.
+
+    Args:
+        module: The module to replicate; it must already live on its device.
+        process_group: The data-parallel group (replicas that average their gradients).
+        config: DDP options and the communication hook.
+        device_ids: ``[cuda index]`` on GPU, ``None`` on CPU.
+        comm_stats: If given, every gradient bucket the hook sends is counted into it.
+    """
+    ddp = DistributedDataParallel(
+        module,
+        device_ids=device_ids,
+        process_group=process_group,
+        bucket_cap_mb=config.bucket_cap_mb,
+        find_unused_parameters=config.find_unused_parameters,
+        static_graph=config.static_graph,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+    )
+    state, hook = _resolve_comm_hook(config, process_group)
+    if comm_stats is not None:
+        hook = counting_comm_hook(hook, comm_stats)
+    elif config.comm_hook == "allreduce":
+        # No hook to register: DDP's built-in C++ all-reduce is the fastest path.
+        return ddp
+    ddp.register_comm_hook(state, hook)
+    log.debug("DDP over %d ranks with comm hook %s", dist.get_world_size(process_group), config.comm_hook)
+    return ddp
+
+
+def _resolve_comm_hook(config: DataParallelConfig, process_group: dist.ProcessGroup) -> tuple[Any, Callable]:
+    if config.comm_hook == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=process_group,
+            matrix_approximation_rank=config.powersgd_rank,
+            start_powerSGD_iter=config.powersgd_start_iter,
+        )
+        return state, powerSGD_hook.powerSGD_hook
+    hooks = {
+        "allreduce": default_hooks.allreduce_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+    }
+    return process_group, hooks[config.comm_hook]
+
+
+def unwrap_ddp(module: nn.Module) -> nn.Module:
+    """The module inside a DDP wrapper (or the module itself)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def gradient_bytes(module: nn.Module) -> int:
+    """Bytes of all trainable parameters' gradients: what one exact all-reduce round moves per rank."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+

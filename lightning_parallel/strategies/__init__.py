@@ -1,0 +1,25 @@
+"""Lightning strategies; importing this package registers their names with Lightning."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_parallel.strategies.data import DataParallelStrategy
+from lightning_parallel.strategies.engine import ParallelEngineStrategy
+
+
+def _register() -> None:
+    for suffix, start_method, when in (
+        ("", "popen", "re-runs the script per rank; for scripts, Hydra, torchrun and SLURM"),
+        ("_spawn", "spawn", "spawns workers; for notebooks and tests"),
+        ("_fork", "fork", "forks workers; for notebooks on Linux/macOS"),
+    ):
+        DataParallelStrategy.register_as(
+            StrategyRegistry,
+            f"data_parallel{suffix}",
+            description=f"lightning_parallel data parallelism (DDP, exact accumulation), start_method={start_method!r}: {when}",
+            start_method=start_method,
+        )
+
+
+_register()
+
+__all__ = ["DataParallelStrategy", "ParallelEngineStrategy"]

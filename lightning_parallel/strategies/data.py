@@ -1,0 +1,76 @@
+"""``DataParallelStrategy``: every rank holds the whole model and trains on its own slice of the batch."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.data import DataParallelConfig
+from lightning_parallel.strategies.engine import DEFAULT_TIMEOUT_S, ParallelEngineStrategy
+from lightning_parallel.strategies.launch import StartMethod
+
+
+class DataParallelStrategy(ParallelEngineStrategy):
+    """Synchronous data parallelism through torch's DistributedDataParallel.
+
+    Gradients are averaged over the replicas after every backward pass, so training with N replicas of
+    batch ``b`` equals single-device training with batch ``N·b``. With
+    ``Trainer(accumulate_grad_batches=k)`` the all-reduce runs only on the k-th micro-batch.
+
+    Args:
+        data_parallel_size: Number of replicas; ``-1`` uses every process.
+        bucket_cap_mb: Gradient bucket size in MB (fewer, larger all-reduces when raised).
+        find_unused_parameters: Allow parameters that get no gradient in a step.
+        static_graph: The set of used parameters never changes (lets DDP skip bookkeeping).
+        gradient_as_bucket_view: Gradients alias the communication buckets (saves memory).
+        comm_hook: ``"allreduce"`` (exact), ``"fp16"``, ``"bf16"`` (NCCL) or ``"powersgd"`` (lossy compression).
+        powersgd_rank: Low-rank approximation rank for PowerSGD.
+        powersgd_start_iter: Exact steps before PowerSGD compression starts.
+        sync_batchnorm: BatchNorm statistics over the global batch instead of each replica's slice.
+        track_communication: Count gradient buckets and bytes in :attr:`comm_stats`.
+        start_method: ``"popen"`` (scripts, Hydra), ``"spawn"`` or ``"fork"`` (notebooks, tests).
+        process_group_backend: ``None`` (nccl on CUDA, gloo on CPU), or a backend name.
+        timeout: Seconds a collective may wait before the job fails.
+        **kwargs: Passed to :class:`ParallelEngineStrategy` (accelerator, cluster environment, ...).
+
+    Example:
+        >>> trainer = Trainer(devices=4, strategy=DataParallelStrategy(comm_hook="fp16"))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        data_parallel_size: int = -1,
+        *,
+        bucket_cap_mb: float = 25.0,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
+        comm_hook: str = "allreduce",
+        powersgd_rank: int = 1,
+        powersgd_start_iter: int = 1000,
+        sync_batchnorm: bool = False,
+        track_communication: bool = True,
+        start_method: StartMethod = "popen",
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            layout=ParallelLayout(data_parallel_size=data_parallel_size),
+            data_parallel=DataParallelConfig(
+                bucket_cap_mb=bucket_cap_mb,
+                find_unused_parameters=find_unused_parameters,
+                static_graph=static_graph,
+                gradient_as_bucket_view=gradient_as_bucket_view,
+                comm_hook=comm_hook,
+                powersgd_rank=powersgd_rank,
+                powersgd_start_iter=powersgd_start_iter,
+            ),
+            sync_batchnorm=sync_batchnorm,
+            track_communication=track_communication,
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **kwargs,
+        )

@@ -1,0 +1,359 @@
+"""The strategy engine: Lightning glue that runs an unmodified LightningModule under a ParallelLayout.
+
+One engine owns launch, the process group, the ``(pp, dp, tp)`` mesh, the sampler arguments, collectives
+over the right group, and the wrapping of the module. The named strategies (``DataParallelStrategy``
+and those that follow) are thin presets of it, so every layout shares the same glue.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _all_gather_ddp_if_available,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_parallel.layout import ParallelLayout, RankCoordinates
+from lightning_parallel.observe.comm import CommStats
+from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm
+from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
+from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
+
+log = logging.getLogger(__name__)
+
+#: Process-group timeout when none is given: long enough for slow first steps, short enough to not hang a job.
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+class ParallelEngineStrategy(ParallelStrategy):
+    """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
+
+    Today the engine applies data parallelism (DDP over the ``dp`` mesh dimension); the tensor and
+    pipeline dimensions must be 1. Use a named preset such as
+    :class:`~lightning_parallel.strategies.data.DataParallelStrategy` rather than this class directly.
+
+    Args:
+        layout: Parallel sizes; ``-1`` in one of them fills the remaining ranks.
+        data_parallel: DDP options and the gradient communication hook.
+        sync_batchnorm: Compute BatchNorm statistics over the whole data-parallel batch (as
+            ``Trainer(sync_batchnorm=True)`` does; either switch turns it on).
+        track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
+            Python call per bucket; switch off to use DDP's built-in C++ all-reduce.
+        start_method: ``"popen"`` re-runs the script per rank (scripts, Hydra); ``"spawn"``/``"fork"``
+            start workers from a running interpreter (notebooks, tests). torchrun and SLURM are detected
+            through Lightning's cluster environments and need no option.
+        process_group_backend: ``"nccl"``/``"gloo"``; ``None`` picks nccl on CUDA and gloo on CPU.
+        timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails instead of hanging.
+    """
+
+    def __init__(
+        self,
+        layout: ParallelLayout | None = None,
+        *,
+        data_parallel: DataParallelConfig | None = None,
+        sync_batchnorm: bool = False,
+        track_communication: bool = True,
+        start_method: StartMethod = "popen",
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        layout = layout if layout is not None else ParallelLayout()
+        if not isinstance(layout, ParallelLayout):
+            raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}.")
+        for name, size in (("tensor_parallel_size", layout.tensor_parallel_size), ("pipeline_parallel_size", layout.pipeline_parallel_size)):
+            if size != 1:
+                raise ValueError(
+                    f"{name}={size} is not supported by this version of the engine yet; only data parallelism is. "
+                    f"Set {name}=1."
+                )
+        if start_method not in START_METHODS:
+            raise ValueError(f"start_method={start_method!r} is unknown; choose one of {', '.join(START_METHODS)}.")
+        self._timeout = _as_timedelta(timeout)
+        self._requested_layout = layout
+        self._layout: ParallelLayout | None = None
+        self._data_parallel = data_parallel if data_parallel is not None else DataParallelConfig()
+        self._sync_batchnorm = sync_batchnorm
+        self._batchnorm_converted = False
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._mesh: DeviceMesh | None = None
+        self._comm_stats: CommStats | None = CommStats() if track_communication else None
+        self._forward_redirection = _DDPForwardRedirection()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if not self.parallel_devices:
+            raise RuntimeError("The strategy has no devices yet; it is connected to them by the Trainer.")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether more than one process takes part."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The resolved layout (known once the Trainer has connected the devices)."""
+        if self._layout is None:
+            raise RuntimeError("The layout is resolved when the Trainer is created; pass this strategy to a Trainer first.")
+        return self._layout
+
+    @property
+    def coordinates(self) -> RankCoordinates:
+        """This rank's ``(pp, dp, tp)`` coordinates."""
+        return self.layout.coordinates(self.global_rank)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(pp, dp, tp)`` DeviceMesh (exists after the process group is set up)."""
+        if self._mesh is None:
+            raise RuntimeError("The device mesh is created in setup_environment(); it is not available yet.")
+        return self._mesh
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Process group of this rank's data-parallel replicas (``None`` before the mesh exists)."""
+        return self._mesh["dp"].get_group() if self._mesh is not None else None
+
+    @property
+    def comm_stats(self) -> CommStats | None:
+        """Gradient communication counted so far on this rank (``None`` if tracking is off)."""
+        return self._comm_stats
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Replicas see different data; tensor- and pipeline-parallel peers must see the same batch.
+        return {"num_replicas": self.layout.data_parallel_size, "rank": self.coordinates.dp}
+
+    # ------------------------------------------------------------------ launch and process groups
+
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment is None:
+            raise RuntimeError("The Trainer must connect a cluster environment before the launcher is configured.")
+        # Validate here, in the launching process, so a bad layout fails once and before any process starts.
+        self._layout = self._requested_layout.resolve(
+            self.num_nodes * self.num_processes,
+            world_description=f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
+        )
+        self._launcher = make_launcher(self, self._start_method, self.cluster_environment)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        self._data_parallel.check_backend(self._process_group_backend)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._layout = self._requested_layout.resolve(
+            dist.get_world_size(), world_description="processes in the default process group"
+        )
+        self._mesh = self._layout.build_mesh(self.root_device.type)
+        rank_zero_info(f"lightning_parallel: layout {self._layout.describe()} on {self._process_group_backend}")
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment this process's global rank and the world size."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ model setup
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and (self._sync_batchnorm or self._layer_sync is not None):
+            self.model = convert_sync_batchnorm(self.model, self.data_parallel_group)
+            self._batchnorm_converted = True
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self._check_manual_optimization_support()
+            self._apply_data_parallel()
+            self.setup_optimizers(trainer)
+        else:
+            # No DDP wrapper outside fitting: make sure every rank evaluates the same weights.
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _apply_data_parallel(self) -> None:
+        if self.layout.data_parallel_size == 1:
+            return
+        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
+        self.model = apply_ddp(self.model, self.data_parallel_group, self._data_parallel, device_ids, self._comm_stats)
+
+    def _check_manual_optimization_support(self) -> None:
+        if self._data_parallel.static_graph and not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "static_graph=True is not supported with manual optimization (automatic_optimization=False): "
+                "Lightning cannot tell DDP when the first static-graph iteration ends. Set static_graph=False."
+            )
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # With manual optimization Lightning does not go through DDP's forward bookkeeping for backward.
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            prepare_for_backward(self.model, closure_loss)
+
+    # ------------------------------------------------------------------ collectives
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce ``tensor`` over ``group``; by default over this rank's data-parallel replicas.
+
+        This is what ``self.log(..., sync_dist=True)`` uses: tensor- and pipeline-parallel peers hold the
+        same samples, so averaging over them would count samples several times.
+        """
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather ``tensor`` from every data-parallel replica (or from ``group``)."""
+        return _all_gather_ddp_if_available(
+            tensor, group=group if group is not None else self.data_parallel_group, sync_grads=sync_grads
+        )
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Decisions (stop early, save a checkpoint) must agree on every rank of the world, not one group.
+        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op=ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    # ------------------------------------------------------------------ errors and teardown
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "Your LightningModule has parameters that did not take part in the loss returned by training_step. "
+                "If that is intended, pass find_unused_parameters=True to the strategy "
+                "(on the command line: strategy.find_unused_parameters=true)."
+            ),
+        )
+
+    @override
+    def teardown(self) -> None:
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
+        if self._batchnorm_converted and self.model is not None:
+            self.model = TorchSyncBatchNorm().revert(self.model)
+            self._batchnorm_converted = False
+        super().teardown()
+
+    @classmethod
+    def register_as(cls, registry: Any, name: str, description: str, **init_params: Any) -> None:
+        """Register ``cls`` under ``name`` in a Lightning strategy registry, once."""
+        if name not in registry:
+            registry.register(name, cls, description=description, **init_params)
+
+
+def _as_timedelta(timeout: float | timedelta) -> timedelta:
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}.")
+    if seconds <= 0:
+        raise ValueError(f"timeout={seconds}s must be positive: it is how long a collective may wait before failing.")
+    return timedelta(seconds=seconds)
+
+

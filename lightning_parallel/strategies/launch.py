@@ -1,0 +1,103 @@
+"""Process launch: Lightning's launchers, with the Hydra multirun case fixed.
+
+Lightning re-runs the user's script once per extra local rank ("popen"). Under Hydra it rebuilds the
+child command from ``sys.argv``; in a multirun (``-m``) that would make every child run the *whole sweep*.
+We rebuild it from the current job's own overrides and point the child at the job's output directory,
+so single runs and sweeps behave the same.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from typing_extensions import override
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS: tuple[str, ...] = ("popen", "spawn", "fork", "forkserver")
+
+
+def make_launcher(strategy: Any, start_method: StartMethod, environment: ClusterEnvironment) -> _Launcher:
+    """The launcher for ``start_method``; external launchers (torchrun, SLURM) need none of ours.
+
+    With ``popen`` and an environment that creates processes externally, Lightning's launcher only
+    validates the settings and runs the function in place, which is what torchrun/SLURM need.
+    """
+    if start_method == "popen":
+        return HydraAwareSubprocessLauncher(environment, strategy.num_processes, strategy.num_nodes)
+    return _MultiProcessingLauncher(strategy, start_method=start_method)
+
+
+class HydraAwareSubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess-script launcher whose children re-run only the current Hydra job."""
+
+    @override
+    def _call_children_scripts(self) -> None:
+        if not _hydra_job_running():
+            super()._call_children_scripts()
+            return
+        self._check_can_spawn_children()
+        self.procs = []
+        os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+        os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+        os.environ["NODE_RANK"] = str(self.cluster_environment.node_rank())
+        os.environ["LOCAL_RANK"] = str(self.cluster_environment.local_rank())
+        os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
+        for local_rank in range(1, self.num_processes):
+            env = os.environ.copy()
+            env["LOCAL_RANK"] = str(local_rank)
+            if os.environ.get("PL_GLOBAL_SEED") is None:
+                env.pop("PL_GLOBAL_SEED", None)
+            command, cwd = hydra_job_command(local_rank)
+            self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+
+
+def _hydra_job_running() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+    except ImportError:
+        return False
+    return HydraConfig.initialized()
+
+
+def hydra_job_command(local_rank: int) -> tuple[Sequence[str], str]:
+    """Command and working directory that re-run the current Hydra job (not the sweep) as ``local_rank``."""
+    import __main__
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd, to_absolute_path
+
+    config = HydraConfig.get()
+    if __main__.__spec__ is None:
+        command = [sys.executable, to_absolute_path(sys.argv[0])]
+    else:
+        command = [sys.executable, "-m", __main__.__spec__.name]
+    command += _config_selection_flags(sys.argv[1:])
+    # The job's own overrides: in a multirun these hold this job's values, not the sweep syntax.
+    command += list(config.overrides.task)
+    command += [
+        f'hydra.run.dir="{config.runtime.output_dir}"',
+        f"hydra.job.name={config.job.name}_rank{local_rank}",
+        # Only rank 0 writes the composed config; children would race on the same files.
+        "hydra.output_subdir=null",
+    ]
+    return command, get_original_cwd()
+
+
+_CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+
+
+def _config_selection_flags(argv: Sequence[str]) -> list[str]:
+    """The flags that choose which config Hydra composes (``--config-name x`` or ``--config-name=x``)."""
+    flags: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg in _CONFIG_FLAGS and index + 1 < len(argv):
+            flags += [arg, argv[index + 1]]
+        elif arg.split("=", 1)[0] in _CONFIG_FLAGS and "=" in arg:
+            flags.append(arg)
+    return flags

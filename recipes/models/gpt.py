@@ -1,0 +1,161 @@
+"""A small GPT, written the way people write one for a single device.
+
+Token + position embeddings, pre-LayerNorm blocks kept in an ``nn.ModuleList`` and iterated in
+``forward``, attention with separate q/k/v/output projections, a GELU MLP, and an optionally tied head.
+Nothing here knows about parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        if n_embd % n_head != 0:
+            raise ValueError(f"n_embd={n_embd} must be divisible by n_head={n_head}.")
+        self.n_head = n_head
+        self.q_proj = nn.Linear(n_embd, n_embd)
+        self.k_proj = nn.Linear(n_embd, n_embd)
+        self.v_proj = nn.Linear(n_embd, n_embd)
+        self.out_proj = nn.Linear(n_embd, n_embd)
+        self.dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            # -1 instead of n_embd // n_head keeps the split correct whatever the width of the projection.
+            return t.view(batch, seq, self.n_head, -1).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
+        return self.resid_dropout(self.out_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, dropout: float) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(n_embd, 4 * n_embd)
+        self.act = nn.GELU()
+        self.fc_out = nn.Linear(4 * n_embd, n_embd)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd)
+        self.attn = CausalSelfAttention(n_embd, n_head, dropout)
+        self.ln_2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float, tie_weights: bool
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.pos_emb = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        if tie_weights:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the projections that write into the residual stream.
+        for name, param in self.named_parameters():
+            if name.endswith(("out_proj.weight", "fc_out.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        seq = idx.size(1)
+        if seq > self.block_size:
+            raise ValueError(f"Sequence length {seq} exceeds block_size={self.block_size}.")
+        positions = torch.arange(seq, device=idx.device)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+class GPTLightningModule(L.LightningModule):
+    """Next-token prediction with a small GPT.
+
+    Logs ``train/loss`` every step, and ``val/loss`` and ``val/accuracy`` (next-token, torchmetrics) over
+    the validation set.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        tie_weights: bool = True,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights)
+        self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab_size, average="micro")
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx, targets = batch
+        logits = self(idx)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        return loss, logits, targets
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, _, _ = self._loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss, logits, targets = self._loss(batch)
+        self.val_accuracy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/accuracy", self.val_accuracy)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # Weight decay on matrices only, as in GPT-2/nanoGPT.
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.hparams.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas))
