@@ -98,7 +98,9 @@ class ParallelLayout:
             raise ValueError(f"world_size must be >= 1, got {world_size}.")
         where = f"{world_size} ({world_description})" if world_description else str(world_size)
         fixed = math.prod(size for size in self.sizes if size != -1)
-        product = " × ".join(f"{_FIELD_BY_DIM[dim]}={size}" for dim, size in zip(MESH_DIM_NAMES, self.sizes) if size != -1)
+        # Sizes of 1 multiply nothing: leave them out of the message.
+        terms = [f"{_FIELD_BY_DIM[dim]}={size}" for dim, size in zip(MESH_DIM_NAMES, self.sizes) if size not in (-1, 1)]
+        product = " × ".join(terms) or "all sizes 1"
         if fixed > world_size:
             raise ValueError(
                 f"The layout needs at least {product} = {fixed} ranks, but the world size is {where}. "

@@ -1,0 +1,219 @@
+"""Build and run small, float64 training jobs for the comparison tests.
+
+A job is described by a JSON-able :class:`JobSpec`. The single-device reference runs in the test process;
+multi-process jobs run ``python -m tests.worker`` so that Lightning's default launcher (which re-runs
+the script per rank) is what gets tested. Rank 0 saves a :class:`Recorder`'s findings with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch import Callback
+from torch.utils.data import DataLoader, DistributedSampler
+
+import lightning_parallel
+from recipes.data.chars import CharCorpusDataModule
+from recipes.data.images import SyntheticImagesDataModule
+from recipes.models.convnet import ConvNetLightningModule
+from recipes.models.gpt import GPTLightningModule
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class JobSpec:
+    model: str = "gpt"  # gpt | convnet
+    strategy: str = "single"  # single | data
+    devices: int = 1
+    batch_size: int = 4  # per data-parallel rank
+    accumulate: int = 1
+    steps: int = 5
+    trainer_sync_batchnorm: bool = False
+    strategy_kwargs: dict[str, Any] = field(default_factory=dict)
+    validate: bool = False
+    fail_rank: int | None = None  # raise on this global rank ...
+    fail_step: int = 2  # ... at this batch index
+    seed: int = 1234
+
+
+class FailingStep(RuntimeError):
+    """Raised on purpose by a test job, to check that every rank goes down."""
+
+
+class RecordingGPT(GPTLightningModule):
+    """The recipe GPT plus what the tests observe: raw per-micro-batch losses and a synced log."""
+
+    def __init__(self, fail_rank: int | None = None, fail_step: int = 2, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.fail_rank, self.fail_step = fail_rank, fail_step
+        self.micro_losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.fail_rank == self.global_rank and batch_idx == self.fail_step:
+            raise FailingStep(f"rank {self.global_rank} fails on purpose at batch {batch_idx}")
+        loss = super().training_step(batch, batch_idx)
+        self.micro_losses.append(loss.detach())
+        self.log("train/loss_synced", loss, sync_dist=True)
+        return loss
+
+
+class RecordingConvNet(ConvNetLightningModule):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.micro_losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.micro_losses.append(loss.detach())
+        return loss
+
+
+def single_device_order(datamodule: L.LightningDataModule, seed: int) -> None:
+    """Feed a single-device run the training order a distributed run sees.
+
+    Under any distributed strategy Lightning always gives the training set a shuffling DistributedSampler
+    seeded with the global seed. Replica r takes every W-th index of one permutation, so global
+    micro-batch k is exactly block k of that permutation: a one-replica DistributedSampler with the same
+    seed reproduces it on a single device.
+    """
+    make_loader = datamodule.train_dataloader
+
+    def train_dataloader() -> DataLoader:
+        loader = make_loader()
+        sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+        return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
+
+    datamodule.train_dataloader = train_dataloader
+
+
+class Recorder(Callback):
+    """Collects losses, gradients, parameters and communication counts during one job."""
+
+    def __init__(self, save_path: Path | None = None) -> None:
+        self.save_path = save_path
+        self.states: list[dict[str, torch.Tensor]] = []  # after each optimizer step (params + buffers)
+        self.grads: list[dict[str, torch.Tensor]] = []  # just before each optimizer step
+        self.synced_logs: list[float] = []
+        self.result: dict[str, Any] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if "train/loss_synced" in trainer.callback_metrics:
+            self.synced_logs.append(float(trainer.callback_metrics["train/loss_synced"]))
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.states.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        local = torch.stack(pl_module.micro_losses)
+        # Mean over replicas of each micro-batch loss = the loss of the global micro-batch.
+        gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
+        per_micro = gathered.mean(dim=0)
+        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        replicas = trainer.strategy.all_gather(flat) if trainer.world_size > 1 else flat.unsqueeze(0)
+        comm = getattr(trainer.strategy, "comm_stats", None)
+        self.result = {
+            "step_losses": per_micro.reshape(-1, trainer.accumulate_grad_batches).mean(dim=1),
+            "states": self.states,
+            "grads": self.grads,
+            "synced_logs": self.synced_logs,
+            "replica_spread": float((replicas - replicas[0]).abs().max()),
+            "comm": comm.as_dict() if comm is not None else None,
+            "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+            "world_size": trainer.world_size,
+        }
+        # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.
+        if self.save_path is not None and trainer.is_global_zero:
+            torch.save(self.result, self.save_path)
+
+
+def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModule, L.LightningDataModule, L.Trainer, Recorder]:
+    """Module, data, and Trainer for ``spec`` (float64, no shuffling, no dropout)."""
+    L.seed_everything(spec.seed, workers=True)
+    if spec.model == "gpt":
+        data: L.LightningDataModule = CharCorpusDataModule(block_size=8, batch_size=spec.batch_size, max_chars=20_000, shuffle=False)
+        model: L.LightningModule = RecordingGPT(
+            vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0, lr=1e-2,
+            fail_rank=spec.fail_rank, fail_step=spec.fail_step,
+        )
+    elif spec.model == "convnet":
+        data = SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
+        model = RecordingConvNet(width=4, lr=0.1)
+    else:
+        raise ValueError(f"unknown model {spec.model!r}")
+    if spec.strategy == "single":
+        strategy: Any = "auto"
+        single_device_order(data, spec.seed)
+    elif spec.strategy == "data":
+        strategy = lightning_parallel.DataParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
+    else:
+        raise ValueError(f"unknown strategy {spec.strategy!r}")
+    recorder = Recorder(save_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=spec.devices,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=spec.steps,
+        accumulate_grad_batches=spec.accumulate,
+        sync_batchnorm=spec.trainer_sync_batchnorm,
+        limit_val_batches=4,
+        num_sanity_val_steps=0,
+        val_check_interval=None,
+        check_val_every_n_epoch=None,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return model, data, trainer, recorder
+
+
+def run_job(spec: JobSpec, save_path: Path | None = None) -> dict[str, Any]:
+    """Train (and optionally validate) ``spec``; returns rank 0's findings and saves them to ``save_path``."""
+    model, data, trainer, recorder = build(spec, save_path)
+    trainer.fit(model, datamodule=data)
+    if save_path is not None and not trainer.is_global_zero:
+        return {}
+    result = torch.load(save_path, weights_only=False) if save_path is not None else dict(recorder.result)
+    if spec.validate:
+        result["validation"] = trainer.validate(model, datamodule=data, verbose=False)[0]
+    if save_path is not None and trainer.is_global_zero:
+        torch.save(result, save_path)
+    return result
+
+
+def run_distributed(spec: JobSpec, tmp_path: Path, timeout: float = 240) -> dict[str, Any]:
+    """Run ``spec`` as ``python -m tests.worker``; returns rank 0's result, or raises with the job's output."""
+    proc = launch_worker(spec, tmp_path, timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"job failed with exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return torch.load(tmp_path / "result.pt", weights_only=False)
+
+
+def launch_worker(spec: JobSpec, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(asdict(spec)))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED"):
+        env.pop(var, None)
+    command = [sys.executable, "-m", "tests.worker", str(spec_file), str(tmp_path / "result.pt")]
+    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def timed_launch(spec: JobSpec, tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.monotonic()
+    proc = launch_worker(spec, tmp_path, timeout)
+    return proc, time.monotonic() - start

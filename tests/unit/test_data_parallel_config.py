@@ -1,0 +1,59 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel import COMM_HOOKS, DataParallelConfig
+from lightning_parallel.parallelize.data import gradient_bytes, unwrap_ddp
+
+
+def test_defaults_are_exact_allreduce():
+    config = DataParallelConfig()
+    assert config.comm_hook == "allreduce"
+    config.check_backend("gloo")
+
+
+def test_unknown_comm_hook_lists_the_choices():
+    with pytest.raises(ValueError, match=r"comm_hook='topk' is unknown\. Choose one of: allreduce, fp16, bf16, powersgd"):
+        DataParallelConfig(comm_hook="topk")
+
+
+def test_every_documented_hook_is_accepted():
+    for name in COMM_HOOKS:
+        DataParallelConfig(comm_hook=name)
+
+
+def test_bf16_hook_needs_nccl():
+    config = DataParallelConfig(comm_hook="bf16")
+    config.check_backend("nccl")
+    with pytest.raises(ValueError, match=r"comm_hook='bf16' needs the NCCL backend .* Use comm_hook='fp16'"):
+        config.check_backend("gloo")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"bucket_cap_mb": 0}, "bucket_cap_mb=0 must be positive"),
+        ({"powersgd_rank": 0}, "powersgd_rank=0 must be >= 1"),
+        ({"powersgd_start_iter": 1}, "powersgd_start_iter=1 must be >= 2"),
+    ],
+)
+def test_invalid_options(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        DataParallelConfig(**kwargs)
+
+
+def test_gradient_bytes_counts_tied_parameters_once():
+    embedding = nn.Embedding(10, 4)
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    model = nn.ModuleDict({"emb": embedding, "head": head}).double()
+    assert gradient_bytes(model) == 10 * 4 * 8
+    assert unwrap_ddp(model) is model
+
+
+def test_torch_ddp_comm_hooks_exist():
+    # The hooks we expose by name must exist in this torch.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    assert callable(default_hooks.fp16_compress_hook) and callable(powerSGD_hook.powerSGD_hook)
+    assert torch.distributed.is_available()

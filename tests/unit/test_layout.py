@@ -1,0 +1,83 @@
+import pytest
+
+from lightning_parallel import ParallelLayout, RankCoordinates
+
+
+def test_fill_resolves_remaining_ranks():
+    assert ParallelLayout(data_parallel_size=-1, tensor_parallel_size=2).resolve(8) == ParallelLayout(4, 2, 1)
+    assert ParallelLayout(data_parallel_size=2, tensor_parallel_size=-1, pipeline_parallel_size=2).resolve(8).tensor_parallel_size == 2
+    assert ParallelLayout().resolve(1) == ParallelLayout(1, 1, 1)
+
+
+def test_explicit_layout_matching_world_is_returned_unchanged():
+    layout = ParallelLayout(2, 2, 2)
+    assert layout.resolve(8) is layout
+    assert layout.world_size == 8
+    assert layout.sizes == (2, 2, 2)  # mesh order: pp, dp, tp
+    assert layout.describe() == "dp=2 × tp=2 × pp=2"
+
+
+def test_product_different_from_world_size_names_numbers_and_fix():
+    with pytest.raises(ValueError, match=r"data_parallel_size=3 = 3 ranks does not match the world size 4") as info:
+        ParallelLayout(data_parallel_size=3).resolve(4)
+    assert "data_parallel_size=-1" in str(info.value)
+
+
+def test_more_ranks_than_world_mentions_how_the_world_came_about():
+    with pytest.raises(ValueError, match=r"at least .*= 4 ranks, but the world size is 2 \(devices=2\)") as info:
+        ParallelLayout(data_parallel_size=-1, tensor_parallel_size=4).resolve(2, world_description="devices=2")
+    assert "trainer.devices=4" in str(info.value)
+
+
+def test_fill_requires_divisible_world():
+    with pytest.raises(ValueError, match=r"data_parallel_size=-1 cannot be filled: the world size 6 is not divisible by .*= 4"):
+        ParallelLayout(data_parallel_size=-1, tensor_parallel_size=2, pipeline_parallel_size=2).resolve(6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"data_parallel_size": 0}, ValueError, "data_parallel_size=0 is invalid"),
+        ({"tensor_parallel_size": -2}, ValueError, "tensor_parallel_size=-2 is invalid"),
+        ({"data_parallel_size": -1, "pipeline_parallel_size": -1}, ValueError, "Only one size may be -1"),
+        ({"data_parallel_size": 2.0}, TypeError, "data_parallel_size must be an int"),
+        ({"tensor_parallel_size": True}, TypeError, "tensor_parallel_size must be an int"),
+    ],
+)
+def test_invalid_sizes(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        ParallelLayout(**kwargs)
+
+
+def test_unresolved_layout_refuses_rank_arithmetic():
+    with pytest.raises(RuntimeError, match="call resolve"):
+        ParallelLayout().coordinates(0)
+
+
+def test_coordinates_are_row_major_over_pp_dp_tp():
+    layout = ParallelLayout(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert layout.coordinates(0) == RankCoordinates(pp=0, dp=0, tp=0)
+    assert layout.coordinates(1) == RankCoordinates(pp=0, dp=0, tp=1)  # TP peers are adjacent ranks
+    assert layout.coordinates(2) == RankCoordinates(pp=0, dp=1, tp=0)
+    assert layout.coordinates(5) == RankCoordinates(pp=1, dp=0, tp=1)
+    assert [layout.coordinates(r) for r in range(8)] == sorted(layout.coordinates(r) for r in range(8))
+    with pytest.raises(ValueError, match="rank=8 is outside"):
+        layout.coordinates(8)
+
+
+def test_group_ranks_partition_the_world():
+    layout = ParallelLayout(data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert layout.group_ranks("tp", 5) == [4, 5]
+    assert layout.group_ranks("dp", 5) == [5, 7]
+    assert layout.group_ranks("pp", 5) == [1, 5]
+    for dim in ("pp", "dp", "tp"):
+        groups = {tuple(layout.group_ranks(dim, r)) for r in range(8)}
+        assert sorted(r for g in groups for r in g) == list(range(8))
+    with pytest.raises(ValueError, match="not a mesh dimension"):
+        layout.group_ranks("ep", 0)
+
+
+def test_sizes_of_one_are_allowed_everywhere():
+    layout = ParallelLayout(1, 1, 1).resolve(1)
+    assert layout.coordinates(0) == RankCoordinates(0, 0, 0)
+    assert layout.group_ranks("dp", 0) == [0]

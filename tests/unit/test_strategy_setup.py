@@ -1,0 +1,77 @@
+"""Strategy construction and Trainer wiring, checked in-process (nothing is launched)."""
+
+from datetime import timedelta
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_parallel
+from lightning_parallel import DataParallelStrategy, ParallelEngineStrategy, ParallelLayout
+
+
+def test_names_are_registered_with_descriptions():
+    for name, start_method in (("data_parallel", "popen"), ("data_parallel_spawn", "spawn"), ("data_parallel_fork", "fork")):
+        assert name in StrategyRegistry
+        entry = StrategyRegistry[name]
+        assert entry["strategy"] is DataParallelStrategy
+        assert "data parallelism" in entry["description"]
+        assert entry["init_params"] == {"start_method": start_method}
+
+
+def test_trainer_accepts_registered_name():
+    trainer = L.Trainer(strategy="data_parallel", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, DataParallelStrategy)
+    assert trainer.strategy.layout == ParallelLayout(2, 1, 1)
+    assert trainer.strategy.is_distributed
+
+
+def test_sampler_uses_data_parallel_rank_and_size():
+    trainer = L.Trainer(strategy=DataParallelStrategy(), accelerator="cpu", devices=4, logger=False)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 4, "rank": 0}
+
+
+def test_devices_fewer_than_layout_fails_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"at least data_parallel_size=4 = 4 ranks, but the world size is 2 \(trainer devices=2 × num_nodes=1\)"):
+        L.Trainer(strategy=DataParallelStrategy(data_parallel_size=4), accelerator="cpu", devices=2, logger=False)
+
+
+def test_layout_product_not_world_size_fails_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 = 2 ranks does not match the world size 4"):
+        L.Trainer(strategy=DataParallelStrategy(data_parallel_size=2), accelerator="cpu", devices=4, logger=False)
+
+
+def test_unknown_comm_hook_fails_at_construction():
+    with pytest.raises(ValueError, match="comm_hook='fp8' is unknown"):
+        DataParallelStrategy(comm_hook="fp8")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"start_method": "thread"}, ValueError, "start_method='thread' is unknown"),
+        ({"timeout": 0}, ValueError, "timeout=0.0s must be positive"),
+        ({"timeout": "30"}, TypeError, "timeout must be seconds"),
+    ],
+)
+def test_bad_launch_options(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        DataParallelStrategy(**kwargs)
+
+
+def test_timeout_accepts_seconds_and_timedelta():
+    assert DataParallelStrategy(timeout=12)._timeout == timedelta(seconds=12)
+    assert DataParallelStrategy(timeout=timedelta(minutes=1))._timeout == timedelta(seconds=60)
+
+
+def test_engine_rejects_dimensions_it_cannot_apply_yet():
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
+        ParallelEngineStrategy(layout=ParallelLayout(data_parallel_size=-1, tensor_parallel_size=2))
+    with pytest.raises(TypeError, match="layout must be a ParallelLayout"):
+        ParallelEngineStrategy(layout={"data_parallel_size": 2})
+
+
+def test_layout_is_unknown_before_a_trainer_connects():
+    with pytest.raises(RuntimeError, match="pass this strategy to a Trainer"):
+        _ = DataParallelStrategy().layout
+    assert lightning_parallel.__version__
