@@ -185,13 +185,14 @@ def run_job(spec: JobSpec, save_path: Path | None = None) -> dict[str, Any]:
     """Train (and optionally validate) ``spec``; returns rank 0's findings and saves them to ``save_path``."""
     model, data, trainer, recorder = build(spec, save_path)
     trainer.fit(model, datamodule=data)
-    if save_path is not None and not trainer.is_global_zero:
-        return {}
-    result = torch.load(save_path, weights_only=False) if save_path is not None else dict(recorder.result)
+    result = dict(recorder.result)
     if spec.validate:
-        result["validation"] = trainer.validate(model, datamodule=data, verbose=False)[0]
-    if save_path is not None and trainer.is_global_zero:
-        torch.save(result, save_path)
+        validation = trainer.validate(model, datamodule=data, verbose=False)[0]
+        result["validation"] = validation
+        if save_path is not None and trainer.is_global_zero:
+            # Under "spawn" the recorder wrote from a child process: add to what it saved.
+            saved = torch.load(save_path, weights_only=False)
+            torch.save({**saved, "validation": validation}, save_path)
     return result
 
 

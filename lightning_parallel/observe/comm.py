@@ -6,8 +6,7 @@ crosses the wire (and what accumulation skips) without patching torch.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -28,22 +27,20 @@ class CommStats:
     bucket_calls: int = 0
     rounds: int = 0
     bytes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, bucket: dist.GradBucket) -> None:
         """Account for one bucket; the last bucket of a backward pass closes a round."""
+        # DDP's reducer runs hooks one at a time (under its own mutex), so plain counters suffice; a lock
+        # would also make the strategy unpicklable for start_method="spawn".
         buffer = bucket.buffer()
-        # DDP may call hooks from its autograd thread: keep the counters consistent.
-        with self._lock:
-            self.bucket_calls += 1
-            self.bytes += buffer.numel() * buffer.element_size()
-            if bucket.is_last():
-                self.rounds += 1
+        self.bucket_calls += 1
+        self.bytes += buffer.numel() * buffer.element_size()
+        if bucket.is_last():
+            self.rounds += 1
 
     def reset(self) -> None:
         """Zero all counters (e.g. after a warm-up)."""
-        with self._lock:
-            self.bucket_calls = self.rounds = self.bytes = 0
+        self.bucket_calls = self.rounds = self.bytes = 0
 
     def as_dict(self) -> dict[str, int]:
         """Counters as a plain dict, for logging and JSON."""

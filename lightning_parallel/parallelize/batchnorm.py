@@ -1,9 +1,10 @@
 """Batch statistics over the whole data-parallel batch, on GPU and CPU.
 
 Under data parallelism each rank's BatchNorm sees only its own slice of the global batch, so its mean
-and variance differ from single-device training with the full batch. ``SyncBatchNorm`` all-reduces the
-statistics over the data-parallel group. torch's ``nn.SyncBatchNorm`` runs on accelerators only; this
-subclass keeps torch's kernels there and adds a CPU (gloo) path built on differentiable all-reduces.
+and variance differ from single-device training with the full batch. Synchronized BatchNorm all-reduces
+the statistics over the data-parallel group. On accelerators we use torch's ``nn.SyncBatchNorm``; torch
+has no CPU implementation (and DDP refuses ``nn.SyncBatchNorm`` on CPU), so :class:`CPUSyncBatchNorm`
+provides one, built on differentiable all-reduces.
 """
 
 from __future__ import annotations
@@ -12,30 +13,40 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
-class SyncBatchNorm(nn.SyncBatchNorm):
-    """``nn.SyncBatchNorm`` that also synchronizes batch statistics for CPU tensors.
+class CPUSyncBatchNorm(_BatchNorm):
+    """BatchNorm whose training statistics are computed over every rank of ``process_group`` (CPU/gloo).
 
-    On CPU the forward pass computes the global per-channel mean, then the global variance of the
-    centered input (two all-reduces, numerically stable), normalizes, and updates the running statistics
-    exactly as ``nn.BatchNorm`` would on the concatenated batch. The backward pass all-reduces the
-    statistics' gradients, which is what torch's CUDA kernels do too.
+    The forward pass all-reduces the per-channel sums to get the global mean, then the sums of squared
+    deviations to get the global (biased) variance — two collectives, numerically stable — normalizes,
+    and updates the running statistics exactly as ``nn.BatchNorm`` would on the concatenated batch. The
+    backward pass all-reduces the statistics' gradients, as torch's CUDA kernels do.
     """
 
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (batch, channels, ...), got {input.dim()}D input")
+
     def forward(self, input: Tensor) -> Tensor:
-        if input.device.type != "cpu" or not self._synchronizes():
+        if not self._synchronizes():
             return super().forward(input)
         self._check_input_dim(input)
-        self._check_non_zero_input_channels(input)
-        return self._cpu_synchronized_forward(input)
-
-    def _synchronizes(self) -> bool:
-        if not (self.training and dist.is_available() and dist.is_initialized()):
-            return False
-        return dist.get_world_size(self.process_group or dist.group.WORLD) > 1
-
-    def _cpu_synchronized_forward(self, input: Tensor) -> Tensor:
         group = self.process_group or dist.group.WORLD
         reduce_dims = [0, *range(2, input.dim())]
         shape = [1, input.size(1)] + [1] * (input.dim() - 2)
@@ -55,6 +66,11 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             self._update_running_stats(mean.detach(), var.detach(), count)
         return output
 
+    def _synchronizes(self) -> bool:
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return False
+        return dist.get_world_size(self.process_group or dist.group.WORLD) > 1
+
     @torch.no_grad()
     def _update_running_stats(self, mean: Tensor, biased_var: Tensor, count: Tensor) -> None:
         self.num_batches_tracked.add_(1)
@@ -65,15 +81,46 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         self.running_var.mul_(1 - factor).add_(unbiased_var.to(self.running_var.dtype), alpha=factor)
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Replace every BatchNorm layer in ``module`` by :class:`SyncBatchNorm` over ``process_group``.
+_SYNC_CLASSES = (nn.SyncBatchNorm, CPUSyncBatchNorm)
 
-    Parameters and running statistics are carried over (shared, not copied). Returns the converted module,
-    which is a new object if ``module`` itself was a BatchNorm layer.
+
+def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None, device_type: str) -> nn.Module:
+    """Replace every BatchNorm layer in ``module`` by a synchronized one over ``process_group``.
+
+    ``nn.SyncBatchNorm`` on accelerators, :class:`CPUSyncBatchNorm` on CPU. Parameters and running
+    statistics are carried over (the same tensors, not copies); :func:`revert_sync_batchnorm` restores the
+    original layer classes.
     """
-    converted = nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
-    for layer in converted.modules():
-        if type(layer) is nn.SyncBatchNorm:
-            # torch's converter always builds its own class; ours adds no state, only the CPU code path.
-            layer.__class__ = SyncBatchNorm
-    return converted
+    sync_class = CPUSyncBatchNorm if device_type == "cpu" else nn.SyncBatchNorm
+    if isinstance(module, _BatchNorm) and not isinstance(module, _SYNC_CLASSES):
+        synced = sync_class(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group
+        )
+        _carry_state(module, synced)
+        synced.reverts_to = type(module)
+        return synced
+    for name, child in module.named_children():
+        module.add_module(name, convert_sync_batchnorm(child, process_group, device_type))
+    return module
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Undo :func:`convert_sync_batchnorm`: each synchronized layer becomes its original class again."""
+    original_class = getattr(module, "reverts_to", None)
+    if isinstance(module, _SYNC_CLASSES) and original_class is not None:
+        original = original_class(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        _carry_state(module, original)
+        return original
+    for name, child in module.named_children():
+        module.add_module(name, revert_sync_batchnorm(child))
+    return module
+
+
+def _carry_state(source: _BatchNorm, target: _BatchNorm) -> None:
+    if source.affine:
+        target.weight, target.bias = source.weight, source.bias
+    target.running_mean, target.running_var = source.running_mean, source.running_var
+    target.num_batches_tracked = source.num_batches_tracked
+    target.train(source.training)
+    if hasattr(source, "qconfig"):
+        target.qconfig = source.qconfig

@@ -27,7 +27,6 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
-from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -43,7 +42,7 @@ from typing_extensions import override
 
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
-from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm
+from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
 from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
 
@@ -232,7 +231,7 @@ class ParallelEngineStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and (self._sync_batchnorm or self._layer_sync is not None):
-            self.model = convert_sync_batchnorm(self.model, self.data_parallel_group)
+            self.model = convert_sync_batchnorm(self.model, self.data_parallel_group, self.root_device.type)
             self._batchnorm_converted = True
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -334,7 +333,7 @@ class ParallelEngineStrategy(ParallelStrategy):
         if isinstance(self.model, DistributedDataParallel):
             self.model = self.lightning_module
         if self._batchnorm_converted and self.model is not None:
-            self.model = TorchSyncBatchNorm().revert(self.model)
+            self.model = revert_sync_batchnorm(self.model)
             self._batchnorm_converted = False
         super().teardown()
 

@@ -1,0 +1,38 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.parallelize.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from recipes.models.convnet import ConvNet
+
+
+def test_convert_and_revert_keep_parameters_and_classes():
+    model = ConvNet(3, 10, 4)
+    bn = model.features[1]
+    weight, running_var = bn.weight, bn.running_var
+    converted = convert_sync_batchnorm(model, None, "cpu")
+    assert isinstance(converted.features[1], CPUSyncBatchNorm)
+    assert converted.features[1].weight is weight and converted.features[1].running_var is running_var
+    reverted = revert_sync_batchnorm(converted)
+    assert type(reverted.features[1]) is nn.BatchNorm2d and type(reverted.features[4]) is nn.BatchNorm2d
+    assert reverted.features[1].weight is weight
+
+
+def test_accelerator_devices_get_torch_sync_batchnorm():
+    converted = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(3)), None, "cuda")
+    assert type(converted[0]) is nn.SyncBatchNorm
+    assert type(revert_sync_batchnorm(converted)[0]) is nn.BatchNorm1d
+
+
+def test_without_a_process_group_it_is_plain_batchnorm():
+    torch.manual_seed(0)
+    reference = nn.BatchNorm2d(4).double()
+    synced = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4).double()), None, "cpu")[0]
+    x = torch.randn(5, 4, 3, 3, dtype=torch.float64)
+    torch.testing.assert_close(synced(x), reference(x))
+    torch.testing.assert_close(synced.running_var, reference.running_var)
+
+
+def test_rejects_inputs_without_channels():
+    with pytest.raises(ValueError, match="at least 2D input"):
+        CPUSyncBatchNorm(3)(torch.randn(3))
