@@ -14,7 +14,7 @@ def test_convert_and_revert_keep_parameters_and_classes():
     assert isinstance(converted.features[1], CPUSyncBatchNorm)
     assert converted.features[1].weight is weight and converted.features[1].running_var is running_var
     reverted = revert_sync_batchnorm(converted)
-    assert type(reverted.features[1]) is nn.BatchNorm2d and type(reverted.features[4]) is nn.BatchNorm2d
+    assert type(reverted.features[1]) is nn.BatchNorm2d and type(reverted.features[5]) is nn.BatchNorm2d
     assert reverted.features[1].weight is weight
 
 
