@@ -9,6 +9,7 @@ from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.observe.summary import TrainingSummary
 from lightning_parallel.parallelize.data import COMM_HOOKS, DataParallelConfig
 from lightning_parallel.strategies import DataParallelStrategy, ParallelEngineStrategy
+from lightning_parallel.strategies.launch import training_job
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,5 @@ __all__ = [
     "ParallelLayout",
     "RankCoordinates",
     "TrainingSummary",
+    "training_job",
 ]

@@ -22,11 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-import lightning_parallel  # noqa: E402, F401  (registers the strategy names)
+from lightning_parallel import training_job  # noqa: E402  (importing the package registers the strategy names)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -36,18 +35,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy)
     trainer = instantiate(cfg.trainer, strategy=strategy)
-    try:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    finally:
-        # A multirun sweep runs several jobs in this process: each must start with a fresh process group.
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     return {key: float(value) for key, value in trainer.callback_metrics.items()}
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    # A multirun sweep runs several jobs in this process: each starts with a clean launch environment.
+    with training_job():
+        train(cfg)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,16 +205,34 @@ def run_distributed(spec: JobSpec, tmp_path: Path, timeout: float = 240) -> dict
 
 
 def launch_worker(spec: JobSpec, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run the worker in its own session; on timeout kill the whole session (every rank) and fail."""
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(asdict(spec)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED"):
         env.pop(var, None)
     command = [sys.executable, "-m", "tests.worker", str(spec_file), str(tmp_path / "result.pt")]
-    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(
+        command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"job hung for more than {timeout}s and was killed:\n{stderr[-8000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
-def timed_launch(spec: JobSpec, tmp_path: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.monotonic()
-    proc = launch_worker(spec, tmp_path, timeout)
-    return proc, time.monotonic() - start
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains ``text`` (to find leftover ranks)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline:
+                pids.append(int(entry.name))
+    return pids

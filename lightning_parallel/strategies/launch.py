@@ -11,8 +11,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
+
+import torch.distributed as dist
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -101,3 +104,30 @@ def _config_selection_flags(argv: Sequence[str]) -> list[str]:
         elif arg.split("=", 1)[0] in _CONFIG_FLAGS and "=" in arg:
             flags.append(arg)
     return flags
+
+
+# What Lightning's launcher writes into the launching process's environment.
+_LAUNCH_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+@contextmanager
+def training_job() -> Iterator[None]:
+    """Scope one training job so that the next one in the same process starts clean.
+
+    Lightning's launcher leaves ``LOCAL_RANK``/``MASTER_PORT``/... in ``os.environ`` and the default process
+    group alive. A second job in the same interpreter (a Hydra ``-m`` sweep, a notebook) would then think
+    its ranks were already launched and wait for peers that never come. On exit this destroys the process
+    group the job created and restores those variables.
+    """
+    saved = {name: os.environ.get(name) for name in _LAUNCH_ENV_VARS}
+    had_process_group = dist.is_available() and dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not had_process_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

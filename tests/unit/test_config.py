@@ -1,0 +1,62 @@
+"""Every file in conf/ composes and instantiates (lightning-hydra-template style)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import lightning_parallel
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+OPTIONS = [(group.name, file.stem) for group in sorted(CONF.iterdir()) if group.is_dir() for file in sorted(group.glob("*.yaml"))]
+
+
+# Models read their sizes from the data config, so these options come in pairs.
+COMPANIONS = {("data", "images"): ["model=convnet"], ("model", "convnet"): ["data=images"]}
+
+
+def compose_config(overrides: list[str], output_dir: Path):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=[*overrides, f"paths.output_dir={output_dir}"])
+
+
+def test_every_group_has_options():
+    groups = {group for group, _ in OPTIONS}
+    assert {"strategy", "trainer", "model", "data", "experiment"} <= groups
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_config_composes_and_instantiates(group, option, tmp_path):
+    cfg = compose_config([f"{group}={option}", *COMPANIONS.get((group, option), [])], tmp_path)
+    model = instantiate(cfg.model)
+    data = instantiate(cfg.data)
+    assert isinstance(model, L.LightningModule) and isinstance(data, L.LightningDataModule)
+    if cfg.trainer.accelerator == "cuda" and not torch.cuda.is_available():
+        pytest.skip("the GPU trainer config needs CUDA to build a Trainer")
+    strategy = instantiate(cfg.strategy)
+    trainer = instantiate(cfg.trainer, strategy=strategy)
+    assert trainer.strategy is strategy
+    assert any(isinstance(cb, lightning_parallel.TrainingSummary) for cb in trainer.callbacks)
+
+
+def test_command_line_style_overrides_reach_the_strategy(tmp_path):
+    cfg = compose_config(
+        ["strategy=data", "trainer.devices=2", "trainer.accumulate_grad_batches=4", "strategy.comm_hook=fp16"], tmp_path
+    )
+    trainer = instantiate(cfg.trainer, strategy=instantiate(cfg.strategy))
+    assert isinstance(trainer.strategy, lightning_parallel.DataParallelStrategy)
+    assert trainer.accumulate_grad_batches == 4
+    assert trainer.strategy.layout.data_parallel_size == 2
+    assert trainer.strategy._data_parallel.comm_hook == "fp16"
+
+
+def test_model_follows_the_data(tmp_path):
+    cfg = compose_config(["data.block_size=32"], tmp_path)
+    assert cfg.model.block_size == 32 and cfg.model.vocab_size == cfg.data.vocab_size
+    cfg = compose_config(["experiment=convnet_syncbn"], tmp_path)
+    assert cfg.model.num_classes == cfg.data.num_classes and cfg.strategy.sync_batchnorm is True
