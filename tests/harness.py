@@ -196,22 +196,28 @@ def run_job(spec: JobSpec, save_path: Path | None = None) -> dict[str, Any]:
     return result
 
 
-def run_distributed(spec: JobSpec, tmp_path: Path, timeout: float = 240) -> dict[str, Any]:
-    """Run ``spec`` as ``python -m tests.worker``; returns rank 0's result, or raises with the job's output."""
-    proc = launch_worker(spec, tmp_path, timeout)
+def run_distributed(spec: JobSpec, tmp_path: Path, timeout: float = 240, torchrun: bool = False) -> dict[str, Any]:
+    """Run ``spec`` as ``python -m tests.worker`` (or under torchrun); returns rank 0's result."""
+    proc = launch_worker(spec, tmp_path, timeout, torchrun)
     if proc.returncode != 0:
         raise AssertionError(f"job failed with exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return torch.load(tmp_path / "result.pt", weights_only=False)
 
 
-def launch_worker(spec: JobSpec, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
-    """Run the worker in its own session; on timeout kill the whole session (every rank) and fail."""
+def launch_worker(spec: JobSpec, tmp_path: Path, timeout: float, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run the worker in its own session; on timeout kill the whole session (every rank) and fail.
+
+    By default Lightning's launcher starts the extra ranks; with ``torchrun=True`` torchrun starts all of
+    them and Lightning must detect it through its cluster environment.
+    """
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(asdict(spec)))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED"):
         env.pop(var, None)
     command = [sys.executable, "-m", "tests.worker", str(spec_file), str(tmp_path / "result.pt")]
+    if torchrun:
+        command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.devices}", "-m"]
     proc = subprocess.Popen(
         command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

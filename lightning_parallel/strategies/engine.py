@@ -215,6 +215,12 @@ class ParallelEngineStrategy(ParallelStrategy):
             dist.get_world_size(), world_description="processes in the default process group"
         )
         self._mesh = self._layout.build_mesh(self.root_device.type)
+        if tuple(self._mesh.get_coordinate()) != tuple(self.coordinates):
+            # The sampler and the collectives rely on the layout's rank arithmetic matching the mesh.
+            raise RuntimeError(
+                f"Rank {self.global_rank}: mesh coordinate {self._mesh.get_coordinate()} differs from the layout's "
+                f"{tuple(self.coordinates)}; the process group's ranks are not numbered as the launcher assigned them."
+            )
         rank_zero_info(f"lightning_parallel: layout {self._layout.describe()} on {self._process_group_backend}")
 
     def set_world_ranks(self) -> None:

@@ -40,22 +40,31 @@ def assert_one_allreduce_round_per_step(result: dict, steps: int = STEPS) -> Non
     assert comm["bytes"] == steps * result["param_bytes"]
 
 
+# Small buckets (several all-reduces per round), bucket views and the static-graph path of DDP.
+DDP_OPTIONS = {"bucket_cap_mb": 0.02, "gradient_as_bucket_view": True, "static_graph": True}
+
+
 @pytest.mark.parametrize(
-    ("devices", "accumulate"),
-    [(2, 1), (4, 1), (2, 2), (2, 4)],
-    ids=["dp2", "dp4", "dp2-accumulate2", "dp2-accumulate4"],
+    ("devices", "accumulate", "options"),
+    [(2, 1, {}), (4, 1, {}), (2, 2, {}), (2, 4, DDP_OPTIONS)],
+    ids=["dp2", "dp4", "dp2-accumulate2", "dp2-accumulate4-small-buckets-static-graph"],
 )
-def test_gpt_matches_single_device_with_the_global_batch(devices, accumulate, tmp_path):
+def test_gpt_matches_single_device_with_the_global_batch(devices, accumulate, options, tmp_path):
     validate = devices == 2 and accumulate == 1
     reference = run_job(JobSpec(batch_size=PER_RANK_BATCH * devices * accumulate, steps=STEPS, validate=validate))
     result = run_distributed(
-        JobSpec(strategy="data", devices=devices, batch_size=PER_RANK_BATCH, accumulate=accumulate, steps=STEPS, validate=validate),
+        JobSpec(
+            strategy="data", devices=devices, batch_size=PER_RANK_BATCH, accumulate=accumulate, steps=STEPS,
+            validate=validate, strategy_kwargs=options,
+        ),
         tmp_path,
     )
     assert result["world_size"] == devices
     assert_same_training(reference, result)
     # Accumulation skips the all-reduce on the k-1 intermediate micro-batches.
     assert_one_allreduce_round_per_step(result)
+    if options:
+        assert result["comm"]["bucket_calls"] >= 3 * STEPS, "small buckets should split each round"
     if validate:
         # self.log(sync_dist=True) per step, and torchmetrics/sync_dist over the validation set.
         assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
@@ -64,12 +73,15 @@ def test_gpt_matches_single_device_with_the_global_batch(devices, accumulate, tm
             assert result["validation"][key] == pytest.approx(reference["validation"][key], abs=TOL), key
 
 
-def test_spawn_start_method_trains_the_same(tmp_path):
+@pytest.mark.parametrize("launch", ["spawn", "torchrun"])
+def test_other_launchers_train_the_same(launch, tmp_path):
+    """start_method="spawn" (notebooks, tests) and an external launcher (torchrun) detected by Lightning."""
     reference = run_job(JobSpec(batch_size=PER_RANK_BATCH * 2, steps=3))
-    result = run_distributed(
-        JobSpec(strategy="data", devices=2, batch_size=PER_RANK_BATCH, steps=3, strategy_kwargs={"start_method": "spawn"}),
-        tmp_path,
-    )
+    spec = JobSpec(strategy="data", devices=2, batch_size=PER_RANK_BATCH, steps=3)
+    if launch == "spawn":
+        spec.strategy_kwargs = {"start_method": "spawn"}
+    result = run_distributed(spec, tmp_path, torchrun=launch == "torchrun")
+    assert result["world_size"] == 2
     assert_same_training(reference, result, steps=3)
 
 

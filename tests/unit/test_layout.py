@@ -81,3 +81,16 @@ def test_sizes_of_one_are_allowed_everywhere():
     layout = ParallelLayout(1, 1, 1).resolve(1)
     assert layout.coordinates(0) == RankCoordinates(0, 0, 0)
     assert layout.group_ranks("dp", 0) == [0]
+
+
+def test_build_mesh_names_dimensions_in_pp_dp_tp_order(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = ParallelLayout().resolve(1).build_mesh("cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+        assert tuple(mesh.shape) == (1, 1, 1)
+        assert mesh.get_coordinate() == [0, 0, 0]
+    finally:
+        dist.destroy_process_group()
