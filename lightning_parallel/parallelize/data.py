@@ -74,6 +74,17 @@ class DataParallelConfig:
                 f"Use comm_hook='fp16' for compressed gradients on CPU/gloo."
             )
 
+    def check_accumulation(self, accumulate_grad_batches: int) -> None:
+        """Reject option combinations that DDP gets wrong under gradient accumulation."""
+        if self.static_graph and accumulate_grad_batches > 1:
+            # torch's reducer asserts on the first no_sync() backward with a static graph, and once past that
+            # stops all-reducing (pytorch/pytorch#143580, fix pending in #187732): refuse rather than risk it.
+            raise ValueError(
+                f"static_graph=True cannot be combined with accumulate_grad_batches={accumulate_grad_batches}: "
+                f"torch's DDP mishandles skipped synchronization with a static graph. Set static_graph=False "
+                f"(or accumulate_grad_batches=1)."
+            )
+
 
 def apply_ddp(
     module: nn.Module,

@@ -243,6 +243,7 @@ class ParallelEngineStrategy(ParallelStrategy):
         self.model_to_device()
         if fitting:
             self._check_manual_optimization_support()
+            self._data_parallel.check_accumulation(trainer.accumulate_grad_batches)
             self._apply_data_parallel()
             self.setup_optimizers(trainer)
         else:

@@ -35,19 +35,18 @@ def assert_same_training(reference: dict, result: dict, steps: int = STEPS) -> N
 def assert_one_allreduce_round_per_step(result: dict, steps: int = STEPS) -> None:
     comm = result["comm"]
     assert comm["rounds"] == steps, f"expected {steps} gradient all-reduce rounds, counted {comm}"
-    assert comm["bucket_calls"] % steps == 0
-    # Each round moves every gradient exactly once.
+    # Each round moves every gradient exactly once (DDP may regroup buckets after the first step).
     assert comm["bytes"] == steps * result["param_bytes"]
 
 
-# Small buckets (several all-reduces per round), bucket views and the static-graph path of DDP.
-DDP_OPTIONS = {"bucket_cap_mb": 0.02, "gradient_as_bucket_view": True, "static_graph": True}
+# Small buckets (several all-reduces per round) and gradients that alias the buckets.
+BUCKET_OPTIONS = {"bucket_cap_mb": 0.02, "gradient_as_bucket_view": True}
 
 
 @pytest.mark.parametrize(
     ("devices", "accumulate", "options"),
-    [(2, 1, {}), (4, 1, {}), (2, 2, {}), (2, 4, DDP_OPTIONS)],
-    ids=["dp2", "dp4", "dp2-accumulate2", "dp2-accumulate4-small-buckets-static-graph"],
+    [(2, 1, {}), (4, 1, {"static_graph": True}), (2, 2, {}), (2, 4, BUCKET_OPTIONS)],
+    ids=["dp2", "dp4-static-graph", "dp2-accumulate2", "dp2-accumulate4-small-buckets"],
 )
 def test_gpt_matches_single_device_with_the_global_batch(devices, accumulate, options, tmp_path):
     validate = devices == 2 and accumulate == 1
@@ -63,7 +62,7 @@ def test_gpt_matches_single_device_with_the_global_batch(devices, accumulate, op
     assert_same_training(reference, result)
     # Accumulation skips the all-reduce on the k-1 intermediate micro-batches.
     assert_one_allreduce_round_per_step(result)
-    if options:
+    if options is BUCKET_OPTIONS:
         assert result["comm"]["bucket_calls"] >= 3 * STEPS, "small buckets should split each round"
     if validate:
         # self.log(sync_dist=True) per step, and torchmetrics/sync_dist over the validation set.

@@ -57,3 +57,10 @@ def test_torch_ddp_comm_hooks_exist():
 
     assert callable(default_hooks.fp16_compress_hook) and callable(powerSGD_hook.powerSGD_hook)
     assert torch.distributed.is_available()
+
+
+def test_static_graph_with_accumulation_is_refused():
+    DataParallelConfig(static_graph=True).check_accumulation(1)
+    DataParallelConfig().check_accumulation(4)
+    with pytest.raises(ValueError, match=r"static_graph=True cannot be combined with accumulate_grad_batches=2"):
+        DataParallelConfig(static_graph=True).check_accumulation(2)

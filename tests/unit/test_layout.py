@@ -91,6 +91,6 @@ def test_build_mesh_names_dimensions_in_pp_dp_tp_order(tmp_path):
         mesh = ParallelLayout().resolve(1).build_mesh("cpu")
         assert mesh.mesh_dim_names == ("pp", "dp", "tp")
         assert tuple(mesh.shape) == (1, 1, 1)
-        assert mesh.get_coordinate() == [0, 0, 0]
+        assert tuple(mesh.get_coordinate()) == (0, 0, 0)
     finally:
         dist.destroy_process_group()
