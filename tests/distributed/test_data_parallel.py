@@ -63,7 +63,8 @@ def test_gpt_matches_single_device_with_the_global_batch(devices, accumulate, op
     # Accumulation skips the all-reduce on the k-1 intermediate micro-batches.
     assert_one_allreduce_round_per_step(result)
     if options is BUCKET_OPTIONS:
-        assert result["comm"]["bucket_calls"] >= 3 * STEPS, "small buckets should split each round"
+        # DDP's first step uses one 1 MB bucket, then rebuilds buckets of bucket_cap_mb.
+        assert result["comm"]["bucket_calls"] > 2 * STEPS, "small buckets should split each round"
     if validate:
         # self.log(sync_dist=True) per step, and torchmetrics/sync_dist over the validation set.
         assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
