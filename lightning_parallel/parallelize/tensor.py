@@ -1,0 +1,223 @@
+"""Tensor-parallel plans as data: module-name patterns mapped to sharding styles, resolved and applied.
+
+A plan is a mapping ``{glob pattern: style name}``, writable in YAML. :func:`resolve_plan` turns it into
+``{module FQN: style}`` for one concrete module (every pattern must match), :func:`infer_plan` builds one
+from the module tree (Megatron-style: attention q/k/v and MLP input projections column-wise, output
+projections row-wise), :func:`check_plan` validates sizes against the TP degree, and
+:func:`apply_tensor_parallel` hands the plan to torch's ``parallelize_module``. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+#: Style names a plan may use, with what they do.
+STYLES: dict[str, str] = {
+    "colwise": "Linear split along output features (input replicated, output sharded)",
+    "rowwise": "Linear split along input features (input sharded, output all-reduced)",
+    "embedding_rowwise": "Embedding split over the vocabulary (output all-reduced)",
+    "replicate": "kept whole on every rank (explicit no-op)",
+}
+
+#: Attribute names under which attention modules commonly keep their head counts.
+HEAD_ATTRIBUTES: tuple[str, ...] = (
+    "n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads", "n_local_heads",
+)
+
+# Attention projections by conventional names: (query, key, value, output).
+_ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("q_proj", "k_proj", "v_proj", "out_proj"),
+    ("wq", "wk", "wv", "wo"),
+    ("query", "key", "value", "out"),
+    ("query", "key", "value", "dense"),
+    ("to_q", "to_k", "to_v", "to_out"),
+)
+# Fused projections that a column split would cut across q/k/v: never split automatically.
+_FUSED_QKV_NAMES = ("qkv", "c_attn", "in_proj", "wqkv", "qkv_proj", "query_key_value")
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan bound to one module: FQN -> style, plus the attention modules whose head counts shrink."""
+
+    styles: dict[str, str]
+    head_attributes: dict[str, tuple[str, ...]]
+
+    def describe(self) -> str:
+        """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise``."""
+        lines = [f"{fqn} → {style}" for fqn, style in self.styles.items() if style != "replicate"]
+        lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
+        return "\n".join(lines) if lines else "(nothing split)"
+
+
+def resolve_plan(module: nn.Module, plan: Mapping[str, str], head_attributes: tuple[str, ...] = HEAD_ATTRIBUTES) -> ResolvedPlan:
+    """Bind a ``{pattern: style}`` plan to ``module``'s submodule names.
+
+    Raises:
+        ValueError: A style is unknown, a pattern matches no submodule (the error lists near matches), or
+            two patterns give one module different styles.
+    """
+    names = [name for name, _ in module.named_modules() if name]
+    styles: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"Plan entry {pattern!r}: style {style!r} is unknown. Choose one of: {', '.join(STYLES)}.")
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+            hint = f" Near matches: {', '.join(near)}." if near else ""
+            raise ValueError(f"Plan pattern {pattern!r} matches no submodule of {type(module).__name__}.{hint}")
+        for name in matched:
+            if styles.get(name, style) != style:
+                raise ValueError(f"Module {name!r} is matched with two styles: {styles[name]!r} and {style!r} (from {pattern!r}).")
+            styles[name] = style
+    modules = dict(module.named_modules())
+    return ResolvedPlan(styles=styles, head_attributes=_attention_heads(modules, styles, head_attributes))
+
+
+def infer_plan(module: nn.Module, warn: Callable[[str], None] = log.warning) -> dict[str, str]:
+    """Build a Megatron-style plan from the module tree; returns ``{FQN: style}`` (an exact-name plan).
+
+    - attention with separate q/k/v/output projections (conventional names): q/k/v column-wise, output row-wise;
+    - MLPs, recognised by shape among a module's direct ``nn.Linear`` children: ``d→h, h→d`` (first
+      column-wise, second row-wise) and gated ``d→h, d→h, h→d`` (SwiGLU: the two inputs column-wise);
+    - fused q/k/v projections and ``nn.MultiheadAttention`` stay replicated, with a warning naming them;
+    - everything else (embeddings, norms, heads) stays replicated.
+    """
+    plan: dict[str, str] = {}
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(sub, nn.MultiheadAttention):
+            warn(f"{name or type(sub).__name__}: nn.MultiheadAttention keeps q/k/v fused; left replicated.")
+            continue
+        linears = {child: m for child, m in sub.named_children() if type(m) is nn.Linear}
+        fused = [child for child in linears if child.lower() in _FUSED_QKV_NAMES]
+        if fused:
+            warn(f"{prefix}{fused[0]}: fused q/k/v projection cannot be split column-wise without mixing q, k and v; left replicated.")
+            continue
+        attention = _match_attention(linears)
+        if attention:
+            *qkv, out = attention
+            plan.update({f"{prefix}{child}": "colwise" for child in qkv})
+            plan[f"{prefix}{out}"] = "rowwise"
+            continue
+        plan.update({f"{prefix}{child}": style for child, style in _match_mlp(linears).items()})
+    return plan
+
+
+def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
+    """Check that every split dimension and head count divides by ``tp_size``.
+
+    Raises:
+        ValueError: Naming the module, the size and the TP degree.
+        TypeError: A style is applied to a module type it does not fit.
+    """
+    modules = dict(module.named_modules())
+    for fqn, style in resolved.styles.items():
+        sub = modules[fqn]
+        if style in ("colwise", "rowwise"):
+            if not isinstance(sub, nn.Linear):
+                raise TypeError(f"{fqn}: style {style!r} needs an nn.Linear, got {type(sub).__name__}.")
+            dim_name, size = ("out_features", sub.out_features) if style == "colwise" else ("in_features", sub.in_features)
+            _require_divisible(fqn, dim_name, size, tp_size)
+        elif style == "embedding_rowwise":
+            if not isinstance(sub, nn.Embedding):
+                raise TypeError(f"{fqn}: style 'embedding_rowwise' needs an nn.Embedding, got {type(sub).__name__}.")
+            _require_divisible(fqn, "num_embeddings", sub.num_embeddings, tp_size)
+    for fqn, attrs in resolved.head_attributes.items():
+        for attr in attrs:
+            _require_divisible(fqn, attr, getattr(modules[fqn], attr), tp_size)
+    _check_tied_parameters(module, resolved)
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan) -> nn.Module:  # noqa: ANN001
+    """Shard ``module`` in place over the 1-D ``tp_mesh`` and shrink its attention head counts.
+
+    Call :func:`check_plan` first; this assumes the sizes divide.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    factories = {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    }
+    torch_plan = {fqn: factories[style]() for fqn, style in resolved.styles.items() if style in factories}
+    parallelize_module(module, tp_mesh, torch_plan)
+    tp_size = tp_mesh.size()
+    modules = dict(module.named_modules())
+    for fqn, attrs in resolved.head_attributes.items():
+        for attr in attrs:
+            # The module reshapes its local q/k/v into heads: each rank now holds 1/tp of them.
+            setattr(modules[fqn], attr, getattr(modules[fqn], attr) // tp_size)
+    return module
+
+
+def _match_attention(linears: Mapping[str, nn.Linear]) -> tuple[str, str, str, str] | None:
+    for names in _ATTENTION_NAMES:
+        if all(name in linears for name in names):
+            return names
+    return None
+
+
+def _match_mlp(linears: Mapping[str, nn.Linear]) -> dict[str, str]:
+    items = list(linears.items())
+    if len(items) == 2:
+        (first, a), (second, b) = items
+        if a.out_features == b.in_features and a.in_features == b.out_features and a.out_features != a.in_features:
+            return {first: "colwise", second: "rowwise"}
+    if len(items) == 3:
+        ins = [(n, m) for n, m in items if m.in_features != m.out_features]
+        expand = [n for n, m in ins if m.out_features > m.in_features]
+        reduce = [n for n, m in ins if m.out_features < m.in_features]
+        if len(ins) == 3 and len(expand) == 2 and len(reduce) == 1:
+            hidden = {linears[n].out_features for n in expand}
+            if hidden == {linears[reduce[0]].in_features}:
+                return {expand[0]: "colwise", expand[1]: "colwise", reduce[0]: "rowwise"}
+    return {}
+
+
+def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str], attributes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Parents of column-split projections that keep an integer head count: those counts shrink per rank."""
+    found: dict[str, tuple[str, ...]] = {}
+    for fqn, style in styles.items():
+        if style != "colwise":
+            continue
+        parent = fqn.rpartition(".")[0]
+        attrs = tuple(a for a in attributes if isinstance(getattr(modules.get(parent), a, None), int) and not isinstance(getattr(modules[parent], a), bool))
+        if attrs:
+            found[parent] = attrs
+    return found
+
+
+def _require_divisible(fqn: str, what: str, size: int, tp_size: int) -> None:
+    if size % tp_size != 0:
+        raise ValueError(
+            f"{fqn}.{what}={size} is not divisible by tensor_parallel_size={tp_size}. "
+            f"Choose a tensor_parallel_size that divides {size}, or leave {fqn} replicated in the plan."
+        )
+
+
+def _check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
+    owners: dict[int, list[str]] = {}
+    for fqn, sub in module.named_modules():
+        for pname, param in sub.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(f"{fqn}.{pname}" if fqn else pname)
+    split = {fqn for fqn, style in resolved.styles.items() if style != "replicate"}
+    for names in owners.values():
+        modules_of = {name.rpartition(".")[0] for name in names}
+        if len(modules_of) > 1 and modules_of & split:
+            raise ValueError(
+                f"Parameters {', '.join(names)} are tied (one tensor), but the plan splits only "
+                f"{', '.join(sorted(modules_of & split))}. Leave all of them replicated, or untie the weights."
+            )

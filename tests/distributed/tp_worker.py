@@ -1,0 +1,66 @@
+"""Worker for the tensor-parallel transform test: one rank of a TP group, plain torch (no Lightning).
+
+Every rank builds the same float64 GPT, keeps an unsharded copy as the single-device reference, shards
+the other with the inferred plan, and trains both for a few AdamW steps on the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.parallelize.tensor import apply_tensor_parallel, check_plan, infer_plan, resolve_plan
+from recipes.models.gpt import GPT
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def run(rank: int, world_size: int, store: str, out: str, steps: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        reference = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16, dropout=0.0, tie_weights=True).double()
+        sharded = copy.deepcopy(reference)
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        resolved = resolve_plan(sharded, infer_plan(sharded))
+        check_plan(sharded, resolved, world_size)
+        apply_tensor_parallel(sharded, mesh, resolved)
+
+        local_bytes = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in sharded.blocks[0].mlp.parameters())
+        full_bytes = sum(p.numel() for p in reference.blocks[0].mlp.parameters())
+        # The optimizer sees DTensor (split) and plain (replicated) parameters side by side.
+        optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (reference, sharded)]
+        generator = torch.Generator().manual_seed(1)
+        losses, max_grad_gap, max_param_gap = [], 0.0, 0.0
+        for _ in range(steps):
+            idx = torch.randint(32, (4, 9), generator=generator)
+            step_losses = []
+            for model, optimizer in zip((reference, sharded), optimizers):
+                logits = model(idx[:, :-1])
+                loss = F.cross_entropy(logits.reshape(-1, 32), idx[:, 1:].reshape(-1))
+                loss.backward()
+                step_losses.append(float(loss))
+            for (name, p_ref), p_tp in zip(reference.named_parameters(), sharded.parameters()):
+                max_grad_gap = max(max_grad_gap, float((full(p_tp.grad) - p_ref.grad).abs().max()))
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            for p_ref, p_tp in zip(reference.parameters(), sharded.parameters()):
+                max_param_gap = max(max_param_gap, float((full(p_tp) - p_ref).abs().max()))
+            losses.append(step_losses)
+        if rank == 0:
+            torch.save(
+                {"losses": losses, "grad_gap": max_grad_gap, "param_gap": max_param_gap, "local_mlp": local_bytes,
+                 "full_mlp": full_bytes, "n_head": sharded.blocks[0].attn.n_head},
+                Path(out),
+            )
+    finally:
+        dist.destroy_process_group()
