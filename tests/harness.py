@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch import Callback
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_parallel
@@ -33,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @dataclass
 class JobSpec:
     model: str = "gpt"  # gpt | convnet
-    strategy: str = "single"  # single | data
+    strategy: str = "single"  # single | data | tensor
     devices: int = 1
     batch_size: int = 4  # per data-parallel rank
     accumulate: int = 1
@@ -78,6 +79,15 @@ class RecordingConvNet(ConvNetLightningModule):
         return loss
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor shard (a collective: every rank must call it)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def single_device_order(datamodule: L.LightningDataModule, seed: int) -> None:
     """Feed a single-device run the training order a distributed run sees.
 
@@ -107,20 +117,20 @@ class Recorder(Callback):
         self.result: dict[str, Any] = {}
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+        self.grads.append({n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if "train/loss_synced" in trainer.callback_metrics:
             self.synced_logs.append(float(trainer.callback_metrics["train/loss_synced"]))
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.states.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+            self.states.append({k: full(v).detach().clone() for k, v in pl_module.state_dict().items()})
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         local = torch.stack(pl_module.micro_losses)
         # Mean over replicas of each micro-batch loss = the loss of the global micro-batch.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
         per_micro = gathered.mean(dim=0)
-        flat = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        flat = torch.cat([full(p).detach().reshape(-1) for p in pl_module.parameters()])
         replicas = trainer.strategy.all_gather(flat) if trainer.world_size > 1 else flat.unsqueeze(0)
         comm = getattr(trainer.strategy, "comm_stats", None)
         self.result = {
@@ -131,6 +141,7 @@ class Recorder(Callback):
             "replica_spread": float((replicas - replicas[0]).abs().max()),
             "comm": comm.as_dict() if comm is not None else None,
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
+            "local_param_numel": sum(local_shard(p).numel() for p in pl_module.parameters()),
             "world_size": trainer.world_size,
         }
         # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.
@@ -157,6 +168,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         single_device_order(data, spec.seed)
     elif spec.strategy == "data":
         strategy = lightning_parallel.DataParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
+    elif spec.strategy == "tensor":
+        strategy = lightning_parallel.TensorParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
     else:
         raise ValueError(f"unknown strategy {spec.strategy!r}")
     recorder = Recorder(save_path)

@@ -46,6 +46,39 @@ _FUSED_QKV_NAMES = ("qkv", "c_attn", "in_proj", "wqkv", "qkv_proj", "query_key_v
 
 
 @dataclass(frozen=True)
+class TensorParallelConfig:
+    """What to split and how.
+
+    Args:
+        plan: ``"auto"`` (inferred from the module tree by :func:`infer_plan`) or ``{glob pattern: style}``
+            with styles from :data:`STYLES`; patterns are matched against names relative to the module
+            the strategy trains (for a LightningModule: ``"model.blocks.*.mlp.fc_in"``).
+        head_attributes: Attribute names holding head counts on attention modules; those found on the
+            parent of a column-split projection are divided by the TP degree.
+    """
+
+    plan: str | Mapping[str, str] = "auto"
+    head_attributes: tuple[str, ...] = HEAD_ATTRIBUTES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.plan, str):
+            if self.plan != "auto":
+                raise ValueError(f"plan={self.plan!r} is not understood: use 'auto' or a mapping {{pattern: style}}.")
+        elif isinstance(self.plan, Mapping):
+            for pattern, style in self.plan.items():
+                if style not in STYLES:
+                    raise ValueError(f"plan[{pattern!r}]: style {style!r} is unknown. Choose one of: {', '.join(STYLES)}.")
+        else:
+            raise TypeError(f"plan must be 'auto' or a mapping of patterns to styles, got {type(self.plan).__name__}.")
+        object.__setattr__(self, "head_attributes", tuple(self.head_attributes))
+
+    def resolve(self, module: nn.Module, warn: Callable[[str], None] = log.warning) -> ResolvedPlan:
+        """The plan bound to ``module`` (inferred first when ``plan="auto"``)."""
+        plan = infer_plan(module, warn) if self.plan == "auto" else dict(self.plan)
+        return resolve_plan(module, plan, self.head_attributes)
+
+
+@dataclass(frozen=True)
 class ResolvedPlan:
     """A plan bound to one module: FQN -> style, plus the attention modules whose head counts shrink."""
 

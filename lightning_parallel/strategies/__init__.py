@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.strategies.data import DataParallelStrategy
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
+from lightning_parallel.strategies.tensor import TensorParallelStrategy
 
 
 def _register() -> None:
@@ -18,8 +19,14 @@ def _register() -> None:
             description=f"lightning_parallel data parallelism (DDP, exact accumulation), start_method={start_method!r}: {when}",
             start_method=start_method,
         )
+        TensorParallelStrategy.register_as(
+            StrategyRegistry,
+            f"tensor_parallel{suffix}",
+            description=f"lightning_parallel tensor parallelism (automatic Megatron-style plan), start_method={start_method!r}: {when}",
+            start_method=start_method,
+        )
 
 
 _register()
 
-__all__ = ["DataParallelStrategy", "ParallelEngineStrategy"]
+__all__ = ["DataParallelStrategy", "ParallelEngineStrategy", "TensorParallelStrategy"]

@@ -8,6 +8,7 @@ and those that follow) are thin presets of it, so every layout shares the same g
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -33,9 +34,12 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -43,7 +47,9 @@ from typing_extensions import override
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_parallel.checkpoint import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
+from lightning_parallel.parallelize.tensor import TensorParallelConfig, apply_tensor_parallel, check_plan
 from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
 
 log = logging.getLogger(__name__)
@@ -55,13 +61,15 @@ DEFAULT_TIMEOUT_S = 1800.0
 class ParallelEngineStrategy(ParallelStrategy):
     """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
 
-    Today the engine applies data parallelism (DDP over the ``dp`` mesh dimension); the tensor and
-    pipeline dimensions must be 1. Use a named preset such as
-    :class:`~lightning_parallel.strategies.data.DataParallelStrategy` rather than this class directly.
+    Today the engine applies tensor parallelism (a plan over the ``tp`` mesh dimension) or data
+    parallelism (DDP over ``dp``); combining both, and the pipeline dimension, come later. Use a named
+    preset such as :class:`~lightning_parallel.strategies.data.DataParallelStrategy` rather than this
+    class directly.
 
     Args:
         layout: Parallel sizes; ``-1`` in one of them fills the remaining ranks.
         data_parallel: DDP options and the gradient communication hook.
+        tensor_parallel: The tensor-parallel plan (used when ``tensor_parallel_size > 1``).
         sync_batchnorm: Compute BatchNorm statistics over the whole data-parallel batch (as
             ``Trainer(sync_batchnorm=True)`` does; either switch turns it on).
         track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
@@ -78,6 +86,7 @@ class ParallelEngineStrategy(ParallelStrategy):
         layout: ParallelLayout | None = None,
         *,
         data_parallel: DataParallelConfig | None = None,
+        tensor_parallel: TensorParallelConfig | None = None,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
         start_method: StartMethod = "popen",
@@ -99,18 +108,19 @@ class ParallelEngineStrategy(ParallelStrategy):
         layout = layout if layout is not None else ParallelLayout()
         if not isinstance(layout, ParallelLayout):
             raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}.")
-        for name, size in (("tensor_parallel_size", layout.tensor_parallel_size), ("pipeline_parallel_size", layout.pipeline_parallel_size)):
-            if size != 1:
-                raise ValueError(
-                    f"{name}={size} is not supported by this version of the engine yet; only data parallelism is. "
-                    f"Set {name}=1."
-                )
+        if layout.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size={layout.pipeline_parallel_size} is not supported by this version of the "
+                f"engine yet. Set pipeline_parallel_size=1."
+            )
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is unknown; choose one of {', '.join(START_METHODS)}.")
         self._timeout = _as_timedelta(timeout)
         self._requested_layout = layout
         self._layout: ParallelLayout | None = None
         self._data_parallel = data_parallel if data_parallel is not None else DataParallelConfig()
+        self._tensor_parallel = tensor_parallel if tensor_parallel is not None else TensorParallelConfig()
+        self._tensor_parallel_module: nn.Module | None = None
         self._sync_batchnorm = sync_batchnorm
         self._batchnorm_converted = False
         self._start_method = start_method
@@ -175,6 +185,11 @@ class ParallelEngineStrategy(ParallelStrategy):
         return self._mesh["dp"].get_group() if self._mesh is not None else None
 
     @property
+    def tensor_parallel_group(self) -> dist.ProcessGroup | None:
+        """Process group of the ranks that split each layer (``None`` before the mesh exists)."""
+        return self._mesh["tp"].get_group() if self._mesh is not None else None
+
+    @property
     def comm_stats(self) -> CommStats | None:
         """Gradient communication counted so far on this rank (``None`` if tracking is off)."""
         return self._comm_stats
@@ -196,6 +211,12 @@ class ParallelEngineStrategy(ParallelStrategy):
             self.num_nodes * self.num_processes,
             world_description=f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
         )
+        if self._layout.tensor_parallel_size > 1 and self._layout.data_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self._layout.data_parallel_size} together with tensor_parallel_size="
+                f"{self._layout.tensor_parallel_size} is not supported yet (it needs FSDP2 over the dp dimension). "
+                f"Launch exactly tensor_parallel_size processes (trainer.devices={self._layout.tensor_parallel_size})."
+            )
         self._launcher = make_launcher(self, self._start_method, self.cluster_environment)
 
     @override
@@ -241,17 +262,36 @@ class ParallelEngineStrategy(ParallelStrategy):
             self._batchnorm_converted = True
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._apply_tensor_parallel()
         if fitting:
             self._check_manual_optimization_support()
             self._data_parallel.check_accumulation(trainer.accumulate_grad_batches)
             self._apply_data_parallel()
             self.setup_optimizers(trainer)
-        else:
+        elif not self._is_sharded:
             # No DDP wrapper outside fitting: make sure every rank evaluates the same weights.
             _sync_module_states(self.model)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def _is_sharded(self) -> bool:
+        return self.layout.tensor_parallel_size > 1
+
+    def _apply_tensor_parallel(self) -> None:
+        module = self.lightning_module
+        # fit() then validate()/test() set up again: the module is already split (and stays split).
+        if not self._is_sharded or module is self._tensor_parallel_module:
+            return
+        resolved = self._tensor_parallel.resolve(module, warn=rank_zero_warn)
+        check_plan(module, resolved, self.layout.tensor_parallel_size)
+        apply_tensor_parallel(module, self.device_mesh["tp"], resolved)
+        # Split weights came from tp-rank 0 (distribute_tensor broadcasts); do the same for what stays whole,
+        # so replicas agree even when the module was not built from one seed on every rank.
+        broadcast_replicated_state(module, self.tensor_parallel_group)
+        self._tensor_parallel_module = module
+        rank_zero_info(f"lightning_parallel: tensor-parallel plan over tp={self.layout.tensor_parallel_size}:\n{resolved.describe()}")
 
     def _apply_data_parallel(self) -> None:
         if self.layout.data_parallel_size == 1:
@@ -321,6 +361,36 @@ class ParallelEngineStrategy(ParallelStrategy):
         dist.broadcast_object_list(holder, src)
         return holder[0]
 
+    # ------------------------------------------------------------------ checkpoint state
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        # Sharded parameters are gathered so the file holds ordinary tensors (every rank takes part).
+        if self._is_sharded:
+            return full_model_state(self.lightning_module)
+        return super().lightning_module_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._is_sharded:
+            load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        else:
+            super().load_model_state_dict(checkpoint, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._is_sharded:
+            return full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._is_sharded:
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            load_full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer), state)
+
     # ------------------------------------------------------------------ errors and teardown
 
     @override
@@ -349,6 +419,19 @@ class ParallelEngineStrategy(ParallelStrategy):
         """Register ``cls`` under ``name`` in a Lightning strategy registry, once."""
         if name not in registry:
             registry.register(name, cls, description=description, **init_params)
+
+
+def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def broadcast_replicated_state(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Broadcast every non-DTensor parameter and buffer from the group's first rank."""
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor.data, src=source, group=group)
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:

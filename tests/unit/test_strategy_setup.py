@@ -7,7 +7,7 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_parallel
-from lightning_parallel import DataParallelStrategy, ParallelEngineStrategy, ParallelLayout
+from lightning_parallel import DataParallelStrategy, ParallelEngineStrategy, ParallelLayout, TensorParallelStrategy
 
 
 def test_names_are_registered_with_descriptions():
@@ -65,10 +65,26 @@ def test_timeout_accepts_seconds_and_timedelta():
 
 
 def test_engine_rejects_dimensions_it_cannot_apply_yet():
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        ParallelEngineStrategy(layout=ParallelLayout(data_parallel_size=-1, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
+        ParallelEngineStrategy(layout=ParallelLayout(data_parallel_size=-1, pipeline_parallel_size=2))
     with pytest.raises(TypeError, match="layout must be a ParallelLayout"):
         ParallelEngineStrategy(layout={"data_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 together with tensor_parallel_size=2 is not supported yet"):
+        L.Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu", devices=4, logger=False)
+
+
+def test_tensor_parallel_strategy_wiring():
+    trainer = L.Trainer(strategy="tensor_parallel", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, TensorParallelStrategy)
+    assert trainer.strategy.layout == ParallelLayout(data_parallel_size=1, tensor_parallel_size=2)
+    # TP peers read the same batches.
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    with pytest.raises(ValueError, match=r"style 'diagonal' is unknown"):
+        TensorParallelStrategy(plan={"model.ln_f": "diagonal"})
+    with pytest.raises(ValueError, match=r"plan='manual' is not understood"):
+        TensorParallelStrategy(plan="manual")
+    with pytest.raises(ValueError, match=r"at least tensor_parallel_size=4 = 4 ranks, but the world size is 2"):
+        L.Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=4), accelerator="cpu", devices=2, logger=False)
 
 
 def test_layout_is_unknown_before_a_trainer_connects():

@@ -1,0 +1,62 @@
+"""``TensorParallelStrategy``: each layer's weights split across ranks from a plan, no module changes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.tensor import HEAD_ATTRIBUTES, TensorParallelConfig
+from lightning_parallel.strategies.engine import DEFAULT_TIMEOUT_S, ParallelEngineStrategy
+from lightning_parallel.strategies.launch import StartMethod
+
+
+class TensorParallelStrategy(ParallelEngineStrategy):
+    """Megatron-style tensor parallelism from configuration, through torch's DTensor ``parallelize_module``.
+
+    The plan says which submodules are split and how: ``plan="auto"`` infers it (attention q/k/v and MLP
+    input projections column-wise, output projections row-wise, head counts divided), or give
+    ``{glob pattern: style}`` with styles ``colwise``, ``rowwise``, ``embedding_rowwise``, ``replicate``.
+    The resolved plan is printed once on rank 0. Every rank of the group sees the same batches.
+
+    Today the processes must all belong to one tensor-parallel group (``trainer.devices ×
+    num_nodes == tensor_parallel_size``); data-parallel replicas of a TP group come with FSDP2 support.
+
+    Args:
+        tensor_parallel_size: Ranks that split each layer; ``-1`` uses every process.
+        plan: ``"auto"`` or a mapping of module-name patterns (relative to the LightningModule) to styles.
+        head_attributes: Attribute names of head counts to divide on split attention modules.
+        start_method: ``"popen"`` (scripts, Hydra, torchrun, SLURM), ``"spawn"`` or ``"fork"``.
+        process_group_backend: ``None`` (nccl on CUDA, gloo on CPU), or a backend name.
+        timeout: Seconds a collective may wait before the job fails.
+        **kwargs: Passed to :class:`ParallelEngineStrategy`.
+
+    Example:
+        >>> Trainer(devices=2, strategy=TensorParallelStrategy(plan={"model.blocks.*.mlp.fc_in": "colwise",
+        ...                                                          "model.blocks.*.mlp.fc_out": "rowwise"}))  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        tensor_parallel_size: int = -1,
+        *,
+        plan: str | Mapping[str, str] = "auto",
+        head_attributes: tuple[str, ...] | list[str] = HEAD_ATTRIBUTES,
+        start_method: StartMethod = "popen",
+        process_group_backend: str | None = None,
+        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> None:
+        # The data-parallel size is whatever remains (1 today); -1 for TP means "all ranks", so dp is 1.
+        layout = ParallelLayout(
+            data_parallel_size=-1 if tensor_parallel_size != -1 else 1, tensor_parallel_size=tensor_parallel_size
+        )
+        super().__init__(
+            layout=layout,
+            tensor_parallel=TensorParallelConfig(plan=plan, head_attributes=tuple(head_attributes)),
+            start_method=start_method,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **kwargs,
+        )
