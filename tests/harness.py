@@ -44,6 +44,9 @@ class JobSpec:
     validate: bool = False
     fail_rank: int | None = None  # raise on this global rank ...
     fail_step: int = 2  # ... at this batch index
+    gradient_clip_val: float | None = None
+    # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
+    checkpoint_round_trip: bool = False
     seed: int = 1234
 
 
@@ -181,6 +184,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         max_steps=spec.steps,
         accumulate_grad_batches=spec.accumulate,
         sync_batchnorm=spec.trainer_sync_batchnorm,
+        gradient_clip_val=spec.gradient_clip_val,
         limit_val_batches=4,
         num_sanity_val_steps=0,
         val_check_interval=None,
@@ -199,8 +203,15 @@ def run_job(spec: JobSpec, save_path: Path | None = None) -> dict[str, Any]:
     model, data, trainer, recorder = build(spec, save_path)
     trainer.fit(model, datamodule=data)
     result = dict(recorder.result)
+    ckpt_path = None
+    if spec.checkpoint_round_trip:
+        ckpt_path = (save_path.parent if save_path is not None else Path.cwd()) / "final.ckpt"
+        trainer.save_checkpoint(ckpt_path)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
     if spec.validate:
-        validation = trainer.validate(model, datamodule=data, verbose=False)[0]
+        validation = trainer.validate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False)[0]
         result["validation"] = validation
         if save_path is not None and trainer.is_global_zero:
             # Under "spawn" the recorder wrote from a child process: add to what it saved.

@@ -49,6 +49,7 @@ from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from lightning_parallel.checkpoint import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
+from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.tensor import TensorParallelConfig, apply_tensor_parallel, check_plan
 from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
 
@@ -274,6 +275,10 @@ class ParallelEngineStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self._is_sharded:
+            # Lightning clips through the precision plugin with torch's clip_grad_norm_, which refuses the
+            # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
+            self.precision_plugin.clip_grad_by_norm = _clip_grad_by_norm
 
     @property
     def _is_sharded(self) -> bool:
@@ -419,6 +424,11 @@ class ParallelEngineStrategy(ParallelStrategy):
         """Register ``cls`` under ``name`` in a Lightning strategy registry, once."""
         if name not in registry:
             registry.register(name, cls, description=description, **init_params)
+
+
+def _clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    clip_grad_norm_(parameters, clip_val)
 
 
 def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:

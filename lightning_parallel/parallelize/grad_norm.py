@@ -1,0 +1,55 @@
+"""Gradient-norm clipping over parameters that are partly DTensor shards and partly whole tensors.
+
+``torch.nn.utils.clip_grad_norm_`` refuses a mix of DTensor and plain gradients (as tensor parallelism
+leaves them: split layers are DTensors, norms and embeddings stay plain). Here each sharded gradient
+contributes its shard's share, summed over its mesh, and each whole gradient counts once — the norm of
+the full, unsplit gradient — and the scaling rule is torch's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+
+def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type`` norm of all gradients together, as one device would compute it unsplit."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    reference = grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]
+    total = torch.zeros((), dtype=torch.float64, device=reference.device)
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            local = _local_norm_term(grad.to_local(), norm_type)
+            for mesh_dim, placement in enumerate(grad.placements):
+                if isinstance(placement, Shard):
+                    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+                    dist.all_reduce(local, op=op, group=grad.device_mesh.get_group(mesh_dim))
+        else:
+            local = _local_norm_term(grad, norm_type)
+        total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
+    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+
+
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Scale gradients in place so that their total norm is at most ``max_norm``; returns the norm before."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = total_grad_norm(parameters, norm_type)
+    # Same rule as torch.nn.utils.clip_grad_norm_.
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in parameters:
+        p.grad.mul_(coefficient.to(dtype=p.grad.dtype).item())
+    return norm
+
+
+def _local_norm_term(tensor: Tensor, norm_type: float) -> Tensor:
+    values = tensor.detach().to(torch.float64).abs()
+    if math.isinf(norm_type):
+        return values.max() if values.numel() else torch.zeros((), dtype=torch.float64)
+    return (values**norm_type).sum()
