@@ -7,7 +7,8 @@ crosses the wire (and what accumulation skips) without patching torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

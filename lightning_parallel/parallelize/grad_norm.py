@@ -53,3 +53,8 @@ def _local_norm_term(tensor: Tensor, norm_type: float) -> Tensor:
     if math.isinf(norm_type):
         return values.max() if values.numel() else torch.zeros((), dtype=torch.float64)
     return (values**norm_type).sum()
+
+
+def clip_optimizer_grad_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    """Clip the gradients of ``optimizer``'s parameters (the signature of Lightning's ``clip_grad_by_norm``)."""
+    clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip_val)

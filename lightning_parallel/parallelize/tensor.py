@@ -196,6 +196,19 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan) ->
     return module
 
 
+def broadcast_replicated_state(module: nn.Module, group) -> None:  # noqa: ANN001
+    """Broadcast every parameter and buffer that is not a DTensor from the group's first rank."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if not isinstance(tensor, DTensor):
+                dist.broadcast(tensor.data, src=source, group=group)
+
+
 def _match_attention(linears: Mapping[str, nn.Linear]) -> tuple[str, str, str, str] | None:
     for names in _ATTENTION_NAMES:
         if all(name in linears for name in names):

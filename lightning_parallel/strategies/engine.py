@@ -27,6 +27,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
@@ -34,23 +35,26 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-from torch.optim import Optimizer
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_parallel.checkpoint import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
-from lightning_parallel.checkpoint import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
-from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
-from lightning_parallel.parallelize.tensor import TensorParallelConfig, apply_tensor_parallel, check_plan
+from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
+from lightning_parallel.parallelize.tensor import (
+    TensorParallelConfig,
+    apply_tensor_parallel,
+    broadcast_replicated_state,
+    check_plan,
+)
 from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
 
 log = logging.getLogger(__name__)
@@ -278,7 +282,7 @@ class ParallelEngineStrategy(ParallelStrategy):
         if self._is_sharded:
             # Lightning clips through the precision plugin with torch's clip_grad_norm_, which refuses the
             # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
-            self.precision_plugin.clip_grad_by_norm = _clip_grad_by_norm
+            self.precision_plugin.clip_grad_by_norm = clip_optimizer_grad_norm
 
     @property
     def _is_sharded(self) -> bool:
@@ -426,22 +430,8 @@ class ParallelEngineStrategy(ParallelStrategy):
             registry.register(name, cls, description=description, **init_params)
 
 
-def _clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    clip_grad_norm_(parameters, clip_val)
-
-
 def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def broadcast_replicated_state(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Broadcast every non-DTensor parameter and buffer from the group's first rank."""
-    source = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if not isinstance(tensor, DTensor):
-                dist.broadcast(tensor.data, src=source, group=group)
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:

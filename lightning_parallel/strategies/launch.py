@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch.distributed as dist
-
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -71,9 +70,10 @@ def _hydra_job_running() -> bool:
 
 def hydra_job_command(local_rank: int) -> tuple[Sequence[str], str]:
     """Command and working directory that re-run the current Hydra job (not the sweep) as ``local_rank``."""
-    import __main__
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd, to_absolute_path
+
+    import __main__
 
     config = HydraConfig.get()
     if __main__.__spec__ is None:

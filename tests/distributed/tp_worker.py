@@ -43,12 +43,12 @@ def run(rank: int, world_size: int, store: str, out: str, steps: int) -> None:
         for _ in range(steps):
             idx = torch.randint(32, (4, 9), generator=generator)
             step_losses = []
-            for model, optimizer in zip((reference, sharded), optimizers):
+            for model in (reference, sharded):
                 logits = model(idx[:, :-1])
                 loss = F.cross_entropy(logits.reshape(-1, 32), idx[:, 1:].reshape(-1))
                 loss.backward()
                 step_losses.append(float(loss))
-            for (name, p_ref), p_tp in zip(reference.named_parameters(), sharded.parameters()):
+            for p_ref, p_tp in zip(reference.parameters(), sharded.parameters(), strict=True):
                 max_grad_gap = max(max_grad_gap, float((full(p_tp.grad) - p_ref.grad).abs().max()))
             for optimizer in optimizers:
                 optimizer.step()
