@@ -9,7 +9,11 @@ from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.observe.summary import TrainingSummary
 from lightning_parallel.parallelize.data import COMM_HOOKS, DataParallelConfig
 from lightning_parallel.parallelize.tensor import STYLES, TensorParallelConfig
-from lightning_parallel.strategies import DataParallelStrategy, ParallelEngineStrategy, TensorParallelStrategy
+from lightning_parallel.strategies import (
+    DataParallelStrategy,
+    ParallelEngineStrategy,
+    TensorParallelStrategy,
+)
 from lightning_parallel.strategies.launch import training_job
 
 __version__ = "0.1.0"

@@ -6,9 +6,9 @@ crosses the wire (and what accumulation skips) without patching torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

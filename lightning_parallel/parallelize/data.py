@@ -7,9 +7,9 @@ nothing here reads Hydra or Lightning state.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
@@ -26,9 +26,13 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
     total = torch.zeros((), dtype=torch.float64, device=reference.device)
     for grad in grads:
         if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                # Unreduced sums: reduce them first, or the shares would not add up to the true gradient.
+                grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
             local = _local_norm_term(grad.to_local(), norm_type)
             for mesh_dim, placement in enumerate(grad.placements):
-                if isinstance(placement, Shard):
+                # Anything neither replicated nor partial is a shard (FSDP over TP uses strided shards).
+                if not placement.is_replicate():
                     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
                     dist.all_reduce(local, op=op, group=grad.device_mesh.get_group(mesh_dim))
         else:

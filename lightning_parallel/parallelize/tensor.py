@@ -178,7 +178,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan) ->
     Call :func:`check_plan` first; this assumes the sizes divide.
     """
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     factories = {
         "colwise": ColwiseParallel,

@@ -7,7 +7,10 @@ from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.data import DataParallelConfig
-from lightning_parallel.strategies.engine import DEFAULT_TIMEOUT_S, ParallelEngineStrategy
+from lightning_parallel.strategies.engine import (
+    DEFAULT_TIMEOUT_S,
+    ParallelEngineStrategy,
+)
 from lightning_parallel.strategies.launch import StartMethod
 
 

@@ -8,7 +8,8 @@ and those that follow) are thin presets of it, so every layout shares the same g
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -28,34 +29,58 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states, prepare_for_backward
+from lightning.pytorch.overrides.distributed import (
+    _sync_module_states,
+    prepare_for_backward,
+)
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import (
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+)
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_parallel.checkpoint import full_model_state, full_optimizer_state, load_full_model_state, load_full_optimizer_state
+from lightning_parallel.checkpoint import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
-from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_parallel.parallelize.batchnorm import (
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
+from lightning_parallel.parallelize.sharded import (
+    set_gradient_sync,
+    shard_over_data_parallel,
+)
 from lightning_parallel.parallelize.tensor import (
     TensorParallelConfig,
     apply_tensor_parallel,
     broadcast_replicated_state,
     check_plan,
 )
-from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
+from lightning_parallel.strategies.launch import (
+    START_METHODS,
+    StartMethod,
+    make_launcher,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +151,7 @@ class ParallelEngineStrategy(ParallelStrategy):
         self._data_parallel = data_parallel if data_parallel is not None else DataParallelConfig()
         self._tensor_parallel = tensor_parallel if tensor_parallel is not None else TensorParallelConfig()
         self._tensor_parallel_module: nn.Module | None = None
+        self._sharded_units: list[nn.Module] = []
         self._sync_batchnorm = sync_batchnorm
         self._batchnorm_converted = False
         self._start_method = start_method
@@ -216,12 +242,6 @@ class ParallelEngineStrategy(ParallelStrategy):
             self.num_nodes * self.num_processes,
             world_description=f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
         )
-        if self._layout.tensor_parallel_size > 1 and self._layout.data_parallel_size > 1:
-            raise ValueError(
-                f"data_parallel_size={self._layout.data_parallel_size} together with tensor_parallel_size="
-                f"{self._layout.tensor_parallel_size} is not supported yet (it needs FSDP2 over the dp dimension). "
-                f"Launch exactly tensor_parallel_size processes (trainer.devices={self._layout.tensor_parallel_size})."
-            )
         self._launcher = make_launcher(self, self._start_method, self.cluster_environment)
 
     @override
@@ -273,9 +293,12 @@ class ParallelEngineStrategy(ParallelStrategy):
             self._data_parallel.check_accumulation(trainer.accumulate_grad_batches)
             self._apply_data_parallel()
             self.setup_optimizers(trainer)
-        elif not self._is_sharded:
+        elif self._is_sharded:
+            self._apply_data_parallel()
+        else:
             # No DDP wrapper outside fitting: make sure every rank evaluates the same weights.
             _sync_module_states(self.model)
+        self._reduce_metrics_over_data_parallel()
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -305,8 +328,36 @@ class ParallelEngineStrategy(ParallelStrategy):
     def _apply_data_parallel(self) -> None:
         if self.layout.data_parallel_size == 1:
             return
+        if self._is_sharded:
+            # DTensor parameters: replicas are FSDP2 units over the dp dimension (DDP cannot take DTensors).
+            if not self._sharded_units:
+                self._sharded_units = shard_over_data_parallel(self.lightning_module, self.device_mesh["dp"])
+            return
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         self.model = apply_ddp(self.model, self.data_parallel_group, self._data_parallel, device_ids, self._comm_stats)
+
+    def _reduce_metrics_over_data_parallel(self) -> None:
+        # torchmetrics sync over the whole world by default; TP/PP peers hold the same samples, so
+        # metrics must reduce over the data-parallel replicas only.
+        if self.layout.data_parallel_size == self.world_size:
+            return
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = self.data_parallel_group
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient synchronization while Lightning accumulates micro-batches (DDP and FSDP2)."""
+        if not self._sharded_units:
+            with super().block_backward_sync():
+                yield
+            return
+        set_gradient_sync(self._sharded_units, False)
+        try:
+            yield
+        finally:
+            set_gradient_sync(self._sharded_units, True)
 
     def _check_manual_optimization_support(self) -> None:
         if self._data_parallel.static_graph and not self.lightning_module.automatic_optimization:

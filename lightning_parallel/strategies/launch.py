@@ -17,7 +17,10 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import (
+    _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
+)
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 

@@ -8,7 +8,10 @@ from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.tensor import HEAD_ATTRIBUTES, TensorParallelConfig
-from lightning_parallel.strategies.engine import DEFAULT_TIMEOUT_S, ParallelEngineStrategy
+from lightning_parallel.strategies.engine import (
+    DEFAULT_TIMEOUT_S,
+    ParallelEngineStrategy,
+)
 from lightning_parallel.strategies.launch import StartMethod
 
 
@@ -20,8 +23,10 @@ class TensorParallelStrategy(ParallelEngineStrategy):
     ``{glob pattern: style}`` with styles ``colwise``, ``rowwise``, ``embedding_rowwise``, ``replicate``.
     The resolved plan is printed once on rank 0. Every rank of the group sees the same batches.
 
-    Today the processes must all belong to one tensor-parallel group (``trainer.devices ×
-    num_nodes == tensor_parallel_size``); data-parallel replicas of a TP group come with FSDP2 support.
+    With more processes than ``tensor_parallel_size``, the remaining ones form data-parallel replicas of
+    the TP group (2-D: dp × tp): since split parameters are DTensors, the replicas use FSDP2
+    ``fully_shard`` over the dp mesh dimension (parameters, gradients and optimizer state sharded over the
+    replicas), and gradient accumulation skips their reduce-scatter on intermediate micro-batches.
 
     Args:
         tensor_parallel_size: Ranks that split each layer; ``-1`` uses every process.
@@ -48,7 +53,7 @@ class TensorParallelStrategy(ParallelEngineStrategy):
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
         **kwargs: Any,
     ) -> None:
-        # The data-parallel size is whatever remains (1 today); -1 for TP means "all ranks", so dp is 1.
+        # Data-parallel replicas take whatever ranks remain; -1 for TP means "all ranks", so then dp is 1.
         layout = ParallelLayout(
             data_parallel_size=-1 if tensor_parallel_size != -1 else 1, tensor_parallel_size=tensor_parallel_size
         )

@@ -57,3 +57,16 @@ def test_explicit_plan_by_pattern(tmp_path):
     reference = run_job(JobSpec(batch_size=4, steps=3))
     result = run_distributed(JobSpec(strategy="tensor", devices=2, batch_size=4, steps=3, strategy_kwargs={"plan": plan}), tmp_path)
     assert_same_training(reference, result, steps=3)
+
+
+def test_data_parallel_replicas_of_a_tensor_parallel_group(tmp_path):
+    """dp=2 × tp=2 on 4 ranks (FSDP2 over dp), accumulation and clipping: one device with the 2·2× batch."""
+    reference = run_job(JobSpec(batch_size=4 * 2 * 2, steps=STEPS, gradient_clip_val=0.05))
+    result = run_distributed(
+        JobSpec(strategy="tensor", devices=4, batch_size=4, accumulate=2, steps=STEPS, gradient_clip_val=0.05,
+                checkpoint_round_trip=True, strategy_kwargs={"tensor_parallel_size": 2}),
+        tmp_path,
+    )
+    assert result["world_size"] == 4
+    assert_same_training(reference, result)
+    assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", reference["states"][-1])

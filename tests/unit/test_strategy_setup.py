@@ -69,8 +69,6 @@ def test_engine_rejects_dimensions_it_cannot_apply_yet():
         ParallelEngineStrategy(layout=ParallelLayout(data_parallel_size=-1, pipeline_parallel_size=2))
     with pytest.raises(TypeError, match="layout must be a ParallelLayout"):
         ParallelEngineStrategy(layout={"data_parallel_size": 2})
-    with pytest.raises(ValueError, match=r"data_parallel_size=2 together with tensor_parallel_size=2 is not supported yet"):
-        L.Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu", devices=4, logger=False)
 
 
 def test_tensor_parallel_strategy_wiring():
@@ -79,6 +77,10 @@ def test_tensor_parallel_strategy_wiring():
     assert trainer.strategy.layout == ParallelLayout(data_parallel_size=1, tensor_parallel_size=2)
     # TP peers read the same batches.
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
+    # More processes than the TP size: the rest become data-parallel replicas of the TP group.
+    trainer = L.Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu", devices=4, logger=False)
+    assert trainer.strategy.layout == ParallelLayout(data_parallel_size=2, tensor_parallel_size=2)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
     with pytest.raises(ValueError, match=r"style 'diagonal' is unknown"):
         TensorParallelStrategy(plan={"model.ln_f": "diagonal"})
     with pytest.raises(ValueError, match=r"plan='manual' is not understood"):

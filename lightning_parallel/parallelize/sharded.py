@@ -1,0 +1,58 @@
+"""Data parallelism over parameters that are already DTensors: FSDP2 ``fully_shard`` on the dp mesh.
+
+DDP cannot replicate DTensor parameters, so once tensor parallelism has split a module, its data-parallel
+replicas are formed with FSDP2 over the ``dp`` dimension of the same DeviceMesh (parameters, gradients
+and optimizer state sharded over the replicas, i.e. ZeRO-3). No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+
+def shard_over_data_parallel(root: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
+    """Apply ``fully_shard`` to the parameter-holding children of ``root``; returns the sharded units.
+
+    ``root`` itself is not sharded: its entry points (e.g. a LightningModule's ``training_step``) are not
+    its ``forward``, so FSDP's hooks would never run on it. Instead each direct child that owns
+    parameters becomes a unit, and each element of an ``nn.ModuleList`` inside it (the transformer blocks)
+    becomes its own unit first, so only one block's parameters are gathered at a time.
+
+    Raises:
+        ValueError: If ``root`` holds parameters directly (they would never be synchronized).
+    """
+    direct = [name for name, _ in root.named_parameters(recurse=False)]
+    if direct:
+        raise ValueError(
+            f"{type(root).__name__} holds parameters directly ({', '.join(direct)}); with data parallelism over "
+            f"split (DTensor) parameters they must live in a submodule. Move them into an nn.Module attribute."
+        )
+    units: list[nn.Module] = []
+    for child in root.children():
+        if not any(True for _ in child.parameters()):
+            continue
+        for block_list in _module_lists(child):
+            for block in block_list:
+                if any(True for _ in block.parameters()):
+                    fully_shard(block, mesh=dp_mesh)
+                    units.append(block)
+        fully_shard(child, mesh=dp_mesh)
+        units.append(child)
+    return units
+
+
+def set_gradient_sync(units: list[nn.Module], enabled: bool) -> None:
+    """Switch the reduce-scatter of gradients on or off (off while accumulating micro-batches)."""
+    for unit in units:
+        if isinstance(unit, FSDPModule):
+            unit.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def _module_lists(module: nn.Module) -> Iterator[nn.ModuleList]:
+    for sub in module.modules():
+        if isinstance(sub, nn.ModuleList):
+            yield sub
