@@ -117,7 +117,14 @@ class Recorder(Callback):
         self.states: list[dict[str, torch.Tensor]] = []  # after each optimizer step (params + buffers)
         self.grads: list[dict[str, torch.Tensor]] = []  # just before each optimizer step
         self.synced_logs: list[float] = []
+        self.first_batch_checksum: float | None = None
         self.result: dict[str, Any] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.first_batch_checksum is None:
+            inputs = batch[0].to(torch.float64)
+            # Position-weighted, so that a reordered batch does not pass for the same one.
+            self.first_batch_checksum = float((inputs.flatten() * torch.arange(1, inputs.numel() + 1)).sum())
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.grads.append({n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
@@ -136,6 +143,10 @@ class Recorder(Callback):
         flat = torch.cat([full(p).detach().reshape(-1) for p in pl_module.parameters()])
         replicas = trainer.strategy.all_gather(flat) if trainer.world_size > 1 else flat.unsqueeze(0)
         comm = getattr(trainer.strategy, "comm_stats", None)
+        checksums = [self.first_batch_checksum]
+        if torch.distributed.is_initialized():
+            checksums = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(checksums, self.first_batch_checksum)
         self.result = {
             "step_losses": per_micro.reshape(-1, trainer.accumulate_grad_batches).mean(dim=1),
             "states": self.states,
@@ -144,7 +155,8 @@ class Recorder(Callback):
             "replica_spread": float((replicas - replicas[0]).abs().max()),
             "comm": comm.as_dict() if comm is not None else None,
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
-            "local_param_numel": sum(local_shard(p).numel() for p in pl_module.parameters()),
+            "local_numel": {n: local_shard(p).numel() for n, p in pl_module.named_parameters()},
+            "first_batch_checksums": checksums,
             "world_size": trainer.world_size,
         }
         # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.

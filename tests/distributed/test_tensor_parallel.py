@@ -27,8 +27,15 @@ def test_auto_plan_matches_single_device(accumulate, clip, tmp_path):
         tmp_path,
     )
     assert_same_training(reference, result)
-    # Split layers hold half of their weights per rank; embeddings and norms stay whole.
-    assert result["local_param_numel"] < 0.8 * sum(v.numel() for k, v in reference["states"][0].items())
+    # Split layers hold 1/TP of their weights per rank (row-wise biases stay whole); the rest stays whole.
+    full_numel = {name: value.numel() for name, value in reference["grads"][0].items()}
+    for name, local in result["local_numel"].items():
+        split = any(f".{layer}." in name for layer in ("q_proj", "k_proj", "v_proj", "fc_in")) or (
+            name.endswith(("out_proj.weight", "fc_out.weight"))
+        )
+        assert local == (full_numel[name] // 2 if split else full_numel[name]), name
+    # TP peers read the same batch.
+    assert len(set(result["first_batch_checksums"])) == 1
     if accumulate == 1:
         assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
         # Validated after wiping the weights in memory: the numbers come from the saved checkpoint.
@@ -69,4 +76,7 @@ def test_data_parallel_replicas_of_a_tensor_parallel_group(tmp_path):
     )
     assert result["world_size"] == 4
     assert_same_training(reference, result)
+    # Ranks 0,1 form one TP group and 2,3 the other: peers share batches, replicas do not.
+    first, _, third, _ = result["first_batch_checksums"]
+    assert result["first_batch_checksums"] == [first, first, third, third] and first != third
     assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", reference["states"][-1])

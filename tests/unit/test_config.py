@@ -60,3 +60,31 @@ def test_model_follows_the_data(tmp_path):
     assert cfg.model.block_size == 32 and cfg.model.vocab_size == cfg.data.vocab_size
     cfg = compose_config(["experiment=convnet_syncbn"], tmp_path)
     assert cfg.model.num_classes == cfg.data.num_classes and cfg.strategy.sync_batchnorm is True
+
+
+class _HFStyleDecoder(torch.nn.Module):
+    """Module names as in Hugging Face Llama: model.layers.N.self_attn.*_proj, model.layers.N.mlp.*_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.Module()
+        layer.self_attn = torch.nn.Module()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(layer.self_attn, name, torch.nn.Linear(16, 16, bias=False))
+        layer.mlp = torch.nn.Module()
+        layer.mlp.gate_proj, layer.mlp.up_proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 48)
+        layer.mlp.down_proj = torch.nn.Linear(48, 16)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+
+
+@pytest.mark.parametrize("preset", ["gpt", "llama"])
+def test_plan_presets_equal_the_inferred_plan(preset, tmp_path):
+    from lightning_parallel.parallelize.tensor import infer_plan, resolve_plan
+
+    cfg = compose_config(["strategy=tensor", f"+strategy/plan={preset}"], tmp_path)
+    strategy = instantiate(cfg.strategy)
+    wrapper = torch.nn.Module()
+    wrapper.model = instantiate(cfg.model).model if preset == "gpt" else _HFStyleDecoder()
+    assert resolve_plan(wrapper, dict(cfg.strategy.plan)).styles == infer_plan(wrapper)
+    assert strategy._tensor_parallel.plan == dict(cfg.strategy.plan)
