@@ -157,6 +157,7 @@ class Recorder(Callback):
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "local_numel": {n: local_shard(p).numel() for n, p in pl_module.named_parameters()},
             "first_batch_checksums": checksums,
+            "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
         }
         # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.

@@ -55,10 +55,13 @@ class TensorParallelConfig:
             the strategy trains (for a LightningModule: ``"model.blocks.*.mlp.fc_in"``).
         head_attributes: Attribute names holding head counts on attention modules; those found on the
             parent of a column-split projection are divided by the TP degree.
+        sequence_parallel: Also split the residual stream of the trunk's blocks along the sequence
+            (norms and dropout on 1/TP of the tokens; see :mod:`lightning_parallel.parallelize.sequence`).
     """
 
     plan: str | Mapping[str, str] = "auto"
     head_attributes: tuple[str, ...] = HEAD_ATTRIBUTES
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.plan, str):
@@ -172,7 +175,7 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     _check_tied_parameters(module, resolved)
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan) -> nn.Module:  # noqa: ANN001
+def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, sequence_parallel: bool = False) -> nn.Module:  # noqa: ANN001
     """Shard ``module`` in place over the 1-D ``tp_mesh`` and shrink its attention head counts.
 
     Call :func:`check_plan` first; this assumes the sizes divide.
@@ -184,14 +187,19 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan) ->
         parallelize_module,
     )
 
-    factories = {
-        "colwise": ColwiseParallel,
-        "rowwise": RowwiseParallel,
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-    }
-    torch_plan = {fqn: factories[style]() for fqn, style in resolved.styles.items() if style in factories}
-    parallelize_module(module, tp_mesh, torch_plan)
+    from lightning_parallel.parallelize.sequence import sequence_parallel_plan
+
     tp_size = tp_mesh.size()
+    if sequence_parallel:
+        torch_plan = sequence_parallel_plan(module, resolved, tp_size)
+    else:
+        factories = {
+            "colwise": ColwiseParallel,
+            "rowwise": RowwiseParallel,
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        }
+        torch_plan = {fqn: factories[style]() for fqn, style in resolved.styles.items() if style in factories}
+    parallelize_module(module, tp_mesh, torch_plan)
     modules = dict(module.named_modules())
     for fqn, attrs in resolved.head_attributes.items():
         for attr in attrs:

@@ -318,12 +318,16 @@ class ParallelEngineStrategy(ParallelStrategy):
             return
         resolved = self._tensor_parallel.resolve(module, warn=rank_zero_warn)
         check_plan(module, resolved, self.layout.tensor_parallel_size)
-        apply_tensor_parallel(module, self.device_mesh["tp"], resolved)
+        apply_tensor_parallel(module, self.device_mesh["tp"], resolved, self._tensor_parallel.sequence_parallel)
         # Split weights came from tp-rank 0 (distribute_tensor broadcasts); do the same for what stays whole,
         # so replicas agree even when the module was not built from one seed on every rank.
         broadcast_replicated_state(module, self.tensor_parallel_group)
         self._tensor_parallel_module = module
-        rank_zero_info(f"lightning_parallel: tensor-parallel plan over tp={self.layout.tensor_parallel_size}:\n{resolved.describe()}")
+        sequence = " with sequence parallelism" if self._tensor_parallel.sequence_parallel else ""
+        rank_zero_info(
+            f"lightning_parallel: tensor-parallel plan over tp={self.layout.tensor_parallel_size}{sequence}:\n"
+            f"{resolved.describe()}"
+        )
 
     def _apply_data_parallel(self) -> None:
         if self.layout.data_parallel_size == 1:

@@ -32,6 +32,8 @@ class TensorParallelStrategy(ParallelEngineStrategy):
         tensor_parallel_size: Ranks that split each layer; ``-1`` uses every process.
         plan: ``"auto"`` or a mapping of module-name patterns (relative to the LightningModule) to styles.
         head_attributes: Attribute names of head counts to divide on split attention modules.
+        sequence_parallel: Split the trunk's residual stream (norms, dropout) along the sequence too:
+            activations between the TP regions shrink by 1/TP; the sequence length must divide by TP.
         start_method: ``"popen"`` (scripts, Hydra, torchrun, SLURM), ``"spawn"`` or ``"fork"``.
         process_group_backend: ``None`` (nccl on CUDA, gloo on CPU), or a backend name.
         timeout: Seconds a collective may wait before the job fails.
@@ -48,6 +50,7 @@ class TensorParallelStrategy(ParallelEngineStrategy):
         *,
         plan: str | Mapping[str, str] = "auto",
         head_attributes: tuple[str, ...] | list[str] = HEAD_ATTRIBUTES,
+        sequence_parallel: bool = False,
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
@@ -59,7 +62,9 @@ class TensorParallelStrategy(ParallelEngineStrategy):
         )
         super().__init__(
             layout=layout,
-            tensor_parallel=TensorParallelConfig(plan=plan, head_attributes=tuple(head_attributes)),
+            tensor_parallel=TensorParallelConfig(
+                plan=plan, head_attributes=tuple(head_attributes), sequence_parallel=sequence_parallel
+            ),
             start_method=start_method,
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -80,3 +80,19 @@ def test_data_parallel_replicas_of_a_tensor_parallel_group(tmp_path):
     first, _, third, _ = result["first_batch_checksums"]
     assert result["first_batch_checksums"] == [first, first, third, third] and first != third
     assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", reference["states"][-1])
+
+
+@pytest.mark.parametrize("devices", [2, 4], ids=["tp2-sequence-parallel", "dp2-tp2-sequence-parallel"])
+def test_sequence_parallel_matches_single_device(devices, tmp_path):
+    replicas = devices // 2
+    reference = run_job(JobSpec(batch_size=4 * replicas, steps=STEPS))
+    result = run_distributed(
+        JobSpec(strategy="tensor", devices=devices, batch_size=4, steps=STEPS,
+                strategy_kwargs={"tensor_parallel_size": 2, "sequence_parallel": True}),
+        tmp_path,
+    )
+    assert_same_training(reference, result)
+    if devices == 2:
+        # The norms now run on sequence shards: their parameters became (replicated) DTensors.
+        assert "model.blocks.0.ln_1.weight" in result["dtensor_names"]
+        assert "model.ln_f.weight" not in result["dtensor_names"]  # outside the trunk: unchanged

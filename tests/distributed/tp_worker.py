@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.parallelize.tensor import apply_tensor_parallel, check_plan, infer_plan, resolve_plan
+from lightning_parallel.parallelize.tensor import (
+    apply_tensor_parallel,
+    check_plan,
+    infer_plan,
+    resolve_plan,
+)
 from recipes.models.gpt import GPT
 
 

@@ -2,7 +2,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.batchnorm import CPUSyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_parallel.parallelize.batchnorm import (
+    CPUSyncBatchNorm,
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
 from recipes.models.convnet import ConvNet
 
 

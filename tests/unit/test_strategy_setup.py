@@ -7,7 +7,12 @@ import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_parallel
-from lightning_parallel import DataParallelStrategy, ParallelEngineStrategy, ParallelLayout, TensorParallelStrategy
+from lightning_parallel import (
+    DataParallelStrategy,
+    ParallelEngineStrategy,
+    ParallelLayout,
+    TensorParallelStrategy,
+)
 
 
 def test_names_are_registered_with_descriptions():

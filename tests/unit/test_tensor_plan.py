@@ -3,7 +3,12 @@
 import pytest
 from torch import nn
 
-from lightning_parallel.parallelize.tensor import ResolvedPlan, check_plan, infer_plan, resolve_plan
+from lightning_parallel.parallelize.tensor import (
+    ResolvedPlan,
+    check_plan,
+    infer_plan,
+    resolve_plan,
+)
 from recipes.models.gpt import GPT
 
 

@@ -1,0 +1,102 @@
+"""Sequence parallelism on top of a tensor-parallel plan (Megatron-style SP, as in torchtitan).
+
+Between the tensor-parallel regions, the residual stream of each transformer block is split along the
+sequence dimension instead of being replicated: norms and dropout work on 1/TP of the tokens, the
+row-wise projections reduce-scatter (instead of all-reduce) into sequence shards, and each attention or
+MLP submodule all-gathers the full sequence on entry. The trunk's first block scatters its input and the
+last block gathers its output, so everything around the trunk (embeddings, final norm, head) is unchanged.
+
+Derived from a resolved plan: the trunk is the ``nn.ModuleList`` whose blocks contain split layers; the
+regions are the parents of column-wise projections inside a block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from lightning_parallel.parallelize.tensor import ResolvedPlan
+
+_NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
+
+
+def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int, sequence_dim: int = 1) -> dict:
+    """torch ``ParallelStyle``s for every module involved, ready for ``parallelize_module``.
+
+    Raises:
+        ValueError: If the plan splits nothing inside an ``nn.ModuleList`` of blocks, or a block's split
+            layers sit directly in the block (sequence parallelism needs attention/MLP submodules).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    modules = dict(module.named_modules())
+    blocks = _trunk_blocks(modules, resolved.styles)
+    sharded, replicated = Shard(sequence_dim), Replicate()
+    plan: dict = {}
+    for fqn, style in resolved.styles.items():
+        if style == "colwise":
+            plan[fqn] = ColwiseParallel()
+        elif style == "rowwise":
+            inside = any(fqn.startswith(f"{block}.") for block in blocks)
+            # Inside the trunk, row-wise outputs are reduce-scattered into sequence shards.
+            plan[fqn] = RowwiseParallel(output_layouts=sharded) if inside else RowwiseParallel()
+        elif style == "embedding_rowwise":
+            plan[fqn] = RowwiseParallel(input_layouts=replicated, output_layouts=replicated)
+    for block in blocks:
+        regions = {fqn.rpartition(".")[0] for fqn, style in resolved.styles.items() if style == "colwise" and fqn.startswith(f"{block}.")}
+        if block in regions:
+            raise ValueError(
+                f"sequence_parallel=True: {block} holds its split layers directly; sequence parallelism needs them "
+                f"inside attention/MLP submodules of the block. Set sequence_parallel=False."
+            )
+        for region in regions:
+            plan[region] = PrepareModuleInput(input_layouts=(sharded,), desired_input_layouts=(replicated,), use_local_output=True)
+        for name, sub in modules[block].named_modules():
+            if isinstance(sub, _NORM_TYPES):
+                plan[f"{block}.{name}"] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
+    first, last = blocks[0], blocks[-1]
+    scatter = {"input_layouts": (replicated,), "desired_input_layouts": (sharded,), "use_local_input": True}
+    gather = {"output_layouts": (sharded,), "desired_output_layouts": (replicated,), "use_local_output": True}
+    if first == last:
+        plan[first] = PrepareModuleInputOutput(**scatter, **gather)
+    else:
+        plan[first] = PrepareModuleInput(input_layouts=scatter["input_layouts"], desired_input_layouts=scatter["desired_input_layouts"], use_local_output=True)
+        plan[last] = PrepareModuleOutput(**gather)
+    _check_sequence_length_on_entry(modules[first], tp_size, sequence_dim, first)
+    return plan
+
+
+def _trunk_blocks(modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -> list[str]:
+    split = [fqn for fqn, style in styles.items() if style in ("colwise", "rowwise")]
+    for fqn, sub in modules.items():
+        if isinstance(sub, nn.ModuleList):
+            blocks = [f"{fqn}.{i}" if fqn else str(i) for i in range(len(sub))]
+            if any(name.startswith(f"{block}.") for name in split for block in blocks):
+                return blocks
+    raise ValueError(
+        "sequence_parallel=True needs the split layers inside an nn.ModuleList of blocks (the model's trunk); "
+        "none was found. Set sequence_parallel=False."
+    )
+
+
+def _check_sequence_length_on_entry(block: nn.Module, tp_size: int, sequence_dim: int, name: str) -> None:
+    def check(_module: nn.Module, args: tuple) -> None:
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is not None and tensor.size(sequence_dim) % tp_size != 0:
+            raise ValueError(
+                f"sequence_parallel=True: the sequence length {tensor.size(sequence_dim)} entering {name} is not "
+                f"divisible by tensor_parallel_size={tp_size}. Use a multiple of {tp_size} or sequence_parallel=False."
+            )
+
+    # Registered first, so it runs before the scatter that would otherwise split unevenly.
+    block.register_forward_pre_hook(check, prepend=True)
