@@ -21,13 +21,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-RESULTS = REPO_ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
+
+from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies  # noqa: E402
+
 VARIANTS = ("ours", "ddp", "single", "pair")
 
 
@@ -36,7 +37,6 @@ SETUP = "recipe GPT 4×128 (0.8M parameters, 3.3 MB of float32 gradients), block
 
 def worker(variant: str, batch_size: int, steps: int, warmup: int, out: Path) -> None:
     """One training run; rank 0 writes its step times to ``out``."""
-    sys.path.insert(0, str(REPO_ROOT))
     import lightning as L
     import torch
     from lightning.pytorch.strategies import DDPStrategy
@@ -47,24 +47,6 @@ def worker(variant: str, batch_size: int, steps: int, warmup: int, out: Path) ->
 
     torch.set_num_threads(1)
 
-    class StepTimer(L.Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.last = 0.0
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
-            if batch_idx == 0:
-                self.last = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
-            now = time.perf_counter()
-            self.times.append(now - self.last)
-            self.last = now
-
-        def on_train_end(self, trainer, pl_module):  # noqa: ANN001
-            if trainer.is_global_zero:
-                out.write_text(json.dumps({"variant": variant, "step_times": self.times[warmup:], "world_size": trainer.world_size}))
-
     L.seed_everything(0)
     strategies = {
         "ours": DataParallelStrategy(),
@@ -72,7 +54,7 @@ def worker(variant: str, batch_size: int, steps: int, warmup: int, out: Path) ->
         "ddp": DDPStrategy(),
         "single": "auto",
     }
-    timer = StepTimer()
+    timer = StepTimer(out, warmup, {"variant": variant})
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1 if variant == "single" else 2,
@@ -92,24 +74,11 @@ def worker(variant: str, batch_size: int, steps: int, warmup: int, out: Path) ->
 
 def run_variant(variant: str, batch_size: int, steps: int, warmup: int, scratch: Path) -> float:
     """Median step time of one run; for ``pair``, the mean of two concurrent single-process runs."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
-    env["OMP_NUM_THREADS"] = "1"  # one core per process; Lightning keeps a value that is already set
     copies = 2 if variant == "pair" else 1
     worker_variant = "single" if variant == "pair" else variant
     outs = [scratch / f"{variant}-{i}-{time.monotonic_ns()}.json" for i in range(copies)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", worker_variant, "--batch-size", str(batch_size),
-             "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-        for out in outs
-    ]
-    for proc in procs:
-        _, stderr = proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"{variant} run failed:\n{stderr[-4000:]}")
-    return statistics.mean(statistics.median(json.loads(out.read_text())["step_times"]) for out in outs)
+    args = ["--worker", worker_variant, "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(warmup)]
+    return statistics.mean(median_step(result) for result in run_worker_copies(Path(__file__), args, outs))
 
 
 def measure(batch_size: int, rounds: int, steps: int, warmup: int, scratch: Path) -> dict:

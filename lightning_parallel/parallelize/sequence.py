@@ -12,7 +12,7 @@ regions are the parents of column-wise projections inside a block.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -60,7 +60,9 @@ def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: i
                 f"inside attention/MLP submodules of the block. Set sequence_parallel=False."
             )
         for region in regions:
-            plan[region] = PrepareModuleInput(input_layouts=(sharded,), desired_input_layouts=(replicated,), use_local_output=True)
+            # The gathered input stays a DTensor shared by the region's projections, so backward sums
+            # their gradients first and reduce-scatters once.
+            plan[region] = PrepareModuleInput(input_layouts=(sharded,), desired_input_layouts=(replicated,), use_local_output=False)
         for name, sub in modules[block].named_modules():
             if isinstance(sub, _NORM_TYPES):
                 plan[f"{block}.{name}"] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
@@ -100,3 +102,21 @@ def _check_sequence_length_on_entry(block: nn.Module, tp_size: int, sequence_dim
 
     # Registered first, so it runs before the scatter that would otherwise split unevenly.
     block.register_forward_pre_hook(check, prepend=True)
+
+
+def reduce_partial_gradients(parameters: Iterable[nn.Parameter]) -> int:
+    """Turn partial-sum DTensor gradients into replicated ones, once; returns how many were reduced.
+
+    Norm weights under sequence parallelism see only their rank's tokens, so their gradients come out
+    of backward as partial sums. Left so, every optimizer (and clipping) op reading them would all-reduce
+    again; reducing once after the last micro-batch's backward is Megatron's single all-reduce.
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+
+    reduced = 0
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
+            reduced += 1
+    return reduced

@@ -66,6 +66,7 @@ from lightning_parallel.parallelize.batchnorm import (
 )
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
+from lightning_parallel.parallelize.sequence import reduce_partial_gradients
 from lightning_parallel.parallelize.sharded import (
     set_gradient_sync,
     shard_over_data_parallel,
@@ -152,6 +153,7 @@ class ParallelEngineStrategy(ParallelStrategy):
         self._tensor_parallel = tensor_parallel if tensor_parallel is not None else TensorParallelConfig()
         self._tensor_parallel_module: nn.Module | None = None
         self._sharded_units: list[nn.Module] = []
+        self._accumulating = False
         self._sync_batchnorm = sync_batchnorm
         self._batchnorm_converted = False
         self._start_method = start_method
@@ -353,15 +355,25 @@ class ParallelEngineStrategy(ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip gradient synchronization while Lightning accumulates micro-batches (DDP and FSDP2)."""
-        if not self._sharded_units:
-            with super().block_backward_sync():
-                yield
-            return
-        set_gradient_sync(self._sharded_units, False)
+        self._accumulating = True
         try:
-            yield
+            if self._sharded_units:
+                set_gradient_sync(self._sharded_units, False)
+                try:
+                    yield
+                finally:
+                    set_gradient_sync(self._sharded_units, True)
+            else:
+                with super().block_backward_sync():
+                    yield
         finally:
-            set_gradient_sync(self._sharded_units, True)
+            self._accumulating = False
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # After the last micro-batch only: sequence-parallel norms leave partial-sum gradients.
+        if self._is_sharded and not self._accumulating:
+            reduce_partial_gradients(self.lightning_module.parameters())
 
     def _check_manual_optimization_support(self) -> None:
         if self._data_parallel.static_graph and not self.lightning_module.automatic_optimization:
