@@ -47,6 +47,8 @@ class JobSpec:
     gradient_clip_val: float | None = None
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
     checkpoint_round_trip: bool = False
+    # Ranks other than 0 build different initial weights: the strategy must start all from rank 0's.
+    perturb_other_ranks: bool = False
     seed: int = 1234
 
 
@@ -195,6 +197,10 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         model = RecordingConvNet(width=4, lr=0.1)
     else:
         raise ValueError(f"unknown model {spec.model!r}")
+    if spec.perturb_other_ranks and int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.1)
     if spec.strategy == "single":
         strategy: Any = "auto"
         single_device_order(data, spec.seed)

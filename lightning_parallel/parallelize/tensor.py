@@ -24,8 +24,10 @@ STYLES: dict[str, str] = {
     "colwise": "Linear split along output features (input replicated, output sharded)",
     "rowwise": "Linear split along input features (input sharded, output all-reduced)",
     "embedding_rowwise": "Embedding split over the vocabulary (output all-reduced)",
+    "vocab_parallel": "another name for embedding_rowwise",
     "replicate": "kept whole on every rank (explicit no-op)",
 }
+_ALIASES = {"vocab_parallel": "embedding_rowwise"}
 
 #: Attribute names under which attention modules commonly keep their head counts.
 HEAD_ATTRIBUTES: tuple[str, ...] = (
@@ -112,6 +114,7 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, str], head_attributes: tu
             near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
             hint = f" Near matches: {', '.join(near)}." if near else ""
             raise ValueError(f"Plan pattern {pattern!r} matches no submodule of {type(module).__name__}.{hint}")
+        style = _ALIASES.get(style, style)
         for name in matched:
             if styles.get(name, style) != style:
                 raise ValueError(f"Module {name!r} is matched with two styles: {styles[name]!r} and {style!r} (from {pattern!r}).")
@@ -224,19 +227,6 @@ def shared_input_regions(resolved: ResolvedPlan) -> list[str]:
             parent = fqn.rpartition(".")[0]
             parents[parent] = parents.get(parent, 0) + 1
     return [parent for parent, count in parents.items() if count > 1 and parent]
-
-
-def broadcast_replicated_state(module: nn.Module, group) -> None:  # noqa: ANN001
-    """Broadcast every parameter and buffer that is not a DTensor from the group's first rank."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    source = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if not isinstance(tensor, DTensor):
-                dist.broadcast(tensor.data, src=source, group=group)
 
 
 def _match_attention(linears: Mapping[str, nn.Linear]) -> tuple[str, str, str, str] | None:

@@ -74,7 +74,6 @@ from lightning_parallel.parallelize.sharded import (
 from lightning_parallel.parallelize.tensor import (
     TensorParallelConfig,
     apply_tensor_parallel,
-    broadcast_replicated_state,
     check_plan,
 )
 from lightning_parallel.strategies.launch import (
@@ -92,10 +91,10 @@ DEFAULT_TIMEOUT_S = 1800.0
 class ParallelEngineStrategy(ParallelStrategy):
     """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
 
-    Today the engine applies tensor parallelism (a plan over the ``tp`` mesh dimension) or data
-    parallelism (DDP over ``dp``); combining both, and the pipeline dimension, come later. Use a named
-    preset such as :class:`~lightning_parallel.strategies.data.DataParallelStrategy` rather than this
-    class directly.
+    In order: the tensor-parallel plan over the ``tp`` mesh dimension, then data parallelism over ``dp``
+    (DDP for plain parameters; FSDP2 once TP has made them DTensors). The pipeline dimension comes later
+    and must be 1. Use a named preset such as
+    :class:`~lightning_parallel.strategies.data.DataParallelStrategy` rather than this class directly.
 
     Args:
         layout: Parallel sizes; ``-1`` in one of them fills the remaining ranks.
@@ -320,10 +319,10 @@ class ParallelEngineStrategy(ParallelStrategy):
             return
         resolved = self._tensor_parallel.resolve(module, warn=rank_zero_warn)
         check_plan(module, resolved, self.layout.tensor_parallel_size)
+        # Neither TP (outside the split layers) nor FSDP2 copies weights between ranks: start every rank
+        # from rank 0's weights, as DDP would, even if the module was not built from one seed everywhere.
+        _sync_module_states(module)
         apply_tensor_parallel(module, self.device_mesh["tp"], resolved, self._tensor_parallel.sequence_parallel)
-        # Split weights came from tp-rank 0 (distribute_tensor broadcasts); do the same for what stays whole,
-        # so replicas agree even when the module was not built from one seed on every rank.
-        broadcast_replicated_state(module, self.tensor_parallel_group)
         self._tensor_parallel_module = module
         sequence = " with sequence parallelism" if self._tensor_parallel.sequence_parallel else ""
         rank_zero_info(

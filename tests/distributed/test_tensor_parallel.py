@@ -60,10 +60,12 @@ def assert_checkpoint_holds_whole_tensors(path, expected_state):
 
 
 def test_explicit_plan_by_pattern(tmp_path):
-    plan = {"model.blocks.*.mlp.fc_in": "colwise", "model.blocks.*.mlp.fc_out": "rowwise"}
+    # MLPs by pattern, and the (untied) position embedding split over its rows.
+    plan = {"model.blocks.*.mlp.fc_in": "colwise", "model.blocks.*.mlp.fc_out": "rowwise", "model.pos_emb": "vocab_parallel"}
     reference = run_job(JobSpec(batch_size=4, steps=3))
     result = run_distributed(JobSpec(strategy="tensor", devices=2, batch_size=4, steps=3, strategy_kwargs={"plan": plan}), tmp_path)
     assert_same_training(reference, result, steps=3)
+    assert result["local_numel"]["model.pos_emb.weight"] == reference["states"][0]["model.pos_emb.weight"].numel() // 2
 
 
 def test_data_parallel_replicas_of_a_tensor_parallel_group(tmp_path):
@@ -71,7 +73,7 @@ def test_data_parallel_replicas_of_a_tensor_parallel_group(tmp_path):
     reference = run_job(JobSpec(batch_size=4 * 2 * 2, steps=STEPS, gradient_clip_val=0.05))
     result = run_distributed(
         JobSpec(strategy="tensor", devices=4, batch_size=4, accumulate=2, steps=STEPS, gradient_clip_val=0.05,
-                checkpoint_round_trip=True, strategy_kwargs={"tensor_parallel_size": 2}),
+                checkpoint_round_trip=True, perturb_other_ranks=True, strategy_kwargs={"tensor_parallel_size": 2}),
         tmp_path,
     )
     assert result["world_size"] == 4

@@ -125,3 +125,4 @@ def test_splitting_one_side_of_tied_weights_is_refused():
         check_plan(model, resolve_plan(model, {"lm_head": "colwise"}), 2)
     untied = tiny_gpt(tie_weights=False)
     check_plan(untied, resolve_plan(untied, {"lm_head": "colwise", "tok_emb": "embedding_rowwise"}), 2)
+    assert resolve_plan(untied, {"tok_emb": "vocab_parallel"}).styles == {"tok_emb": "embedding_rowwise"}
