@@ -28,7 +28,8 @@ unit: venv
 	$(PY) -m pytest tests/unit $(ARGS)
 
 benchmark: venv
-	$(PY) benchmarks/dp_vs_ddp.py $(ARGS)
+	$(PY) benchmarks/dp_vs_ddp.py
+	$(PY) benchmarks/tp_vs_model_parallel.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs
