@@ -8,7 +8,7 @@ and those that follow) are thin presets of it, so every layout shares the same g
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -17,18 +17,13 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import (
     _sync_module_states,
     prepare_for_backward,
@@ -36,7 +31,6 @@ from lightning.pytorch.overrides.distributed import (
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import (
@@ -48,16 +42,9 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_parallel.checkpoint import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
-)
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.parallelize.batchnorm import (
@@ -76,11 +63,13 @@ from lightning_parallel.parallelize.tensor import (
     apply_tensor_parallel,
     check_plan,
 )
+from lightning_parallel.strategies.collectives import GroupCollectivesMixin
 from lightning_parallel.strategies.launch import (
     START_METHODS,
     StartMethod,
     make_launcher,
 )
+from lightning_parallel.strategies.whole_state import WholeTensorCheckpointMixin
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +77,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1800.0
 
 
-class ParallelEngineStrategy(ParallelStrategy):
+class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, ParallelStrategy):
     """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
 
     In order: the tensor-parallel plan over the ``tp`` mesh dimension, then data parallelism over ``dp``
@@ -391,81 +380,6 @@ class ParallelEngineStrategy(ParallelStrategy):
         if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
             prepare_for_backward(self.model, closure_loss)
 
-    # ------------------------------------------------------------------ collectives
-
-    @override
-    def reduce(
-        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor | Any:
-        """Reduce ``tensor`` over ``group``; by default over this rank's data-parallel replicas.
-
-        This is what ``self.log(..., sync_dist=True)`` uses: tensor- and pipeline-parallel peers hold the
-        same samples, so averaging over them would count samples several times.
-        """
-        if not isinstance(tensor, Tensor):
-            return tensor
-        return _sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather ``tensor`` from every data-parallel replica (or from ``group``)."""
-        return _all_gather_ddp_if_available(
-            tensor, group=group if group is not None else self.data_parallel_group, sync_grads=sync_grads
-        )
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # Decisions (stop early, save a checkpoint) must agree on every rank of the world, not one group.
-        votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op=ReduceOp.SUM)
-        return bool(votes == self.world_size) if all else bool(votes)
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        dist.broadcast_object_list(holder, src)
-        return holder[0]
-
-    # ------------------------------------------------------------------ checkpoint state
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Sharded parameters are gathered so the file holds ordinary tensors (every rank takes part).
-        if self._is_sharded:
-            return full_model_state(self.lightning_module)
-        return super().lightning_module_state_dict()
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._is_sharded:
-            load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
-        else:
-            super().load_model_state_dict(checkpoint, strict=strict)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._is_sharded:
-            return full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
-        return super().optimizer_state(optimizer)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._is_sharded:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer), state)
-
     # ------------------------------------------------------------------ errors and teardown
 
     @override
@@ -494,10 +408,6 @@ class ParallelEngineStrategy(ParallelStrategy):
         """Register ``cls`` under ``name`` in a Lightning strategy registry, once."""
         if name not in registry:
             registry.register(name, cls, description=description, **init_params)
-
-
-def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:
