@@ -111,6 +111,23 @@ def single_device_order(datamodule: L.LightningDataModule, seed: int) -> None:
     datamodule.train_dataloader = train_dataloader
 
 
+_REDUCE_SCATTERS = [0]
+
+
+def _count_reduce_scatters() -> None:
+    """Count FSDP2's gradient reduce-scatters in this process (test instrumentation: FSDP2 has no comm hook)."""
+    original = getattr(torch.distributed, "reduce_scatter_single", None)
+    if original is None or getattr(original, "_counted", False):
+        return
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        _REDUCE_SCATTERS[0] += 1
+        return original(*args, **kwargs)
+
+    counted._counted = True
+    torch.distributed.reduce_scatter_single = counted
+
+
 class Recorder(Callback):
     """Collects losses, gradients, parameters and communication counts during one job."""
 
@@ -120,7 +137,7 @@ class Recorder(Callback):
         self.grads: list[dict[str, torch.Tensor]] = []  # just before each optimizer step
         self.synced_logs: list[float] = []
         self.first_batch_checksum: float | None = None
-        self.reduce_scatters = 0
+        self._reduce_scatters_at_start = 0
         self.result: dict[str, Any] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -130,18 +147,8 @@ class Recorder(Callback):
             self.first_batch_checksum = float((inputs.flatten() * torch.arange(1, inputs.numel() + 1)).sum())
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Count FSDP2's gradient reduce-scatters (test instrumentation: FSDP2 offers no comm hook).
-        self.reduce_scatters = 0
-        original = getattr(torch.distributed, "reduce_scatter_single", None)
-        if original is None or getattr(original, "_counted", False):
-            return
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.reduce_scatters += 1
-            return original(*args, **kwargs)
-
-        counted._counted = True
-        torch.distributed.reduce_scatter_single = counted
+        _count_reduce_scatters()
+        self._reduce_scatters_at_start = _REDUCE_SCATTERS[0]
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.grads.append({n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
@@ -174,7 +181,7 @@ class Recorder(Callback):
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "local_numel": {n: local_shard(p).numel() for n, p in pl_module.named_parameters()},
             "first_batch_checksums": checksums,
-            "reduce_scatters": self.reduce_scatters,
+            "reduce_scatters": _REDUCE_SCATTERS[0] - self._reduce_scatters_at_start,
             "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
         }
