@@ -47,6 +47,7 @@ class JobSpec:
     gradient_clip_val: float | None = None
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
     checkpoint_round_trip: bool = False
+    tie_weights: bool = True  # GPT: share the embedding with the output head
     # Ranks other than 0 build different initial weights: the strategy must start all from rank 0's.
     perturb_other_ranks: bool = False
     seed: int = 1234
@@ -196,7 +197,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     if spec.model == "gpt":
         data: L.LightningDataModule = CharCorpusDataModule(block_size=8, batch_size=spec.batch_size, max_chars=20_000, shuffle=False)
         model: L.LightningModule = RecordingGPT(
-            vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0, lr=1e-2,
+            vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step,
         )
     elif spec.model == "convnet":

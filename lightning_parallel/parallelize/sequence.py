@@ -50,6 +50,8 @@ def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: i
             inside = any(fqn.startswith(f"{block}.") for block in blocks)
             # Inside the trunk, row-wise outputs are reduce-scattered into sequence shards.
             plan[fqn] = RowwiseParallel(output_layouts=sharded) if inside else RowwiseParallel()
+        elif style == "loss_parallel":
+            plan[fqn] = ColwiseParallel(use_local_output=False)
         elif style == "embedding_rowwise":
             plan[fqn] = RowwiseParallel(input_layouts=replicated, output_layouts=replicated)
     for block in blocks:

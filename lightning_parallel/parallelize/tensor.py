@@ -25,6 +25,8 @@ STYLES: dict[str, str] = {
     "rowwise": "Linear split along input features (input sharded, output all-reduced)",
     "embedding_rowwise": "Embedding split over the vocabulary (output all-reduced)",
     "vocab_parallel": "another name for embedding_rowwise",
+    "loss_parallel": "output head split over the vocabulary; training_step gets vocabulary-sharded logits for "
+    "F.cross_entropy, computed without gathering them (torch loss_parallel); evaluation gets whole logits",
     "replicate": "kept whole on every rank (explicit no-op)",
 }
 _ALIASES = {"vocab_parallel": "embedding_rowwise"}
@@ -163,10 +165,10 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     modules = dict(module.named_modules())
     for fqn, style in resolved.styles.items():
         sub = modules[fqn]
-        if style in ("colwise", "rowwise"):
+        if style in ("colwise", "rowwise", "loss_parallel"):
             if not isinstance(sub, nn.Linear):
                 raise TypeError(f"{fqn}: style {style!r} needs an nn.Linear, got {type(sub).__name__}.")
-            dim_name, size = ("out_features", sub.out_features) if style == "colwise" else ("in_features", sub.in_features)
+            dim_name, size = ("in_features", sub.in_features) if style == "rowwise" else ("out_features", sub.out_features)
             _require_divisible(fqn, dim_name, size, tp_size)
         elif style == "embedding_rowwise":
             if not isinstance(sub, nn.Embedding):
@@ -198,6 +200,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         torch_plan = sequence_parallel_plan(module, resolved, tp_size)
     else:
         factories = {
+            "loss_parallel": lambda: ColwiseParallel(use_local_output=False),
             "colwise": ColwiseParallel,
             "rowwise": RowwiseParallel,
             "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -212,11 +215,23 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
             )
     parallelize_module(module, tp_mesh, torch_plan)
     modules = dict(module.named_modules())
+    for fqn, style in resolved.styles.items():
+        if style == "loss_parallel":
+            modules[fqn].register_forward_hook(_whole_logits_in_eval)
     for fqn, attrs in resolved.head_attributes.items():
         for attr in attrs:
             # The module reshapes its local q/k/v into heads: each rank now holds 1/tp of them.
             setattr(modules[fqn], attr, getattr(modules[fqn], attr) // tp_size)
     return module
+
+
+def _whole_logits_in_eval(module: nn.Module, inputs: tuple, output):  # noqa: ANN001, ANN202
+    # Outside training (validation, test, predict: eval mode) users get ordinary logits back.
+    from torch.distributed.tensor import DTensor
+
+    if not module.training and isinstance(output, DTensor):
+        return output.full_tensor()
+    return output
 
 
 def shared_input_regions(resolved: ResolvedPlan) -> list[str]:

@@ -14,6 +14,16 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+
+def whole(value: Any) -> Any:
+    """A DTensor's whole value as an ordinary tensor (differentiable); anything else unchanged.
+
+    Under a ``loss_parallel`` head the loss computed in ``training_step`` is a (replicated) DTensor: what
+    is logged, returned or gathered from it must be an ordinary tensor again.
+    """
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 class GroupCollectivesMixin:
@@ -30,12 +40,13 @@ class GroupCollectivesMixin:
         """
         if not isinstance(tensor, Tensor):
             return tensor
+        tensor = whole(tensor)
         return _sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op=reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Gather ``tensor`` from every data-parallel replica (or from ``group``)."""
         return _all_gather_ddp_if_available(
-            tensor, group=group if group is not None else self.data_parallel_group, sync_grads=sync_grads
+            whole(tensor), group=group if group is not None else self.data_parallel_group, sync_grads=sync_grads
         )
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

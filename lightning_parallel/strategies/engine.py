@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Generator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -22,7 +22,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.overrides.distributed import (
     _sync_module_states,
@@ -38,9 +38,12 @@ from lightning.pytorch.utilities.rank_zero import (
     rank_zero_only,
     rank_zero_warn,
 )
+from lightning_utilities.core.apply_func import apply_to_collection
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 from typing_extensions import override
@@ -63,7 +66,7 @@ from lightning_parallel.parallelize.tensor import (
     apply_tensor_parallel,
     check_plan,
 )
-from lightning_parallel.strategies.collectives import GroupCollectivesMixin
+from lightning_parallel.strategies.collectives import GroupCollectivesMixin, whole
 from lightning_parallel.strategies.launch import (
     START_METHODS,
     StartMethod,
@@ -142,6 +145,7 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
         self._tensor_parallel_module: nn.Module | None = None
         self._sharded_units: list[nn.Module] = []
         self._accumulating = False
+        self._loss_parallel = False
         self._sync_batchnorm = sync_batchnorm
         self._batchnorm_converted = False
         self._start_method = start_method
@@ -313,6 +317,9 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
         _sync_module_states(module)
         apply_tensor_parallel(module, self.device_mesh["tp"], resolved, self._tensor_parallel.sequence_parallel)
         self._tensor_parallel_module = module
+        if "loss_parallel" in resolved.styles.values():
+            self._loss_parallel = True
+            _log_whole_values(module)
         sequence = " with sequence parallelism" if self._tensor_parallel.sequence_parallel else ""
         rank_zero_info(
             f"lightning_parallel: tensor-parallel plan over tp={self.layout.tensor_parallel_size}{sequence}:\n"
@@ -356,6 +363,21 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
                     yield
         finally:
             self._accumulating = False
+        self._loss_parallel = False
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # Under a loss_parallel head, F.cross_entropy on vocabulary-sharded logits must run (and be
+        # differentiated) inside torch's loss_parallel(); what the step returns becomes ordinary tensors.
+        if not self._loss_parallel:
+            return super().training_step(*args, **kwargs)
+        with loss_parallel():
+            return apply_to_collection(super().training_step(*args, **kwargs), DTensor, whole)
+
+    @override
+    def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        with loss_parallel() if self._loss_parallel else nullcontext():
+            return super().backward(closure_loss, *args, **kwargs)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -384,6 +406,16 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._loss_parallel:
+            _augment_message(
+                exception,
+                pattern=".*mixed torch.Tensor and DTensor.*",
+                new_message=(
+                    "The output head uses the 'loss_parallel' style: in training_step its output is a DTensor "
+                    "sharded over the vocabulary and may only be passed to F.cross_entropy. Compute anything else "
+                    "from the logits in validation_step, or give the head the 'colwise' or 'replicate' style."
+                ),
+            )
         _augment_message(
             exception,
             pattern=".*Expected to have finished reduction in the prior iteration.*",
@@ -408,6 +440,17 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
         """Register ``cls`` under ``name`` in a Lightning strategy registry, once."""
         if name not in registry:
             registry.register(name, cls, description=description, **init_params)
+
+
+def _log_whole_values(module: LightningModule) -> None:
+    """Make ``module.log`` turn DTensor values (a loss_parallel loss) into ordinary tensors first."""
+    original = module.log
+
+    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        original(name, apply_to_collection(value, DTensor, whole), *args, **kwargs)
+
+    # An instance attribute: the class, and log_dict (which calls self.log), stay as they are.
+    module.log = log
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:

@@ -101,3 +101,24 @@ def test_sequence_parallel_matches_single_device(devices, tmp_path):
         # The norms now run on sequence shards: their parameters became (replicated) DTensors.
         assert "model.blocks.0.ln_1.weight" in result["dtensor_names"]
         assert "model.ln_f.weight" not in result["dtensor_names"]  # outside the trunk: unchanged
+
+
+def test_loss_parallel_head_matches_single_device(tmp_path):
+    """An untied head split over the vocabulary; cross-entropy on the shards; whole logits in validation."""
+    plan = {
+        "model.blocks.*.attn.[qkv]_proj": "colwise", "model.blocks.*.attn.out_proj": "rowwise",
+        "model.blocks.*.mlp.fc_in": "colwise", "model.blocks.*.mlp.fc_out": "rowwise",
+        "model.lm_head": "loss_parallel",
+    }
+    reference = run_job(JobSpec(batch_size=4, steps=STEPS, validate=True, tie_weights=False))
+    result = run_distributed(
+        JobSpec(strategy="tensor", devices=2, batch_size=4, steps=STEPS, validate=True, tie_weights=False,
+                strategy_kwargs={"plan": plan}),
+        tmp_path,
+    )
+    assert_same_training(reference, result)
+    assert result["local_numel"]["model.lm_head.weight"] == reference["states"][0]["model.lm_head.weight"].numel() // 2
+    # The loss logged with sync_dist and torchmetrics on the (whole, in eval) logits agree too.
+    assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
+    for key in ("val/loss", "val/accuracy"):
+        assert result["validation"][key] == pytest.approx(reference["validation"][key], abs=TOL), key
