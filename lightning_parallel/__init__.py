@@ -8,10 +8,13 @@ from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.observe.summary import TrainingSummary
 from lightning_parallel.parallelize.data import COMM_HOOKS, DataParallelConfig
+from lightning_parallel.parallelize.pipeline import PipelineConfig
+from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES
 from lightning_parallel.parallelize.tensor import STYLES, TensorParallelConfig
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     ParallelEngineStrategy,
+    PipelineParallelStrategy,
     TensorParallelStrategy,
 )
 from lightning_parallel.strategies.launch import training_job
@@ -25,7 +28,10 @@ __all__ = [
     "DataParallelStrategy",
     "ParallelEngineStrategy",
     "ParallelLayout",
+    "PipelineConfig",
+    "PipelineParallelStrategy",
     "RankCoordinates",
+    "SCHEDULES",
     "STYLES",
     "TensorParallelConfig",
     "TensorParallelStrategy",

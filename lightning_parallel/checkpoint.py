@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -38,3 +39,33 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, A
 def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
     """Load :func:`full_optimizer_state` output into ``optimizer`` over a (possibly sharded) module."""
     set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def gather_pipeline_parts(part: dict[str, Any], group: dist.ProcessGroup, dst_group_rank: int = 0) -> dict[str, Any]:
+    """Merge per-stage states (model or optimizer, keyed by parameter names) onto one rank of ``group``.
+
+    Every rank of the group must call it; the destination gets the whole state, the others their own part.
+    """
+    parts: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst_group_rank else None
+    dist.gather_object(part, parts, group_dst=dst_group_rank, group=group)
+    if parts is None:
+        return part
+    return _merge_optimizer_parts(parts) if _is_optimizer_state(part) else {k: v for p in parts for k, v in p.items()}
+
+
+def is_named_optimizer_state(state: dict[str, Any]) -> bool:
+    """Whether an optimizer state is keyed by parameter names (from :func:`full_optimizer_state`)."""
+    return _is_optimizer_state(state) and all(isinstance(k, str) for k in state["state"])
+
+
+def _is_optimizer_state(state: dict[str, Any]) -> bool:
+    return set(state) == {"state", "param_groups"}
+
+
+def _merge_optimizer_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"state": {}, "param_groups": [dict(g, params=[]) for g in parts[0]["param_groups"]]}
+    for part in parts:
+        merged["state"].update(part["state"])
+        for group, part_group in zip(merged["param_groups"], part["param_groups"]):
+            group["params"].extend(name for name in part_group["params"] if name not in group["params"])
+    return merged

@@ -34,7 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @dataclass
 class JobSpec:
     model: str = "gpt"  # gpt | convnet
-    strategy: str = "single"  # single | data | tensor
+    strategy: str = "single"  # single | data | tensor | pipeline
     devices: int = 1
     batch_size: int = 4  # per data-parallel rank
     accumulate: int = 1
@@ -48,6 +48,7 @@ class JobSpec:
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
     checkpoint_round_trip: bool = False
     tie_weights: bool = True  # GPT: share the embedding with the output head
+    n_layer: int = 2  # GPT blocks
     # Ranks other than 0 build different initial weights: the strategy must start all from rank 0's.
     perturb_other_ranks: bool = False
     seed: int = 1234
@@ -58,30 +59,17 @@ class FailingStep(RuntimeError):
 
 
 class RecordingGPT(GPTLightningModule):
-    """The recipe GPT plus what the tests observe: raw per-micro-batch losses and a synced log."""
+    """The recipe GPT plus what the tests observe: a synced log, and a rank that fails on purpose."""
 
     def __init__(self, fail_rank: int | None = None, fail_step: int = 2, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step = fail_rank, fail_step
-        self.micro_losses: list[torch.Tensor] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.fail_rank == self.global_rank and batch_idx == self.fail_step:
             raise FailingStep(f"rank {self.global_rank} fails on purpose at batch {batch_idx}")
         loss = super().training_step(batch, batch_idx)
-        self.micro_losses.append(loss.detach())
         self.log("train/loss_synced", loss, sync_dist=True)
-        return loss
-
-
-class RecordingConvNet(ConvNetLightningModule):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.micro_losses: list[torch.Tensor] = []
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        self.micro_losses.append(loss.detach())
         return loss
 
 
@@ -136,6 +124,7 @@ class Recorder(Callback):
         self.save_path = save_path
         self.states: list[dict[str, torch.Tensor]] = []  # after each optimizer step (params + buffers)
         self.grads: list[dict[str, torch.Tensor]] = []  # just before each optimizer step
+        self.batch_losses: list[torch.Tensor] = []  # what training_step returned, per (micro-)batch
         self.synced_logs: list[float] = []
         self.first_batch_checksum: float | None = None
         self._reduce_scatters_at_start = 0
@@ -152,16 +141,20 @@ class Recorder(Callback):
         self._reduce_scatters_at_start = _REDUCE_SCATTERS[0]
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.grads.append({n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+        grads = {n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+        self.grads.append(_whole_across_stages(trainer, grads))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Lightning hands back the loss divided by the accumulation factor.
+        self.batch_losses.append(outputs["loss"].detach() * trainer.accumulate_grad_batches)
         if "train/loss_synced" in trainer.callback_metrics:
             self.synced_logs.append(float(trainer.callback_metrics["train/loss_synced"]))
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.states.append({k: full(v).detach().clone() for k, v in pl_module.state_dict().items()})
+            state = {k: full(v).detach().clone() for k, v in pl_module.state_dict().items()}
+            self.states.append(_whole_across_stages(trainer, state))
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        local = torch.stack(pl_module.micro_losses)
+        local = torch.stack(self.batch_losses)
         # Mean over replicas of each micro-batch loss = the loss of the global micro-batch.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
         per_micro = gathered.mean(dim=0)
@@ -191,18 +184,28 @@ class Recorder(Callback):
             torch.save(self.result, self.save_path)
 
 
+def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Under pipeline parallelism each rank holds its stages' tensors: merge them onto the stage-0 rank."""
+    runner = getattr(trainer.strategy, "pipeline_runner", None)
+    if runner is None:
+        return named
+    from lightning_parallel.checkpoint import gather_pipeline_parts
+
+    return gather_pipeline_parts({k: v.cpu() for k, v in named.items()}, runner.pp_group)
+
+
 def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModule, L.LightningDataModule, L.Trainer, Recorder]:
     """Module, data, and Trainer for ``spec`` (float64, no shuffling, no dropout)."""
     L.seed_everything(spec.seed, workers=True)
     if spec.model == "gpt":
         data: L.LightningDataModule = CharCorpusDataModule(block_size=8, batch_size=spec.batch_size, max_chars=20_000, shuffle=False)
         model: L.LightningModule = RecordingGPT(
-            vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
+            vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=16, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step,
         )
     elif spec.model == "convnet":
         data = SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
-        model = RecordingConvNet(width=4, lr=0.1)
+        model = ConvNetLightningModule(width=4, lr=0.1)
     else:
         raise ValueError(f"unknown model {spec.model!r}")
     if spec.perturb_other_ranks and int(os.environ.get("LOCAL_RANK", "0")) > 0:
@@ -216,6 +219,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         strategy = lightning_parallel.DataParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
     elif spec.strategy == "tensor":
         strategy = lightning_parallel.TensorParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
+    elif spec.strategy == "pipeline":
+        strategy = lightning_parallel.PipelineParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
     else:
         raise ValueError(f"unknown strategy {spec.strategy!r}")
     recorder = Recorder(save_path)

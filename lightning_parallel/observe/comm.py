@@ -39,6 +39,12 @@ class CommStats:
         if bucket.is_last():
             self.rounds += 1
 
+    def record_round(self, nbytes: int, buckets: int = 1) -> None:
+        """Account for a synchronization issued outside DDP (e.g. a pipeline's replicas at the optimizer step)."""
+        self.bucket_calls += buckets
+        self.bytes += nbytes
+        self.rounds += 1
+
     def reset(self) -> None:
         """Zero all counters (e.g. after a warm-up)."""
         self.bucket_calls = self.rounds = self.bytes = 0

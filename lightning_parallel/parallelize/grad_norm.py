@@ -17,13 +17,20 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Tensor:
-    """The ``norm_type`` norm of all gradients together, as one device would compute it unsplit."""
+def total_grad_norm(
+    parameters: Iterable[Tensor], norm_type: float = 2.0, sum_over: dist.ProcessGroup | None = None
+) -> Tensor:
+    """The ``norm_type`` norm of all gradients together, as one device would compute it unsplit.
+
+    Args:
+        parameters: This rank's parameters.
+        norm_type: As in ``torch.nn.utils.clip_grad_norm_``.
+        sum_over: A group whose ranks hold *different* parameters (pipeline stages): their shares are
+            combined, so every rank gets the norm of the whole model.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    reference = grads[0].to_local() if isinstance(grads[0], DTensor) else grads[0]
-    total = torch.zeros((), dtype=torch.float64, device=reference.device)
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         if isinstance(grad, DTensor):
             if any(p.is_partial() for p in grad.placements):
@@ -38,13 +45,27 @@ def total_grad_norm(parameters: Iterable[Tensor], norm_type: float = 2.0) -> Ten
         else:
             local = _local_norm_term(grad, norm_type)
         total = torch.maximum(total, local) if math.isinf(norm_type) else total + local
+    if sum_over is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=sum_over)
     return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
 
 
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
-    """Scale gradients in place so that their total norm is at most ``max_norm``; returns the norm before."""
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    exclude_from_norm: Iterable[Tensor] = (),
+    sum_over: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Scale gradients in place so that their total norm is at most ``max_norm``; returns the norm before.
+
+    ``exclude_from_norm`` are scaled but not counted (copies of tied weights another rank counts);
+    ``sum_over`` as in :func:`total_grad_norm`.
+    """
     parameters = [p for p in parameters if p.grad is not None]
-    norm = total_grad_norm(parameters, norm_type)
+    excluded = {id(p) for p in exclude_from_norm}
+    norm = total_grad_norm([p for p in parameters if id(p) not in excluded], norm_type, sum_over)
     # Same rule as torch.nn.utils.clip_grad_norm_.
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in parameters:

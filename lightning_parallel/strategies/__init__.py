@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.strategies.data import DataParallelStrategy
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
+from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
 
 
@@ -25,8 +26,14 @@ def _register() -> None:
             description=f"lightning_parallel tensor parallelism (automatic Megatron-style plan), start_method={start_method!r}: {when}",
             start_method=start_method,
         )
+        PipelineParallelStrategy.register_as(
+            StrategyRegistry,
+            f"pipeline_parallel{suffix}",
+            description=f"lightning_parallel pipeline parallelism (traced split, torch schedules), start_method={start_method!r}: {when}",
+            start_method=start_method,
+        )
 
 
 _register()
 
-__all__ = ["DataParallelStrategy", "ParallelEngineStrategy", "TensorParallelStrategy"]
+__all__ = ["DataParallelStrategy", "ParallelEngineStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]

@@ -56,6 +56,7 @@ from lightning_parallel.parallelize.batchnorm import (
 )
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
+from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
 from lightning_parallel.parallelize.sharded import (
     set_gradient_sync,
@@ -72,6 +73,8 @@ from lightning_parallel.strategies.launch import (
     StartMethod,
     make_launcher,
 )
+from lightning_parallel.strategies.pipeline_runner import PipelineRunner
+from lightning_parallel.strategies.pipeline_steps import PipelineStepsMixin
 from lightning_parallel.strategies.whole_state import WholeTensorCheckpointMixin
 
 log = logging.getLogger(__name__)
@@ -80,18 +83,21 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1800.0
 
 
-class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, ParallelStrategy):
+class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTensorCheckpointMixin, ParallelStrategy):
     """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
 
     In order: the tensor-parallel plan over the ``tp`` mesh dimension, then data parallelism over ``dp``
-    (DDP for plain parameters; FSDP2 once TP has made them DTensors). The pipeline dimension comes later
-    and must be 1. Use a named preset such as
+    (DDP for plain parameters; FSDP2 once TP has made them DTensors). With ``pp > 1`` the module is cut
+    into pipeline stages on its first batch and its step methods run through a pipeline schedule; the
+    replicas of each stage then average gradients once per optimizer step. Tensor and pipeline
+    parallelism together come later. Use a named preset such as
     :class:`~lightning_parallel.strategies.data.DataParallelStrategy` rather than this class directly.
 
     Args:
         layout: Parallel sizes; ``-1`` in one of them fills the remaining ranks.
         data_parallel: DDP options and the gradient communication hook.
         tensor_parallel: The tensor-parallel plan (used when ``tensor_parallel_size > 1``).
+        pipeline: Schedule, micro-batches and split (used when ``pipeline_parallel_size > 1``).
         sync_batchnorm: Compute BatchNorm statistics over the whole data-parallel batch (as
             ``Trainer(sync_batchnorm=True)`` does; either switch turns it on).
         track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
@@ -109,6 +115,7 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
         *,
         data_parallel: DataParallelConfig | None = None,
         tensor_parallel: TensorParallelConfig | None = None,
+        pipeline: PipelineConfig | None = None,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
         start_method: StartMethod = "popen",
@@ -130,11 +137,8 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
         layout = layout if layout is not None else ParallelLayout()
         if not isinstance(layout, ParallelLayout):
             raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}.")
-        if layout.pipeline_parallel_size != 1:
-            raise ValueError(
-                f"pipeline_parallel_size={layout.pipeline_parallel_size} is not supported by this version of the "
-                f"engine yet. Set pipeline_parallel_size=1."
-            )
+        if pipeline is not None and not isinstance(pipeline, PipelineConfig):
+            raise TypeError(f"pipeline must be a PipelineConfig, got {type(pipeline).__name__}.")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is unknown; choose one of {', '.join(START_METHODS)}.")
         self._timeout = _as_timedelta(timeout)
@@ -143,6 +147,8 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
         self._data_parallel = data_parallel if data_parallel is not None else DataParallelConfig()
         self._tensor_parallel = tensor_parallel if tensor_parallel is not None else TensorParallelConfig()
         self._tensor_parallel_module: nn.Module | None = None
+        self._pipeline = pipeline if pipeline is not None else PipelineConfig()
+        self._pipeline_runner: PipelineRunner | None = None
         self._sharded_units: list[nn.Module] = []
         self._accumulating = False
         self._loss_parallel = False
@@ -236,6 +242,7 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
             self.num_nodes * self.num_processes,
             world_description=f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
         )
+        self._check_layout_support(self._layout)
         self._launcher = make_launcher(self, self._start_method, self.cluster_environment)
 
     @override
@@ -263,6 +270,21 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
             )
         rank_zero_info(f"lightning_parallel: layout {self._layout.describe()} on {self._process_group_backend}")
 
+    def _check_layout_support(self, layout: ParallelLayout) -> None:
+        if layout.pipeline_parallel_size == 1:
+            return
+        if layout.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={layout.tensor_parallel_size} with pipeline_parallel_size="
+                f"{layout.pipeline_parallel_size} is not supported yet; use one of them (with data parallelism)."
+            )
+        if self._sync_batchnorm:
+            raise ValueError(
+                "sync_batchnorm=True is not supported with pipeline_parallel_size > 1 (a stage's batch statistics are "
+                "its micro-batch's); set sync_batchnorm=False."
+            )
+        self._pipeline.check(layout.pipeline_parallel_size)
+
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size."""
         if self.cluster_environment is not None:
@@ -281,6 +303,9 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
             self._batchnorm_converted = True
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self._is_pipelined:
+            self._setup_pipelined(trainer, fitting)
+            return
         self._apply_tensor_parallel()
         if fitting:
             self._check_manual_optimization_support()
@@ -300,6 +325,25 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
             # Lightning clips through the precision plugin with torch's clip_grad_norm_, which refuses the
             # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
             self.precision_plugin.clip_grad_by_norm = clip_optimizer_grad_norm
+
+    def _setup_pipelined(self, trainer: Trainer, fitting: bool) -> None:
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "Pipeline parallelism runs backward inside its schedule, so it needs automatic optimization; "
+                f"{type(self.lightning_module).__name__} sets automatic_optimization=False."
+            )
+        if self._layer_sync is not None:
+            raise ValueError("Trainer(sync_batchnorm=True) is not supported with pipeline parallelism; remove it.")
+        # Stages are cut on the first batch (tracing needs real inputs); until then every rank holds the
+        # whole module, starting from rank 0's weights so that replicas agree.
+        if self._pipeline_runner is None or not self._pipeline_runner.built:
+            _sync_module_states(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._setup_pipeline()
 
     @property
     def _is_sharded(self) -> bool:
@@ -367,6 +411,8 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_pipelined:
+            return self._pipeline_step("training_step", args, kwargs)
         # Under a loss_parallel head, F.cross_entropy on vocabulary-sharded logits must run (and be
         # differentiated) inside torch's loss_parallel(); what the step returns becomes ordinary tensors.
         if not self._loss_parallel:
@@ -375,7 +421,29 @@ class ParallelEngineStrategy(GroupCollectivesMixin, WholeTensorCheckpointMixin, 
             return apply_to_collection(super().training_step(*args, **kwargs), DTensor, whole)
 
     @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_pipelined:
+            return self._pipeline_step("validation_step", args, kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_pipelined:
+            return self._pipeline_step("test_step", args, kwargs)
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_pipelined:
+            return self._pipeline_step("predict_step", args, kwargs)
+        return super().predict_step(*args, **kwargs)
+
+    @override
     def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if self._is_pipelined:
+            # The schedule ran backward inside training_step, micro-batch by micro-batch.
+            self._deliver_pipeline_gradients()
+            return closure_loss
         with loss_parallel() if self._loss_parallel else nullcontext():
             return super().backward(closure_loss, *args, **kwargs)
 

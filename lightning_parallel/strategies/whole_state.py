@@ -1,4 +1,9 @@
-"""Checkpoint hooks of the engine: whole (unsharded) tensors in and out when parameters are split."""
+"""Checkpoint hooks of the engine: whole tensors in and out when parameters are split or staged.
+
+Under tensor parallelism every rank takes part and the checkpoint holds ordinary tensors; under pipeline
+parallelism each stage's part is gathered, so the file always loads into the plain module. Optimizer
+state is keyed by parameter names there, which any layout can read back.
+"""
 
 from __future__ import annotations
 
@@ -11,23 +16,28 @@ from torch.optim import Optimizer
 from lightning_parallel.checkpoint import (
     full_model_state,
     full_optimizer_state,
+    gather_pipeline_parts,
+    is_named_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
 )
 
 
 class WholeTensorCheckpointMixin:
-    """Lightning's state hooks for a strategy with ``_is_sharded``, ``lightning_module`` and ``optimizers``:
-    when parameters are DTensors every rank takes part and the checkpoint holds ordinary tensors, so a
-    file saved under tensor parallelism loads into the plain module (mixed into the engine)."""
+    """Lightning's state hooks for a strategy with ``_is_sharded``, ``_is_pipelined``, ``pipeline_runner``,
+    ``device_mesh``, ``lightning_module`` and ``optimizers`` (mixed into the engine)."""
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        # Sharded parameters are gathered so the file holds ordinary tensors (every rank takes part).
         if self._is_sharded:
+            # Sharded parameters are gathered so the file holds ordinary tensors (every rank takes part).
             return full_model_state(self.lightning_module)
+        if self._staged:
+            local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+            return gather_pipeline_parts(local, self.device_mesh["pp"].get_group())
         return super().lightning_module_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self._refuse_after_staging("model weights")
         if self._is_sharded:
             load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
         else:
@@ -36,14 +46,32 @@ class WholeTensorCheckpointMixin:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._is_sharded:
             return full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
+        if self._staged:
+            local = full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
+            return gather_pipeline_parts(local, self.device_mesh["pp"].get_group())
         return super().optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if not self._is_sharded:
+        self._refuse_after_staging("optimizer state")
+        states = checkpoint["optimizer_states"]
+        if not self._is_sharded and not any(is_named_optimizer_state(s) for s in states):
             super().load_optimizer_state_dict(checkpoint)
             return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+        for optimizer, state in zip(self.optimizers, states):
             load_full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer), state)
+
+    @property
+    def _staged(self) -> bool:
+        """Whether the module has been cut into pipeline stages on this rank."""
+        runner = self.pipeline_runner
+        return runner is not None and runner.built
+
+    def _refuse_after_staging(self, what: str) -> None:
+        if self._staged:
+            raise RuntimeError(
+                f"Cannot load {what} into a module already cut into pipeline stages: pass ckpt_path to the first "
+                f"fit/validate/test/predict call of this Trainer (stages are built from its first batch)."
+            )
 
 
 def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:

@@ -1,0 +1,297 @@
+"""Cut a module into pipeline stages and keep this rank's: torch's tracing frontend, or ``nn.Sequential`` slicing.
+
+Tracing (``torch.distributed.pipelining.pipeline`` with ``SplitPoint.BEGINNING`` at each split point)
+handles any ``forward`` torch.export can capture: loops over ``nn.ModuleList``, residuals, embeddings and
+heads, tied weights (replicated onto each stage that uses them). Export bakes train/eval behaviour
+(dropout, batch norm, ``if self.training``) into the graph, so the module is traced twice, once per mode,
+and both graphs share this rank's parameter objects. A module export cannot capture is split without
+tracing if it is an ``nn.Sequential``; anything else gets an error saying what to change.
+
+After the build the original module is *rebound*: its parameters on this rank's stages are the stages'
+own objects (so an optimizer over ``module.parameters()`` trains them), the ones that live on other ranks
+are ``None`` (their memory is freed). No Lightning here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """A parameter replicated on several pipeline ranks (tied weights): gradients must be summed over them.
+
+    Attributes:
+        name: Its name in the pipelined module.
+        pp_ranks: Pipeline ranks holding a copy.
+        owner_pp_rank: The rank whose copy counts in global quantities (gradient norm).
+    """
+
+    name: str
+    pp_ranks: tuple[int, ...]
+    owner_pp_rank: int
+
+
+@dataclass
+class LocalPipeline:
+    """This rank's part of the pipeline.
+
+    Attributes:
+        frontend: ``"trace"`` or ``"sequential"``.
+        stage_indices: Stage indices held here, increasing.
+        train_stages: Stages for training (and their graphs in train mode).
+        eval_stages: Stages for validation/test/predict (eval-mode graphs, same parameters).
+        replaced: ``id(original parameter) -> local parameter`` (``None``: it lives on another rank).
+        tied: Every parameter replicated over pipeline ranks (all of them, also those not held here).
+    """
+
+    frontend: str
+    stage_indices: list[int]
+    train_stages: list[Any]
+    eval_stages: list[Any]
+    replaced: dict[int, nn.Parameter | None] = field(default_factory=dict)
+    tied: list[TiedParameter] = field(default_factory=list)
+
+
+def check_split_points(module: nn.Module, split_points: Sequence[str], num_stages: int, module_name: str) -> None:
+    """Split points must name submodules, one fewer than the stages.
+
+    Raises:
+        ValueError: Wrong count or unknown names (the message lists valid names to pick from).
+    """
+    if len(split_points) != num_stages - 1:
+        raise ValueError(
+            f"split_points has {len(split_points)} names but {num_stages} stages need {num_stages - 1} "
+            f"(each names the module where a stage begins)."
+        )
+    names = {name for name, _ in module.named_modules() if name}
+    unknown = [p for p in split_points if p not in names]
+    if unknown:
+        where = f"{module_name}." if module_name else ""
+        examples = sorted(names, key=lambda n: (n.count("."), n))[:12]
+        raise ValueError(
+            f"split_points {unknown} name no submodule of {type(module).__name__} (names are relative to it, "
+            f"e.g. {', '.join(where + e for e in examples)})."
+        )
+
+
+def build_local_pipeline(
+    module: nn.Module,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+    split_points: Sequence[str],
+    stage_to_rank: Sequence[int],
+    pp_rank: int,
+    device: torch.device,
+    group: ProcessGroup,
+) -> LocalPipeline:
+    """Split ``module`` at ``split_points`` and build this rank's stages; rebinds ``module`` (see module doc).
+
+    Args:
+        module: The module whose ``forward`` the pipeline replaces, with all its parameters.
+        example_args: One micro-batch of ``forward``'s positional inputs.
+        example_kwargs: One micro-batch of its keyword inputs.
+        split_points: Submodule names where stages 1, 2, ... begin.
+        stage_to_rank: Pipeline rank of each stage index.
+        pp_rank: This rank's index in the pipeline group.
+        device: Where the stages run.
+        group: The pipeline process group.
+
+    Raises:
+        TypeError: The module can be neither traced nor sliced.
+        ValueError: The split points do not produce ``len(stage_to_rank)`` stages.
+    """
+    num_stages = len(stage_to_rank)
+    local = [s for s, r in enumerate(stage_to_rank) if r == pp_rank]
+    try:
+        train_pipe = _trace(module, example_args, example_kwargs, split_points, training=True)
+    except Exception as error:  # noqa: BLE001 - export raises many kinds; all mean "cannot trace"
+        if isinstance(module, nn.Sequential):
+            log.info("lightning_parallel: %s cannot be traced (%s); splitting the nn.Sequential by slicing.", type(module).__name__, error)
+            return _slice_sequential(module, split_points, stage_to_rank, pp_rank, device, group)
+        raise TypeError(
+            f"Pipeline parallelism could not trace {type(module).__name__}.forward with torch.export: "
+            f"{_root_cause(error)}. Make forward traceable (no Python control flow on tensor values, no calls "
+            f"torch.export cannot capture), or keep the layers in an nn.Sequential, which is split without tracing."
+        ) from error
+    if train_pipe.num_stages != num_stages:
+        raise ValueError(
+            f"split_points {list(split_points)} cut {type(module).__name__} into {train_pipe.num_stages} stages, not "
+            f"{num_stages}: every split point must be a module that forward calls, in the order it calls them."
+        )
+    eval_pipe = _trace(module, example_args, example_kwargs, split_points, training=False)
+    originals = _originals(module)
+    stage_uses = [
+        {id(originals[name]) for name, _ in _named_tensors(train_pipe.get_stage_module(s)) if name in originals}
+        for s in range(num_stages)
+    ]
+    canonical: dict[int, Tensor] = {}
+    for s in local:
+        _share(train_pipe.get_stage_module(s), originals, canonical)
+    for s in local:
+        _share(eval_pipe.get_stage_module(s), originals, canonical)
+    train_stages = [train_pipe.build_stage(s, device, group) for s in local]
+    eval_stages = [eval_pipe.build_stage(s, device, group) for s in local]
+    result = LocalPipeline("trace", local, train_stages, eval_stages)
+    _rebind(module, originals, canonical, stage_uses, local, result)
+    result.tied = _tied(originals, stage_uses, stage_to_rank)
+    return result
+
+
+def _trace(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_points: Sequence[str], training: bool
+) -> Any:
+    """``torch.distributed.pipelining.pipeline`` in the given mode, leaving ``module`` as it was."""
+    marked = [module.get_submodule(name) for name in split_points]
+    saved = [m.__dict__.get("forward") for m in marked]
+    was_training = module.training
+    module.train(training)
+    try:
+        return pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+    finally:
+        module.train(was_training)
+        # pipeline() marks split points by patching forward on the instances; undo it.
+        for submodule, forward in zip(marked, saved):
+            submodule.__dict__.pop("_orig_forward", None)
+            if forward is None:
+                submodule.__dict__.pop("forward", None)
+            else:
+                submodule.forward = forward
+
+
+def _slice_sequential(
+    module: nn.Sequential,
+    split_points: Sequence[str],
+    stage_to_rank: Sequence[int],
+    pp_rank: int,
+    device: torch.device,
+    group: ProcessGroup,
+) -> LocalPipeline:
+    children = [name for name, _ in module.named_children()]
+    not_children = [p for p in split_points if p not in children]
+    if not_children:
+        raise ValueError(
+            f"{type(module).__name__} is split by slicing (it cannot be traced), so split_points must name its direct "
+            f"children ({', '.join(children)}); got {not_children}."
+        )
+    bounds = [0, *(children.index(p) for p in split_points), len(children)]
+    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"split_points {list(split_points)} must be increasing children of the nn.Sequential.")
+    parts = [nn.Sequential(*list(module)[a:b]) for a, b in zip(bounds, bounds[1:])]
+    num_stages = len(parts)
+    local = [s for s, r in enumerate(stage_to_rank) if r == pp_rank]
+
+    def stage(s: int) -> PipelineStage:
+        return PipelineStage(parts[s], s, num_stages, device, group=group)
+
+    # Separate stage objects for training and evaluation: their receive buffers differ (grad vs inference).
+    result = LocalPipeline("sequential", local, [stage(s) for s in local], [stage(s) for s in local])
+    originals = _originals(module)
+    stage_uses = [{id(t) for _, t in _named_tensors(part)} for part in parts]
+    canonical = {id(t): t for s in local for _, t in _named_tensors(parts[s])}
+    _rebind(module, originals, canonical, stage_uses, local, result)
+    result.tied = _tied(originals, stage_uses, stage_to_rank)
+    return result
+
+
+def _named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Parameters and buffers by every name they have (aliases of tied weights included)."""
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from ((name, b) for name, b in module.named_buffers(remove_duplicate=False) if b is not None)
+
+
+def _originals(module: nn.Module) -> dict[str, Tensor]:
+    return dict(_named_tensors(module))
+
+
+def _share(stage_module: nn.Module, originals: dict[str, Tensor], canonical: dict[int, Tensor]) -> None:
+    """Make every tensor of ``stage_module`` the one object this rank holds for its original.
+
+    Local stages (and the eval graphs) then share parameters: gradients of a weight used by two local
+    stages accumulate in one ``.grad``, and the eval graph sees the trained values.
+    """
+    for name, tensor in list(_named_tensors(stage_module)):
+        if name not in originals:
+            continue
+        keep = canonical.setdefault(id(originals[name]), tensor)
+        if keep is not tensor:
+            _set_by_name(stage_module, name, keep)
+
+
+def _rebind(
+    module: nn.Module,
+    originals: dict[str, Tensor],
+    canonical: dict[int, Tensor],
+    stage_uses: list[set[int]],
+    local: list[int],
+    result: LocalPipeline,
+) -> None:
+    used_elsewhere = set().union(*stage_uses) - set().union(*(stage_uses[s] for s in local))
+    for name, original in originals.items():
+        key = id(original)
+        if key in canonical:
+            _set_by_name(module, name, canonical[key])
+        elif key in used_elsewhere:
+            _set_by_name(module, name, None)
+        else:
+            continue  # not used by forward at all: left as it is
+        if isinstance(original, nn.Parameter):
+            result.replaced[key] = canonical.get(key)  # type: ignore[assignment]
+
+
+def _tied(originals: dict[str, Tensor], stage_uses: list[set[int]], stage_to_rank: Sequence[int]) -> list[TiedParameter]:
+    first_name: dict[int, str] = {}
+    for name, tensor in originals.items():
+        if isinstance(tensor, nn.Parameter):
+            first_name.setdefault(id(tensor), name)
+    tied = []
+    for key in sorted(set().union(*stage_uses), key=lambda k: first_name.get(k, "")):
+        stages = [s for s, uses in enumerate(stage_uses) if key in uses]
+        ranks = tuple(sorted({stage_to_rank[s] for s in stages}))
+        if len(ranks) > 1 and key in first_name:
+            tied.append(TiedParameter(first_name[key], ranks, stage_to_rank[stages[0]]))
+    return tied
+
+
+def _set_by_name(module: nn.Module, name: str, value: Tensor | None) -> None:
+    parent_name, _, attribute = name.rpartition(".")
+    parent = module.get_submodule(parent_name) if parent_name else module
+    setattr(parent, attribute, value)
+
+
+def _root_cause(error: BaseException) -> str:
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def remap_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter | None]) -> None:
+    """Point an optimizer built over the whole module at this rank's stage parameters.
+
+    Parameters that moved to a stage object are swapped (with any optimizer state already loaded, e.g.
+    from a checkpoint); those living on other ranks are dropped; parameters outside the pipeline stay.
+    """
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        kept = []
+        for param in group["params"]:
+            local = replaced.get(id(param), param)
+            state = optimizer.state.pop(param, None)
+            if local is None or id(local) in seen:
+                continue
+            seen.add(id(local))
+            if state is not None:
+                optimizer.state[local] = state
+            kept.append(local)
+        group["params"] = kept

@@ -1,0 +1,482 @@
+"""Run a LightningModule's own step methods through a pipeline schedule.
+
+On every rank the user's ``training_step`` (or validation/test/predict step) is started once, up to the
+point where it calls the model: that call's inputs are captured (and the rest of the step skipped). The
+first batch builds the pipeline from them. The schedule then runs the micro-batches; on the last stage
+the user's step runs again for each micro-batch with the model's ``forward`` answering with the
+pipeline's output, so its loss code and ``self.log`` calls work unchanged. Logged values and outputs are
+combined over the micro-batches (weighted by their rows) and broadcast to every stage, so progress bars,
+``ModelCheckpoint`` and ``EarlyStopping`` agree on every rank.
+
+Exactness: each micro-batch's loss is weighted by ``rows / batch rows / accumulate_grad_batches`` before
+torch's backward, so gradients equal single-device training on the whole batch (for losses that average
+over samples), including an epoch's smaller last batch (padded to the traced shape; the padding rows
+never reach the user's step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torchmetrics import Metric
+
+from lightning_parallel.parallelize.pipeline import PipelineConfig
+from lightning_parallel.parallelize.pipeline_build import LocalPipeline, build_local_pipeline, check_split_points
+from lightning_parallel.parallelize.pipeline_schedule import build_schedule, stage_ranks
+from lightning_parallel.parallelize.pipeline_split import SplitPlan, plan_split
+
+#: Log reductions (``self.log(reduce_fx=...)``) and how micro-batch values combine under each.
+_SUMMED = {"sum", torch.sum}
+_MAXED = {"max", torch.max}
+_MINNED = {"min", torch.min}
+
+
+class _ForwardCaptured(Exception):
+    """Raised from a forward pre-hook to stop the user's step once the model's inputs are known."""
+
+    def __init__(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__(name)
+        self.name, self.args, self.kwargs = name, args, kwargs
+
+
+@dataclass
+class _StepState:
+    """What the loss function needs about the step in flight."""
+
+    module: LightningModule
+    hook: str
+    batches: list[Any]
+    rest_args: tuple[Any, ...]
+    rest_kwargs: dict[str, Any]
+    rows: list[int]
+    total_rows: int
+    training: bool
+    loss_scale: float
+    outputs: dict[int, Any] = field(default_factory=dict)
+    logs: dict[int, list[tuple[str, Any, dict[str, Any]]]] = field(default_factory=dict)
+
+
+class PipelineRunner:
+    """Owns this rank's stages and schedules, and runs the step hooks through them.
+
+    Args:
+        config: Schedule, micro-batches, virtual stages, split points.
+        pp_size: Pipeline ranks.
+        pp_rank: This rank's index in its pipeline group.
+        pp_global_ranks: Global ranks of this rank's pipeline group, by pipeline rank.
+        pp_group: Its process group.
+        device: Where the stages run.
+    """
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        pp_size: int,
+        pp_rank: int,
+        pp_global_ranks: Sequence[int],
+        pp_group: dist.ProcessGroup,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.pp_size, self.pp_rank, self.pp_group, self.device = pp_size, pp_rank, pp_group, device
+        self.pp_global_ranks = list(pp_global_ranks)
+        self.num_stages = config.num_stages(pp_size)
+        self.stage_to_rank = stage_ranks(config.spec, pp_size, self.num_stages)
+        self.root_name: str | None = None
+        self.local: LocalPipeline | None = None
+        self.plan: SplitPlan | None = None
+        self.tied_groups: list[tuple[str, dist.ProcessGroup]] = []
+        self._train_schedule: Any = None
+        self._eval_schedule: Any = None
+        self._traced_meta: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self._rows_per_batch = 0
+        self._state: _StepState | None = None
+
+    @property
+    def built(self) -> bool:
+        return self.local is not None
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return self.stage_to_rank[0] == self.pp_rank
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.stage_to_rank[-1] == self.pp_rank
+
+    def run(
+        self,
+        module: LightningModule,
+        hook: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        training: bool,
+        loss_scale: float = 1.0,
+        on_build: Callable[[LocalPipeline], None] | None = None,
+    ) -> Any:
+        """Run ``module.<hook>(*args, **kwargs)`` through the pipeline and return what it returns.
+
+        Args:
+            module: The LightningModule.
+            hook: ``"training_step"``, ``"validation_step"``, ``"test_step"`` or ``"predict_step"``.
+            args: The hook's positional arguments, batch first.
+            kwargs: Its keyword arguments.
+            training: Run forward and backward (else forward only).
+            loss_scale: Extra factor on each loss before backward (``1 / accumulate_grad_batches``).
+            on_build: Called once with this rank's stages, right after the first batch built them.
+        """
+        captured = self._capture(module, hook, args, kwargs)
+        if not self.built:
+            # The first batch may come during validation's inference mode: tracing and training stages need autograd.
+            with torch.inference_mode(False), torch.enable_grad():
+                self._build(module, captured, on_build)
+        model_args, model_kwargs, rows, total = self._pad_to_traced(captured)
+        batch, *rest = args
+        state = _StepState(
+            module=module,
+            hook=hook,
+            batches=_split_rows(batch, total, rows),
+            rest_args=tuple(rest),
+            rest_kwargs=kwargs,
+            rows=rows,
+            total_rows=total,
+            training=training,
+            loss_scale=loss_scale,
+        )
+        self._state = state
+        try:
+            self._run_schedule(model_args, model_kwargs, training)
+        finally:
+            self._state = None
+        payload = None
+        if self.holds_last_stage:
+            payload = (_to_cpu(_combine([state.outputs.get(j) for j in range(len(rows))], rows)), _combine_logs(state))
+        output, logs = self._broadcast_from_last_stage(payload)
+        self._replay_logs(module, logs)
+        return apply_to_collection(output, Tensor, lambda t: t.to(self.device))
+
+    # ------------------------------------------------------------------ capture and build
+
+    def _capture(self, module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ForwardCaptured:
+        if self.root_name is not None:
+            candidates = [(self.root_name, module.get_submodule(self.root_name))]
+        else:
+            candidates = [("", module)] + [
+                (name, child) for name, child in module.named_children() if any(True for _ in child.parameters())
+            ]
+        handles = []
+        for name, candidate in candidates:
+
+            def pre_hook(_: nn.Module, f_args: tuple[Any, ...], f_kwargs: dict[str, Any], name: str = name) -> None:
+                raise _ForwardCaptured(name, f_args, f_kwargs)
+
+            handles.append(candidate.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        try:
+            getattr(module, hook)(*args, **kwargs)
+        except _ForwardCaptured as captured:
+            return captured
+        finally:
+            for handle in handles:
+                handle.remove()
+        raise TypeError(
+            f"{type(module).__name__}.{hook} did not call the model. Under pipeline parallelism the step must call "
+            f"the module's forward (self(...)) or one of its child modules once, with the batch's tensors."
+        )
+
+    def _build(self, module: LightningModule, captured: _ForwardCaptured, on_build: Callable[[LocalPipeline], None] | None) -> None:
+        rows = _batch_rows(captured.args, captured.kwargs)
+        m = self.config.microbatches
+        if rows % m != 0:
+            raise ValueError(
+                f"The batch has {rows} rows, which do not split into microbatches={m} equal micro-batches. "
+                f"Use a batch size divisible by {m}, or change microbatches."
+            )
+        self.root_name = captured.name
+        root = module.get_submodule(captured.name)
+        example_args, example_kwargs = tree_map(
+            lambda t: t.clone() if isinstance(t, Tensor) else t, _first_rows((captured.args, captured.kwargs), rows, rows // m)
+        )
+        self.plan = self._split_plan(root, example_args, example_kwargs)
+        self.local = build_local_pipeline(
+            root, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.pp_rank, self.device, self.pp_group
+        )
+        self._rows_per_batch = rows
+        self._traced_meta = [(t.dtype, tuple(t.shape[1:])) for t in _tensor_leaves((captured.args, captured.kwargs))]
+        self._train_schedule = build_schedule(self.config.schedule, self.local.train_stages, m, self._loss_fn)
+        self._eval_schedule = build_schedule(self.config.schedule, self.local.eval_stages, m, self._loss_fn)
+        self.tied_groups = self._tied_groups()
+        if on_build is not None:
+            on_build(self.local)
+        prefix = f"{captured.name}." if captured.name else ""
+        rank_zero_info(
+            f"lightning_parallel: pipeline of {type(root).__name__} in {self.num_stages} stages over pp={self.pp_size} "
+            f"({self.local.frontend} frontend, schedule={self.config.schedule}, microbatches={m}):\n"
+            f"{self.plan.describe(prefix)}"
+        )
+
+    def _split_plan(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitPlan:
+        points = self.config.split_points
+        if points != "auto":
+            prefix = f"{self.root_name}." if self.root_name else ""
+            outside = [p for p in points if not p.startswith(prefix)]
+            if outside:
+                raise ValueError(
+                    f"split_points {outside} are not inside {prefix.rstrip('.')!r}, the module the step calls; "
+                    f"name its submodules (e.g. {prefix}blocks.2)."
+                )
+            relative = [p[len(prefix) :] for p in points]
+            check_split_points(root, relative, self.num_stages, self.root_name or "")
+            return SplitPlan(tuple(relative))
+        # Measured balance differs between ranks: rank 0 decides and everyone follows.
+        holder: list[Any] = [None]
+        if dist.get_rank() == 0:
+            holder[0] = plan_split(root, self.num_stages, args, kwargs, self.config.balance)  # type: ignore[arg-type]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def _tied_groups(self) -> list[tuple[str, dist.ProcessGroup]]:
+        groups = []
+        assert self.local is not None
+        for tied in self.local.tied:
+            if self.pp_rank not in tied.pp_ranks:
+                continue
+            if len(tied.pp_ranks) == self.pp_size:
+                group = self.pp_group
+            else:
+                group = dist.new_group([self.pp_global_ranks[r] for r in tied.pp_ranks], use_local_synchronization=True)
+            groups.append((tied.name, group))
+        return groups
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def _pad_to_traced(self, captured: _ForwardCaptured) -> tuple[tuple[Any, ...], dict[str, Any], list[int], int]:
+        inputs = (captured.args, captured.kwargs)
+        total = _batch_rows(*inputs)
+        meta = [(t.dtype, tuple(t.shape[1:])) for t in _tensor_leaves(inputs)]
+        if meta != self._traced_meta or total > self._rows_per_batch:
+            raise ValueError(
+                f"The pipeline was traced for model inputs {self._describe(self._traced_meta, self._rows_per_batch)} but this "
+                f"batch gives {self._describe(meta, total)}. Pipeline stages have fixed shapes: keep the batch size and "
+                f"the other dimensions constant (pad sequences to one length); only an epoch's last batch may be smaller."
+            )
+        per_microbatch = self._rows_per_batch // self.config.microbatches
+        rows = [max(0, min(per_microbatch, total - j * per_microbatch)) for j in range(self.config.microbatches)]
+        if total < self._rows_per_batch:
+            inputs = tree_map(lambda t: _pad_rows(t, total, self._rows_per_batch), inputs)
+        return inputs[0], inputs[1], rows, total
+
+    @staticmethod
+    def _describe(meta: list[tuple[torch.dtype, tuple[int, ...]]], rows: int) -> str:
+        return ", ".join(f"[{rows}, {', '.join(map(str, shape))}] {str(dtype).replace('torch.', '')}" for dtype, shape in meta)
+
+    # ------------------------------------------------------------------ the schedule and the loss
+
+    def _run_schedule(self, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> None:
+        schedule = self._train_schedule if training else self._eval_schedule
+        target = torch.arange(self.config.microbatches, device=self.device)
+        inputs, model_kwargs = (args, kwargs) if self.holds_first_stage else ((), {})
+        if training:
+            schedule.step(*inputs, target=target, return_outputs=False, **model_kwargs)
+        else:
+            schedule.eval(*inputs, target=target, **model_kwargs)
+
+    def _loss_fn(self, output: Any, target: Tensor) -> Tensor:
+        state = self._state
+        if state is None:
+            raise RuntimeError("The pipeline's loss function ran outside a step.")
+        index = int(target.reshape(-1)[0])
+        rows = state.rows[index]
+        if rows == 0:
+            # A padding-only micro-batch: nothing of it reaches the user's step, and it adds no gradient.
+            return _zero_like_output(output) if state.training else torch.zeros((), device=self.device)
+        if rows < self._rows_per_batch // self.config.microbatches:
+            output = tree_map(lambda t: t[:rows] if isinstance(t, Tensor) else t, output)
+        result = self._call_user_step(state, index, output)
+        state.outputs[index] = apply_to_collection(result, Tensor, lambda t: t.detach())
+        if not state.training:
+            return torch.zeros((), device=self.device)
+        return _loss_of(result, state.hook) * (rows / state.total_rows * state.loss_scale)
+
+    def _call_user_step(self, state: _StepState, index: int, output: Any) -> Any:
+        module = state.module
+        root = module.get_submodule(self.root_name or "")
+        calls = [0]
+
+        def forward(*_: Any, **__: Any) -> Any:
+            calls[0] += 1
+            if calls[0] > 1:
+                raise TypeError(
+                    f"{type(module).__name__}.{state.hook} calls the model more than once per step; under pipeline "
+                    f"parallelism the pipeline's output can answer one call only."
+                )
+            return output
+
+        records: list[tuple[str, Any, dict[str, Any]]] = []
+
+        def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+            if args:
+                raise TypeError(f"self.log({name!r}, ...): pass options by keyword under pipeline parallelism.")
+            records.append((name, value, kwargs))
+
+        saved_forward, saved_log = root.__dict__.get("forward"), module.__dict__.get("log")
+        root.forward, module.log = forward, log
+        try:
+            return getattr(module, state.hook)(state.batches[index], *state.rest_args, **state.rest_kwargs)
+        finally:
+            _restore(root, "forward", saved_forward)
+            _restore(module, "log", saved_log)
+            state.logs[index] = records
+
+    # ------------------------------------------------------------------ results to every stage
+
+    def _broadcast_from_last_stage(self, payload: Any) -> Any:
+        holder = [payload]
+        dist.broadcast_object_list(holder, src=self.pp_global_ranks[self.stage_to_rank[-1]], group=self.pp_group)
+        return holder[0]
+
+    def _replay_logs(self, module: LightningModule, logs: list[tuple[str, Any, dict[str, Any]]]) -> None:
+        for name, value, options in logs:
+            if isinstance(value, tuple) and len(value) == 2 and value[0] == "__metric__":
+                value = module.get_submodule(value[1])
+            else:
+                value = apply_to_collection(value, Tensor, lambda t: t.to(self.device))
+            module.log(name, value, **options)
+
+    # ------------------------------------------------------------------ gradients at the optimizer step
+
+    def tied_parameters(self, module: LightningModule) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+        """This rank's copies of tied weights, with the group over which their gradients are summed."""
+        root = module.get_submodule(self.root_name or "")
+        return [(root.get_parameter(name), group) for name, group in self.tied_groups]
+
+    def norm_duplicates(self, module: LightningModule) -> list[nn.Parameter]:
+        """Copies of tied weights this rank must leave out of a global gradient norm (another rank counts them)."""
+        if self.local is None:
+            return []
+        root = module.get_submodule(self.root_name or "")
+        return [
+            root.get_parameter(t.name)
+            for t in self.local.tied
+            if self.pp_rank in t.pp_ranks and t.owner_pp_rank != self.pp_rank
+        ]
+
+
+def _loss_of(result: Any, hook: str) -> Tensor:
+    loss = result.get("loss") if isinstance(result, Mapping) else result
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"{hook} returned {type(result).__name__} for a micro-batch; under pipeline parallelism it must return the "
+            f"loss tensor (or a dict with a 'loss' tensor) for every batch — skipping a batch by returning None is not supported."
+        )
+    return loss
+
+
+def _combine(values: list[Any], weights: list[int]) -> Any:
+    """Micro-batch results as one batch's: scalars averaged by rows, batched tensors concatenated."""
+    present = [(v, w) for v, w in zip(values, weights) if v is not None and w > 0]
+    if not present:
+        return None
+    first = present[0][0]
+    if isinstance(first, Tensor):
+        if first.ndim == 0:
+            total = sum(w for _, w in present)
+            return sum(v.to(torch.float64) * w for v, w in present).div(total).to(first.dtype)
+        return torch.cat([v for v, _ in present])
+    if isinstance(first, Mapping):
+        return {k: _combine([v.get(k) if v is not None else None for v in values], weights) for k in first}
+    if isinstance(first, (list, tuple)) and not isinstance(first, str):
+        combined = [_combine([v[i] if v is not None else None for v in values], weights) for i in range(len(first))]
+        return type(first)(combined) if isinstance(first, list) else tuple(combined)
+    return present[-1][0]
+
+
+def _combine_logs(state: _StepState) -> list[tuple[str, Any, dict[str, Any]]]:
+    """One ``self.log`` call per name: micro-batch values combined by the log's ``reduce_fx``."""
+    order: list[str] = []
+    by_name: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
+    for index in sorted(state.logs):
+        for name, value, options in state.logs[index]:
+            if name not in by_name:
+                order.append(name)
+            by_name.setdefault(name, []).append((index, value, options))
+    metric_names = {id(m): name for name, m in state.module.named_modules() if isinstance(m, Metric)}
+    combined = []
+    for name in order:
+        entries = by_name[name]
+        value, options = entries[-1][1], entries[-1][2]
+        if isinstance(value, Metric):
+            # Metric objects are not sent: every rank logs its own copy, whose state syncs at compute().
+            combined.append((name, ("__metric__", metric_names[id(value)]), options))
+            continue
+        reduce_fx = options.get("reduce_fx", "mean")
+        values = [torch.as_tensor(v).detach() for _, v, _ in entries]
+        if reduce_fx in _SUMMED:
+            result = torch.stack(values).sum(0)
+        elif reduce_fx in _MAXED:
+            result = torch.stack(values).amax(0)
+        elif reduce_fx in _MINNED:
+            result = torch.stack(values).amin(0)
+        else:
+            result = _combine(values, [state.rows[i] for i, _, _ in entries])
+        combined.append((name, result.cpu(), options))
+    return combined
+
+
+def _split_rows(batch: Any, total: int, rows: list[int]) -> list[Any]:
+    """The batch cut into micro-batches of ``rows`` (tensors whose first dimension is the batch's)."""
+    leaves, spec = tree_flatten(batch)
+    split_leaves = [
+        torch.split(leaf, rows) if isinstance(leaf, Tensor) and leaf.ndim and leaf.shape[0] == total else None for leaf in leaves
+    ]
+    return [
+        spec.unflatten([parts[j] if parts is not None else leaf for leaf, parts in zip(leaves, split_leaves)])
+        for j in range(len(rows))
+    ]
+
+
+def _tensor_leaves(tree: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+def _batch_rows(args: Any, kwargs: Any = None) -> int:
+    tensors = [t for t in _tensor_leaves((args, kwargs)) if t.ndim > 0]
+    if not tensors:
+        raise TypeError("The model is called without a batched tensor input; pipeline parallelism splits tensor inputs along dim 0.")
+    return tensors[0].shape[0]
+
+
+def _first_rows(tree: Any, total: int, rows: int) -> Any:
+    return tree_map(lambda t: t[:rows] if isinstance(t, Tensor) and t.ndim and t.shape[0] == total else t, tree)
+
+
+def _pad_rows(t: Any, total: int, target: int) -> Any:
+    if not isinstance(t, Tensor) or not t.ndim or t.shape[0] != total:
+        return t
+    # Repeat the last row: valid input (e.g. token ids) whose outputs are dropped before the user's step.
+    return torch.cat([t, t[-1:].expand(target - total, *t.shape[1:])])
+
+
+def _zero_like_output(output: Any) -> Tensor:
+    floats = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.is_floating_point()]
+    return sum(t.sum() * 0.0 for t in floats)
+
+
+def _to_cpu(value: Any) -> Any:
+    return apply_to_collection(value, Tensor, lambda t: t.cpu())
+
+
+def _restore(obj: Any, name: str, saved: Any) -> None:
+    if saved is None:
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, saved)

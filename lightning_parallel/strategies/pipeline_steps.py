@@ -1,0 +1,117 @@
+"""The engine's pipeline part: step hooks through the schedule, gradients at the optimizer step, clipping.
+
+Mixed into :class:`~lightning_parallel.strategies.engine.ParallelEngineStrategy`, which provides
+``layout``, ``coordinates``, ``device_mesh``, ``root_device``, ``lightning_module``, ``optimizers``,
+``precision_plugin``, ``data_parallel_group``, ``_pipeline`` (the config), ``_accumulating`` and
+``_comm_stats``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+
+from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
+from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
+from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
+from lightning_parallel.strategies.pipeline_runner import PipelineRunner
+
+#: Lightning hooks that run through the pipeline, and whether they train.
+PIPELINED_HOOKS = {"training_step": True, "validation_step": False, "test_step": False, "predict_step": False}
+
+
+class PipelineStepsMixin:
+    """Runs the LightningModule's step methods through a pipeline when ``pipeline_parallel_size > 1``.
+
+    The strategy owns backward here: the schedule runs it inside ``training_step``, and Lightning's own
+    backward call hands the gradients over (Lightning zeroes gradients between the two). Gradients of replicated stages (and of tied weights split over stages)
+    are reduced once per optimizer step, after the last accumulated micro-step.
+    """
+
+    _pipeline_runner: PipelineRunner | None
+    _pending_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+
+    @property
+    def _is_pipelined(self) -> bool:
+        return self.layout.pipeline_parallel_size > 1
+
+    @property
+    def pipeline_runner(self) -> PipelineRunner | None:
+        """This rank's pipeline (``None`` without pipeline parallelism or before setup)."""
+        return self._pipeline_runner
+
+    def _setup_pipeline(self) -> None:
+        if self._pipeline_runner is None:
+            mesh = self.device_mesh
+            self._pipeline_runner = PipelineRunner(
+                self._pipeline,
+                pp_size=self.layout.pipeline_parallel_size,
+                pp_rank=self.coordinates.pp,
+                pp_global_ranks=self.layout.group_ranks("pp", self.global_rank),
+                pp_group=mesh["pp"].get_group(),
+                device=self.root_device,
+            )
+        # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.
+        self.precision_plugin.clip_grad_by_norm = partial(_clip_pipeline, self)
+
+    def _pipeline_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        runner = self._pipeline_runner
+        if runner is None:
+            raise RuntimeError("The pipeline is created in setup(); a step ran before it.")
+        training = PIPELINED_HOOKS[hook]
+        module = self.lightning_module
+        scale = 1.0 / module.trainer.accumulate_grad_batches if training else 1.0
+        context = self.precision_plugin.train_step_context() if training else self.precision_plugin.val_step_context()
+        # Lightning zeroes gradients *after* training_step and before backward, but the schedule computes
+        # them inside the step: set them aside here and hand them over in backward().
+        earlier = _take_gradients(module) if training else []
+        with context:
+            output = runner.run(module, hook, args, kwargs, training=training, loss_scale=scale, on_build=self._on_pipeline_built)
+        if training:
+            self._pending_gradients = _take_gradients(module)
+            for param, grad in earlier:
+                param.grad = grad
+        return output
+
+    def _deliver_pipeline_gradients(self) -> None:
+        """Add the gradients the last ``training_step`` computed (Lightning's backward under a pipeline)."""
+        for param, grad in self._pending_gradients:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._pending_gradients = []
+        if not self._accumulating:
+            self._reduce_pipeline_gradients()
+
+    def _on_pipeline_built(self, local: LocalPipeline) -> None:
+        for optimizer in self.optimizers:
+            remap_optimizer(_unwrap(optimizer), local.replaced)
+
+    def _reduce_pipeline_gradients(self) -> None:
+        runner = self._pipeline_runner
+        module = self.lightning_module
+        for param, group in runner.tied_parameters(module):
+            sum_gradients([param], group)
+        if self.layout.data_parallel_size > 1:
+            sent = average_gradients(module.parameters(), self.data_parallel_group)
+            if self._comm_stats is not None:
+                self._comm_stats.record_round(sent)
+
+
+def _take_gradients(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    taken = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+    for param, _ in taken:
+        param.grad = None
+    return taken
+
+
+def _clip_pipeline(strategy: PipelineStepsMixin, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    runner = strategy.pipeline_runner
+    duplicates = runner.norm_duplicates(strategy.lightning_module) if runner is not None else []
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    clip_grad_norm_(parameters, clip_val, exclude_from_norm=duplicates, sum_over=strategy.device_mesh["pp"].get_group())
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
