@@ -94,6 +94,7 @@ def build_local_pipeline(
     pp_rank: int,
     device: torch.device,
     group: ProcessGroup,
+    chained: bool = False,
 ) -> LocalPipeline:
     """Split ``module`` at ``split_points`` and build this rank's stages; rebinds ``module`` (see module doc).
 
@@ -106,6 +107,9 @@ def build_local_pipeline(
         pp_rank: This rank's index in the pipeline group.
         device: Where the stages run.
         group: The pipeline process group.
+        chained: Build plain ``PipelineStage``s that pass activations from each stage to the next one only
+            (what V-shaped schedules need: there two consecutive stages share a rank, and only those stages
+            hand activations over in memory). The traced stages are checked to form such a chain.
 
     Raises:
         TypeError: The module can be neither traced nor sliced.
@@ -140,8 +144,13 @@ def build_local_pipeline(
         _share(train_pipe.get_stage_module(s), originals, canonical)
     for s in local:
         _share(eval_pipe.get_stage_module(s), originals, canonical)
-    train_stages = [train_pipe.build_stage(s, device, group) for s in local]
-    eval_stages = [eval_pipe.build_stage(s, device, group) for s in local]
+    if chained:
+        _check_chain(train_pipe, type(module).__name__)
+        train_stages = [PipelineStage(train_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
+        eval_stages = [PipelineStage(eval_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
+    else:
+        train_stages = [train_pipe.build_stage(s, device, group) for s in local]
+        eval_stages = [eval_pipe.build_stage(s, device, group) for s in local]
     result = LocalPipeline("trace", local, train_stages, eval_stages)
     _rebind(module, originals, canonical, stage_uses, local, result)
     result.tied = _tied(originals, stage_uses, stage_to_rank)
@@ -167,6 +176,29 @@ def _trace(
                 submodule.__dict__.pop("forward", None)
             else:
                 submodule.forward = forward
+
+
+def _check_chain(pipe: Any, module_name: str) -> None:
+    """Every stage must read only the previous stage's outputs (the first: only the model's inputs)."""
+    producer: dict[Any, int] = {}
+    checked = 0
+    stage_of = {name: i for i, (name, _) in enumerate(pipe.split_gm.named_children())}
+    for node in pipe.split_gm.graph.nodes:
+        if node.op == "call_module" and node.target in stage_of:
+            index = stage_of[node.target]
+            sources = {producer.get(arg, -1) for arg in node.all_input_nodes}
+            if sources != {index - 1}:
+                raise ValueError(
+                    f"{module_name}'s stage {index} reads activations of stages {sorted(s for s in sources if s >= 0)} "
+                    f"or of the model's inputs, not only of stage {index - 1}; V-shaped schedules (zbv_zero_bubble, "
+                    f"dualpipev) need a plain chain of stages. Use interleaved_zero_bubble or interleaved_1f1b."
+                )
+            producer[node] = index
+            checked += 1
+        elif node.op == "call_function" and node.all_input_nodes and node.all_input_nodes[0] in producer:
+            producer[node] = producer[node.all_input_nodes[0]]  # getitem on a stage's output tuple
+    if checked != pipe.num_stages:
+        raise RuntimeError(f"Could not find the {pipe.num_stages} stages in the traced pipeline's graph.")
 
 
 def _slice_sequential(

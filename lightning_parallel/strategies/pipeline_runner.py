@@ -208,7 +208,8 @@ class PipelineRunner:
         )
         self.plan = self._split_plan(root, example_args, example_kwargs)
         self.local = build_local_pipeline(
-            root, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.pp_rank, self.device, self.pp_group
+            root, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.pp_rank, self.device,
+            self.pp_group, chained=self.config.spec.placement == "v",
         )
         self._rows_per_batch = rows
         self._traced_meta = [(t.dtype, tuple(t.shape[1:])) for t in _tensor_leaves((captured.args, captured.kwargs))]
