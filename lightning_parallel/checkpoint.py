@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +35,13 @@ def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool
 def full_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """Unsharded optimizer state keyed by parameter names (a collective: call on every rank)."""
     return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def named_optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state keyed by parameter names, on CPU, on every rank (not a collective for
+    unsharded modules: a pipeline stage's part)."""
+    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
+    return apply_to_collection(state, Tensor, lambda t: t.detach().cpu())
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: Optimizer, state: dict[str, Any]) -> None:
@@ -69,3 +77,39 @@ def _merge_optimizer_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
         for group, part_group in zip(merged["param_groups"], part["param_groups"]):
             group["params"].extend(name for name in part_group["params"] if name not in group["params"])
     return merged
+
+
+def load_into_stages(module: nn.Module, state: dict[str, Any], whole_shapes: dict[str, tuple[int, ...]], strict: bool = True) -> None:
+    """Load a whole-model state into a module cut into pipeline stages (this rank's tensors only).
+
+    Args:
+        module: The staged module (tensors of other stages are ``None``).
+        state: A whole-model state dict (as any layout saves it).
+        whole_shapes: Name -> shape of every tensor of the whole module, recorded before it was cut.
+        strict: Refuse missing or unexpected names (shapes must always match).
+
+    Raises:
+        RuntimeError: Names or shapes differ; the message lists them. Nothing is loaded then.
+    """
+    missing = sorted(set(whole_shapes) - set(state))
+    unexpected = sorted(set(state) - set(whole_shapes))
+    mismatched = [f"{k}: {tuple(state[k].shape)} vs {whole_shapes[k]}" for k in whole_shapes if k in state and tuple(state[k].shape) != whole_shapes[k]]
+    if mismatched or (strict and (missing or unexpected)):
+        raise RuntimeError(
+            "The checkpoint does not fit this model: "
+            + "; ".join(
+                f"{label} {items[:8]}{' …' if len(items) > 8 else ''}"
+                for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched))
+                if items
+            )
+        )
+    local = module.state_dict().keys()
+    module.load_state_dict({k: state[k] for k in local if k in state}, strict=strict)
+
+
+def local_named_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The part of a name-keyed optimizer state that concerns the parameters ``names`` (one stage's)."""
+    return {
+        "state": {k: v for k, v in state["state"].items() if k in names},
+        "param_groups": [dict(g, params=[p for p in g["params"] if p in names]) for g in state["param_groups"]],
+    }

@@ -27,13 +27,14 @@ from recipes.data.chars import CharCorpusDataModule
 from recipes.data.images import SyntheticImagesDataModule
 from recipes.models.convnet import ConvNetLightningModule
 from recipes.models.gpt import GPTLightningModule
+from tests.regressor import RegressionData, Regressor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
 class JobSpec:
-    model: str = "gpt"  # gpt | convnet
+    model: str = "gpt"  # gpt | convnet | regressor (untraceable nn.Sequential) | regressor_loop (untraceable, no Sequential)
     strategy: str = "single"  # single | data | tensor | pipeline
     devices: int = 1
     batch_size: int = 4  # per data-parallel rank
@@ -203,6 +204,9 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
             vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=16, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step,
         )
+    elif spec.model in ("regressor", "regressor_loop"):
+        data = RegressionData(batch_size=spec.batch_size)
+        model = Regressor(sequential=spec.model == "regressor")
     elif spec.model == "convnet":
         data = SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
         model = ConvNetLightningModule(width=4, lr=0.1)

@@ -113,6 +113,43 @@ def local_stage_indices(spec: ScheduleSpec, pipeline_parallel_size: int, num_sta
     return [s for s, r in enumerate(stage_ranks(spec, pipeline_parallel_size, num_stages)) if r == pp_rank]
 
 
+def build_forward_only_schedule(
+    stages: Sequence[Any],
+    microbatches: int,
+    loss_fn: Callable[..., Any] | None,
+    stage_to_rank: Sequence[int],
+) -> Any:
+    """A forward-only schedule for evaluation over the same stages, whatever the training schedule.
+
+    Each rank runs its stages in order, all micro-batches of one stage before the next (GPipe's forward
+    half). Torch's V-shaped schedules cannot run forward-only (``eval()`` still steps through their
+    backward actions), so evaluation uses this for every schedule; it is built with torch's schedule
+    runtime, which adds the sends and receives.
+    """
+    runtime = torch_schedules._PipelineScheduleRuntime(
+        list(stages), n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+    placement = dict(enumerate(stage_to_rank))
+    # Torch validates action lists for backward actions, which a forward-only list lacks: set the
+    # placement and lower the list to sends/receives directly.
+    runtime.stage_index_to_group_rank = placement
+    for stage in stages:
+        stage.stage_index_to_group_rank = placement
+    forward = torch_schedules._ComputationType.FORWARD
+    actions = {
+        rank: [
+            torch_schedules._Action(stage, forward, mb)
+            for stage in sorted(s for s, r in enumerate(stage_to_rank) if r == rank)
+            for mb in range(microbatches)
+        ]
+        for rank in sorted(set(stage_to_rank))
+    }
+    runtime.pipeline_order_with_comms = torch_schedules._add_send_recv(
+        actions, stage_to_rank=lambda s: placement[s], num_stages=len(stage_to_rank)
+    )
+    return runtime
+
+
 def build_schedule(
     name: str,
     stages: Sequence[Any],

@@ -31,7 +31,7 @@ from torchmetrics import Metric
 
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_build import LocalPipeline, build_local_pipeline, check_split_points
-from lightning_parallel.parallelize.pipeline_schedule import build_schedule, stage_ranks
+from lightning_parallel.parallelize.pipeline_schedule import build_forward_only_schedule, build_schedule, stage_ranks
 from lightning_parallel.parallelize.pipeline_split import SplitPlan, plan_split
 
 #: Log reductions (``self.log(reduce_fx=...)``) and how micro-batch values combine under each.
@@ -100,6 +100,8 @@ class PipelineRunner:
         self._traced_meta: list[tuple[torch.dtype, tuple[int, ...]]] = []
         self._rows_per_batch = 0
         self._state: _StepState | None = None
+        #: Shape of every tensor of the whole LightningModule, recorded before it is cut (for loading checkpoints).
+        self.whole_shapes: dict[str, tuple[int, ...]] = {}
 
     @property
     def built(self) -> bool:
@@ -203,6 +205,7 @@ class PipelineRunner:
             )
         self.root_name = captured.name
         root = module.get_submodule(captured.name)
+        self.whole_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         example_args, example_kwargs = tree_map(
             lambda t: t.clone() if isinstance(t, Tensor) else t, _first_rows((captured.args, captured.kwargs), rows, rows // m)
         )
@@ -214,7 +217,7 @@ class PipelineRunner:
         self._rows_per_batch = rows
         self._traced_meta = [(t.dtype, tuple(t.shape[1:])) for t in _tensor_leaves((captured.args, captured.kwargs))]
         self._train_schedule = build_schedule(self.config.schedule, self.local.train_stages, m, self._loss_fn)
-        self._eval_schedule = build_schedule(self.config.schedule, self.local.eval_stages, m, self._loss_fn)
+        self._eval_schedule = build_forward_only_schedule(self.local.eval_stages, m, self._loss_fn, self.stage_to_rank)
         self.tied_groups = self._tied_groups()
         if on_build is not None:
             on_build(self.local)
@@ -238,11 +241,16 @@ class PipelineRunner:
             relative = [p[len(prefix) :] for p in points]
             check_split_points(root, relative, self.num_stages, self.root_name or "")
             return SplitPlan(tuple(relative))
-        # Measured balance differs between ranks: rank 0 decides and everyone follows.
+        # Measured balance differs between ranks: rank 0 decides and everyone follows (or fails with it).
         holder: list[Any] = [None]
         if dist.get_rank() == 0:
-            holder[0] = plan_split(root, self.num_stages, args, kwargs, self.config.balance)  # type: ignore[arg-type]
+            try:
+                holder[0] = plan_split(root, self.num_stages, args, kwargs, self.config.balance)  # type: ignore[arg-type]
+            except ValueError as error:
+                holder[0] = error
         dist.broadcast_object_list(holder, src=0)
+        if isinstance(holder[0], ValueError):
+            raise holder[0]
         return holder[0]
 
     def _tied_groups(self) -> list[tuple[str, dist.ProcessGroup]]:

@@ -20,6 +20,9 @@ from lightning_parallel.checkpoint import (
     is_named_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
+    load_into_stages,
+    local_named_optimizer_state,
+    named_optimizer_state,
 )
 
 
@@ -37,8 +40,9 @@ class WholeTensorCheckpointMixin:
         return super().lightning_module_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._refuse_after_staging("model weights")
-        if self._is_sharded:
+        if self._staged:
+            load_into_stages(self.lightning_module, checkpoint["state_dict"], self.pipeline_runner.whole_shapes, strict=strict)
+        elif self._is_sharded:
             load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
         else:
             super().load_model_state_dict(checkpoint, strict=strict)
@@ -47,14 +51,22 @@ class WholeTensorCheckpointMixin:
         if self._is_sharded:
             return full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
         if self._staged:
-            local = full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
+            local = named_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
             return gather_pipeline_parts(local, self.device_mesh["pp"].get_group())
         return super().optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        self._refuse_after_staging("optimizer state")
         states = checkpoint["optimizer_states"]
-        if not self._is_sharded and not any(is_named_optimizer_state(s) for s in states):
+        named = all(is_named_optimizer_state(s) for s in states)
+        if self._staged:
+            if not named:
+                raise RuntimeError(
+                    "This checkpoint's optimizer state is keyed by position, which cannot be matched to a model already "
+                    "cut into pipeline stages: pass ckpt_path to the first fit/validate/test/predict call of the Trainer."
+                )
+            names = {name for name, _ in self.lightning_module.named_parameters()}
+            states = [local_named_optimizer_state(s, names) for s in states]
+        elif not self._is_sharded and not named:
             super().load_optimizer_state_dict(checkpoint)
             return
         for optimizer, state in zip(self.optimizers, states):
@@ -65,13 +77,6 @@ class WholeTensorCheckpointMixin:
         """Whether the module has been cut into pipeline stages on this rank."""
         runner = self.pipeline_runner
         return runner is not None and runner.built
-
-    def _refuse_after_staging(self, what: str) -> None:
-        if self._staged:
-            raise RuntimeError(
-                f"Cannot load {what} into a module already cut into pipeline stages: pass ckpt_path to the first "
-                f"fit/validate/test/predict call of this Trainer (stages are built from its first batch)."
-            )
 
 
 def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:

@@ -63,3 +63,16 @@ def test_multirun_sweep_runs_each_job_once(tmp_path):
     assert "over 1 replica(s)" in output and "over 2 replica(s)" in output
     for job in ("0", "1"):
         assert any(row.get("train/loss") for row in metric_rows(tmp_path / job))
+
+
+def test_train_recipe_with_pipeline_experiment(tmp_path):
+    small = [arg for arg in SMALL if not arg.startswith(("model.n_layer", "data.batch_size"))]
+    proc = run_recipe(["experiment=gpt_pp2", *small, "model.n_layer=4", "data.batch_size=8", f"hydra.run.dir={tmp_path}"])
+    output = proc.stdout + proc.stderr
+    assert "layout dp=1 × tp=1 × pp=2 on gloo" in output
+    assert "pipeline of GPTLightningModule in 4 stages over pp=2" in output and "schedule=interleaved_1f1b" in output
+    assert "lightning_parallel summary: 3 steps" in output
+    # The loss is computed on the last stage (rank 1) but logged by rank 0, which writes the metrics.
+    rows = metric_rows(tmp_path)
+    assert any(row.get("train/loss") for row in rows)
+    assert any(row.get("val/loss") for row in rows)

@@ -44,12 +44,12 @@ def test_auto_plan_matches_single_device(accumulate, clip, tmp_path):
         assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", reference["states"][-1])
 
 
-def assert_checkpoint_holds_whole_tensors(path, expected_state):
-    """A checkpoint written under TP loads into the plain, unsplit module."""
+def assert_checkpoint_holds_whole_tensors(path, expected_state, n_layer=2):
+    """A checkpoint written under TP (or PP) loads into the plain, unsplit module."""
     from recipes.models.gpt import GPTLightningModule
 
     checkpoint = torch.load(path, weights_only=False)
-    plain = GPTLightningModule(vocab_size=128, block_size=8, n_layer=2, n_head=2, n_embd=16).double()
+    plain = GPTLightningModule(vocab_size=128, block_size=8, n_layer=n_layer, n_head=2, n_embd=16).double()
     plain.load_state_dict(checkpoint["state_dict"])  # strict: same keys, whole shapes
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(value, expected_state[name], rtol=0, atol=TOL)

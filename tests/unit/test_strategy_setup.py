@@ -69,9 +69,10 @@ def test_timeout_accepts_seconds_and_timedelta():
     assert DataParallelStrategy(timeout=timedelta(minutes=1))._timeout == timedelta(seconds=60)
 
 
-def test_engine_rejects_dimensions_it_cannot_apply_yet():
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
-        ParallelEngineStrategy(layout=ParallelLayout(data_parallel_size=-1, pipeline_parallel_size=2))
+def test_engine_rejects_combinations_it_cannot_apply_yet():
+    strategy = ParallelEngineStrategy(layout=ParallelLayout(data_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 with pipeline_parallel_size=2 is not supported yet"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     with pytest.raises(TypeError, match="layout must be a ParallelLayout"):
         ParallelEngineStrategy(layout={"data_parallel_size": 2})
 

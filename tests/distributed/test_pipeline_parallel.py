@@ -1,0 +1,123 @@
+"""PipelineParallelStrategy reproduces single-device training of the recipe GPT (float64), for every schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.test_data_parallel import TOL, assert_same_training
+from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
+from tests.harness import JobSpec, launch_worker, run_distributed, run_job
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 5
+BATCH = 8
+LAYERS = 4  # two virtual stages on each of two ranks need four blocks
+
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("interleaved_zero_bubble", 2),
+    ("zbv_zero_bubble", 2),
+    ("dualpipev", 2),
+]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_job(JobSpec(batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True))
+
+
+@pytest.mark.parametrize(("schedule", "stages_per_rank"), SCHEDULES, ids=[s for s, _ in SCHEDULES])
+def test_every_schedule_matches_single_device(schedule, stages_per_rank, reference, tmp_path):
+    round_trip = schedule == "1f1b"
+    result = run_distributed(
+        JobSpec(
+            strategy="pipeline", devices=2, batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True,
+            checkpoint_round_trip=round_trip,
+            strategy_kwargs={"pipeline_parallel_size": 2, "schedule": schedule, "stages_per_rank": stages_per_rank, "microbatches": 4},
+        ),
+        tmp_path,
+    )
+    assert_same_training(reference, result)
+    # The module's own self.log calls (micro-batch values combined) and validation equal single device.
+    assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
+    for key in ("val/loss", "val/accuracy"):
+        assert result["validation"][key] == pytest.approx(reference["validation"][key], abs=TOL), key
+    # Stage 0 holds half the blocks plus the embeddings, not the whole model.
+    assert result["param_bytes"] < 0.6 * reference["param_bytes"]
+    if round_trip:
+        # Gathered from both stages into one file that loads into the plain module; validated from it above.
+        assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", reference["states"][-1], n_layer=LAYERS)
+
+
+def test_data_parallel_replicas_of_a_pipeline_with_accumulation_and_clipping(tmp_path):
+    """pp=2 × dp=2 on 4 ranks, 2 micro-batches, accumulate 2, clipping: one device with the 2·2× batch."""
+    reference = run_job(JobSpec(batch_size=4 * 2 * 2, steps=STEPS, n_layer=LAYERS, gradient_clip_val=0.05))
+    result = run_distributed(
+        JobSpec(
+            strategy="pipeline", devices=4, batch_size=4, accumulate=2, steps=STEPS, n_layer=LAYERS, gradient_clip_val=0.05,
+            perturb_other_ranks=True, strategy_kwargs={"pipeline_parallel_size": 2, "microbatches": 2},
+        ),
+        tmp_path,
+    )
+    assert result["world_size"] == 4
+    assert_same_training(reference, result)
+    # Replicas average gradients once per optimizer step, not once per micro-step.
+    assert result["comm"]["rounds"] == STEPS
+
+
+def test_explicit_split_points_and_time_balance(tmp_path):
+    reference = run_job(JobSpec(batch_size=BATCH, steps=3, n_layer=LAYERS))
+    for options in ({"split_points": ["model.blocks.1"]}, {"balance": "time"}):
+        result = run_distributed(
+            JobSpec(strategy="pipeline", devices=2, batch_size=BATCH, steps=3, n_layer=LAYERS,
+                    strategy_kwargs={"pipeline_parallel_size": 2, "microbatches": 2, **options}),
+            tmp_path,
+        )
+        assert_same_training(reference, result, steps=3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (JobSpec(batch_size=6, strategy_kwargs={"microbatches": 4}), "The batch has 6 rows, which do not split into microbatches=4"),
+        (
+            JobSpec(n_layer=2, strategy_kwargs={"schedule": "interleaved_1f1b", "stages_per_rank": 2}),
+            "The pipeline needs 4 stages but model.blocks has only 2 layers",
+        ),
+        (JobSpec(strategy_kwargs={"split_points": ["model.blocks.7"]}), "split_points ['model.blocks.7'] name no submodule of RecordingGPT"),
+    ],
+    ids=["batch-not-divisible", "more-stages-than-layers", "unknown-split-point"],
+)
+def test_bad_pipeline_input_fails_clearly(spec, message, tmp_path):
+    spec.strategy, spec.devices, spec.steps = "pipeline", 2, 2
+    spec.strategy_kwargs = {"pipeline_parallel_size": 2, "microbatches": 2, "timeout": 30, **spec.strategy_kwargs}
+    proc = launch_worker(spec, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+def test_untraceable_sequential_is_sliced_and_a_short_last_batch_stays_exact(tmp_path):
+    """torch.export cannot trace the layers (data-dependent guard), so the nn.Sequential is sliced; 256
+    samples in batches of 12 end the epoch with a 4-row batch, padded to the traced 12 rows."""
+    steps = 22  # the whole epoch, the short batch last
+    reference = run_job(JobSpec(model="regressor", batch_size=12, steps=steps))
+    result = run_distributed(
+        JobSpec(model="regressor", strategy="pipeline", devices=2, batch_size=12, steps=steps,
+                strategy_kwargs={"pipeline_parallel_size": 2, "microbatches": 4}),
+        tmp_path,
+    )
+    assert_same_training(reference, result, steps=steps)
+    assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
+
+
+def test_untraceable_module_that_is_not_sequential_fails_clearly(tmp_path):
+    spec = JobSpec(model="regressor_loop", strategy="pipeline", devices=2, batch_size=8, steps=2,
+                   strategy_kwargs={"pipeline_parallel_size": 2, "microbatches": 2, "timeout": 30})
+    proc = launch_worker(spec, tmp_path, timeout=120)
+    assert proc.returncode != 0
+    assert "Pipeline parallelism could not trace LayerLoop.forward with torch.export" in proc.stderr
+    assert "keep the layers in an nn.Sequential" in proc.stderr
