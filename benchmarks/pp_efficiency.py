@@ -3,14 +3,17 @@
     python benchmarks/pp_efficiency.py      # ~10 min on 2 cores; writes benchmarks/results/pp_efficiency.{md,json}
 
 The recipe GPT (float32, 8 blocks) trains with the same global batch on one process × 1 thread
-(Lightning's SingleDeviceStrategy, the reference) and as a 2-stage pipeline on 2 processes × 1 thread
-(gloo) for each schedule and m = 2, 4, 8, 16 micro-batches. Reported per run:
+(Lightning's SingleDeviceStrategy) and as a 2-stage pipeline on 2 processes × 1 thread (gloo) for each
+schedule and m = 2, 4, 8, 16 micro-batches. Two single-device baselines: the whole batch at once, and the
+same m micro-batches one after another (``accumulate_grad_batches=m``: the same math and the same matmul
+sizes as the pipeline, since small micro-batches run much less efficiently on a CPU). Reported per run:
 
-- measured speedup S = T_single / T_pipeline and efficiency S / p;
-- the ideal efficiency if only the bubble cost time: m / (m + p − 1) for GPipe/1F1B, m·v / (m·v + p − 1)
-  with v virtual stages for the interleaved/looped schedules, 1 for the zero-bubble ones; the gap to it is
-  communication (activations cross processes through gloo), per-micro-batch overhead (small micro-batches
-  run the matmuls less efficiently) and stage imbalance;
+- speedup over the whole-batch single device, S = T_single / T_pipeline;
+- pipeline efficiency E = T_single(m micro-batches) / (p · T_pipeline): what the pipeline achieves over
+  running its own micro-batches on one device, against the ideal if only the bubble cost time:
+  m / (m + p − 1) for GPipe/1F1B, m·v / (m·v + p − 1) with v virtual stages for interleaved/looped, 1 for
+  the zero-bubble ones; the rest of the gap is communication (activations cross processes through gloo),
+  per-micro-batch overhead and stage imbalance;
 - per-rank parameter bytes relative to the whole model (target ≤ 0.55 for p = 2).
 """
 
@@ -67,8 +70,10 @@ def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path) 
 
     torch.set_num_threads(1)
     L.seed_everything(0)
+    accumulate, batch = 1, BATCH
     if variant == "single":
-        strategy, devices = "auto", 1
+        # m > 1: the same micro-batches as the pipeline, one after another.
+        strategy, devices, accumulate, batch = "auto", 1, microbatches, BATCH // microbatches
     else:
         strategy = PipelineParallelStrategy(
             STAGES, schedule=variant, microbatches=microbatches, stages_per_rank=SCHEDULES[variant]
@@ -90,7 +95,7 @@ def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path) 
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[ParameterBytes(), timer],
     )
-    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=BATCH, max_chars=400_000)
+    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=batch, max_chars=400_000)
     trainer.fit(GPTLightningModule(**MODEL), datamodule=data)
 
 
@@ -129,6 +134,14 @@ def main() -> None:
         t_single = median_step(single)
         whole_bytes = single["param_bytes_per_rank"][0]
         print(f"single device: median step {t_single * 1e3:.1f} ms", flush=True)
+        t_micro = {}
+        for m in counts:
+            micro = run("single", m)
+            if isinstance(micro, str):
+                raise RuntimeError(micro)
+            # A step of m accumulated micro-batches spans m batch ends; the mean keeps the optimizer step in.
+            t_micro[m] = statistics.mean(micro["step_times"]) * m
+            print(f"single device, {m} micro-batches of {BATCH // m}: {t_micro[m] * 1e3:.1f} ms per step", flush=True)
         for schedule in schedules:
             for m in counts:
                 result = run(schedule, m)
@@ -138,7 +151,8 @@ def main() -> None:
                 else:
                     t = median_step(result)
                     row.update(
-                        step_s=t, speedup=t_single / t, efficiency=t_single / t / STAGES,
+                        step_s=t, single_same_microbatches_s=t_micro[m], speedup=t_single / t,
+                        efficiency=t_micro[m] / t / STAGES,
                         param_share_per_rank=[b / whole_bytes for b in result["param_bytes_per_rank"]],
                     )
                 rows.append(row)
@@ -155,6 +169,7 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "setup": SETUP,
         "single_device_step_s": t_single,
+        "single_device_microbatched_step_s": t_micro,
         "runs": rows,
         "max_param_share_per_rank": max(max(r["param_share_per_rank"]) for r in measured) if measured else None,
     }
@@ -164,9 +179,11 @@ def main() -> None:
         "",
         f"Command: `{summary['command']}` · {summary['machine']}",
         "",
-        f"Setup: {SETUP}. Median step time after {args.warmup} warm-up steps. Single device: "
-        f"{t_single * 1e3:.1f} ms per step. Efficiency = speedup / 2; ideal = bubble-only bound "
-        "(m/(m+p−1) for GPipe/1F1B, m·v/(m·v+p−1) interleaved/looped, 1 zero-bubble).",
+        f"Setup: {SETUP}. Median step time after {args.warmup} warm-up steps. Single device, whole batch: "
+        f"{t_single * 1e3:.1f} ms per step; the same m micro-batches one after another: "
+        + ", ".join(f"m={m}: {t * 1e3:.0f} ms" for m, t in t_micro.items())
+        + ". Speedup = single whole batch / pipeline. Efficiency = single with the same micro-batches / (2 × pipeline); "
+        "ideal = bubble-only bound (m/(m+p−1) GPipe/1F1B, m·v/(m·v+p−1) interleaved/looped, 1 zero-bubble).",
         "",
         "| schedule | m | step (ms) | speedup | efficiency | ideal | measured / ideal | parameter share per rank |",
         "|---|---|---|---|---|---|---|---|",

@@ -43,7 +43,7 @@ class JobSpec:
     trainer_sync_batchnorm: bool = False
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     validate: bool = False
-    fail_rank: int | None = None  # raise on this global rank ...
+    predict: bool = False  # after validate: trainer.predict over the validation batches    fail_rank: int | None = None  # raise on this global rank ...
     fail_step: int = 2  # ... at this batch index
     gradient_clip_val: float | None = None
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
@@ -72,6 +72,10 @@ class RecordingGPT(GPTLightningModule):
         loss = super().training_step(batch, batch_idx)
         self.log("train/loss_synced", loss, sync_dist=True)
         return loss
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        idx, _ = batch
+        return self(idx).softmax(dim=-1)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -238,6 +242,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         sync_batchnorm=spec.trainer_sync_batchnorm,
         gradient_clip_val=spec.gradient_clip_val,
         limit_val_batches=4,
+        limit_predict_batches=3,
         num_sanity_val_steps=0,
         val_check_interval=None,
         check_val_every_n_epoch=None,
@@ -265,10 +270,13 @@ def run_job(spec: JobSpec, save_path: Path | None = None) -> dict[str, Any]:
     if spec.validate:
         validation = trainer.validate(model, datamodule=data, ckpt_path=ckpt_path, verbose=False)[0]
         result["validation"] = validation
+        if spec.predict:
+            result["predictions"] = torch.cat(trainer.predict(model, dataloaders=data.val_dataloader()))
         if save_path is not None and trainer.is_global_zero:
             # Under "spawn" the recorder wrote from a child process: add to what it saved.
             saved = torch.load(save_path, weights_only=False)
-            torch.save({**saved, "validation": validation}, save_path)
+            extra = {k: result[k] for k in ("validation", "predictions") if k in result}
+            torch.save({**saved, **extra}, save_path)
     return result
 
 

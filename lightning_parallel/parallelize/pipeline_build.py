@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.export.unflatten import InterpreterModule
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,12 @@ def _trace(
     was_training = module.training
     module.train(training)
     try:
-        return pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+        pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+        for submodule in pipe.split_gm.modules():
+            if isinstance(submodule, InterpreterModule):
+                # Run the generated Python code rather than torch.fx.Interpreter node by node (~15% faster).
+                submodule._run_with_interpreter = False
+        return pipe
     finally:
         module.train(was_training)
         # pipeline() marks split points by patching forward on the instances; undo it.

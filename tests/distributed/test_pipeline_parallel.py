@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
@@ -27,7 +28,7 @@ SCHEDULES = [
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_job(JobSpec(batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True))
+    return run_job(JobSpec(batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True, predict=True))
 
 
 @pytest.mark.parametrize(("schedule", "stages_per_rank"), SCHEDULES, ids=[s for s, _ in SCHEDULES])
@@ -36,7 +37,7 @@ def test_every_schedule_matches_single_device(schedule, stages_per_rank, referen
     result = run_distributed(
         JobSpec(
             strategy="pipeline", devices=2, batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True,
-            checkpoint_round_trip=round_trip,
+            checkpoint_round_trip=round_trip, predict=round_trip,
             strategy_kwargs={"pipeline_parallel_size": 2, "schedule": schedule, "stages_per_rank": stages_per_rank, "microbatches": 4},
         ),
         tmp_path,
@@ -49,6 +50,8 @@ def test_every_schedule_matches_single_device(schedule, stages_per_rank, referen
     # Stage 0 holds half the blocks plus the embeddings, not the whole model.
     assert result["param_bytes"] < 0.6 * reference["param_bytes"]
     if round_trip:
+        # trainer.predict runs through the pipeline too; every rank returns the predictions.
+        torch.testing.assert_close(result["predictions"], reference["predictions"], rtol=0, atol=TOL)
         # Gathered from both stages into one file that loads into the plain module; validated from it above.
         assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", reference["states"][-1], n_layer=LAYERS)
 
