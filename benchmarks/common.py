@@ -25,16 +25,16 @@ class StepTimer(L.Callback):
         self.times: list[float] = []
         self.last = 0.0
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 0:
             self.last = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         now = time.perf_counter()
         self.times.append(now - self.last)
         self.last = now
 
-    def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+    def on_train_end(self, trainer, pl_module):
         if trainer.is_global_zero:
             self.out.write_text(json.dumps({**self.extra, "step_times": self.times[self.warmup :], "world_size": trainer.world_size}))
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies  # noqa: E402
+from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies
 
 MODEL = {"vocab_size": 128, "block_size": 64, "n_layer": 8, "n_head": 4, "n_embd": 128}
 BATCH = 32
@@ -81,7 +81,7 @@ def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path) 
         devices = STAGES
 
     class ParameterBytes(L.Callback):
-        def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+        def on_train_end(self, trainer, pl_module):
             local = sum(p.numel() * p.element_size() for p in pl_module.parameters())
             per_rank = [local]
             if dist.is_initialized():
@@ -91,7 +91,8 @@ def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path) 
 
     timer = StepTimer(out, warmup)
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps + warmup, logger=False,
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps + warmup, accumulate_grad_batches=accumulate,
+        logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[ParameterBytes(), timer],
     )
@@ -116,29 +117,27 @@ def main() -> None:
     scratch = RESULTS / ".scratch"
     scratch.mkdir(parents=True, exist_ok=True)
 
-    def run(variant: str, m: int) -> dict | str:
+    def run(variant: str, m: int, required: bool = False) -> dict | str:
         worker_args = ["--worker", variant, "--m", str(m), "--steps", str(args.steps), "--warmup", str(args.warmup)]
         try:
             (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{variant}-{time.monotonic_ns()}.json"])
-        except RuntimeError as error:  # a schedule that cannot run this m: reported, not fatal
-            return str(error).strip().splitlines()[-1]
+        except RuntimeError as error:
+            if required:
+                raise
+            return str(error).strip().splitlines()[-1]  # a schedule that cannot run this m: reported, not fatal
         return result
 
     schedules = args.schedules.split(",")
     counts = [int(m) for m in args.microbatches.split(",")]
     rows = []
     try:
-        single = run("single", 1)
-        if isinstance(single, str):
-            raise RuntimeError(single)
+        single = run("single", 1, required=True)
         t_single = median_step(single)
         whole_bytes = single["param_bytes_per_rank"][0]
         print(f"single device: median step {t_single * 1e3:.1f} ms", flush=True)
         t_micro = {}
         for m in counts:
-            micro = run("single", m)
-            if isinstance(micro, str):
-                raise RuntimeError(micro)
+            micro = run("single", m, required=True)
             # A step of m accumulated micro-batches spans m batch ends; the mean keeps the optimizer step in.
             t_micro[m] = statistics.mean(micro["step_times"]) * m
             print(f"single device, {m} micro-batches of {BATCH // m}: {t_micro[m] * 1e3:.1f} ms per step", flush=True)
@@ -201,10 +200,12 @@ def main() -> None:
         best = max(measured, key=lambda r: r["efficiency"])
         lines += [
             "",
-            f"Best: {best['schedule']} with m={best['microbatches']} at efficiency {best['efficiency']:.2f}. "
-            f"Largest per-rank parameter share: {summary['max_param_share_per_rank']:.3f} of the whole model. "
-            f"Median measured/ideal: {statistics.median(r['efficiency'] / r['ideal_efficiency'] for r in measured):.2f}. "
-            "Raw figures: pp_efficiency.json.",
+            (
+                f"Best: {best['schedule']} with m={best['microbatches']} at efficiency {best['efficiency']:.2f}. "
+                f"Largest per-rank parameter share: {summary['max_param_share_per_rank']:.3f} of the whole model. "
+                f"Median measured/ideal: {statistics.median(r['efficiency'] / r['ideal_efficiency'] for r in measured):.2f}. "
+                "Raw figures: pp_efficiency.json."
+            ),
         ]
     lines.append("")
     (RESULTS / "pp_efficiency.md").write_text("\n".join(lines))

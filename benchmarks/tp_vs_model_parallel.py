@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies  # noqa: E402
+from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies
 
 VARIANTS = ("ours", "lightning", "ours_sp")
 MODEL = {"vocab_size": 128, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
@@ -52,7 +52,11 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
         """What a user of Lightning's ModelParallelStrategy writes: the plan, by hand, in configure_model."""
 
         def configure_model(self) -> None:
-            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
 
             tp_mesh = self.device_mesh["tensor_parallel"]
             for block in self.model.blocks:
@@ -69,12 +73,12 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
         def __init__(self, step: int) -> None:
             self.step, self.mode, self.counts = step, None, {}
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # noqa: ANN001
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == self.step:
                 self.mode = CommDebugMode()
                 self.mode.__enter__()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # noqa: ANN001
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if self.mode is not None and batch_idx == self.step:
                 self.mode.__exit__(None, None, None)
                 self.counts = {str(op).rsplit(".", 1)[-1]: n for op, n in self.mode.get_comm_counts().items()}
@@ -87,7 +91,7 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
     counter = CommCounter(step=warmup)
 
     class Extras(L.Callback):
-        def on_train_end(self, trainer, pl_module):  # noqa: ANN001
+        def on_train_end(self, trainer, pl_module):
             local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in pl_module.parameters())
             timer.extra.update({"variant": variant, "param_bytes_per_rank": local, "comm_counts": counter.counts})
 

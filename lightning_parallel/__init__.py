@@ -23,6 +23,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "COMM_HOOKS",
+    "SCHEDULES",
+    "STYLES",
     "CommStats",
     "DataParallelConfig",
     "DataParallelStrategy",
@@ -31,8 +33,6 @@ __all__ = [
     "PipelineConfig",
     "PipelineParallelStrategy",
     "RankCoordinates",
-    "SCHEDULES",
-    "STYLES",
     "TensorParallelConfig",
     "TensorParallelStrategy",
     "TrainingSummary",

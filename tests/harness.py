@@ -43,7 +43,8 @@ class JobSpec:
     trainer_sync_batchnorm: bool = False
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     validate: bool = False
-    predict: bool = False  # after validate: trainer.predict over the validation batches    fail_rank: int | None = None  # raise on this global rank ...
+    predict: bool = False  # after validate: trainer.predict over the validation batches
+    fail_rank: int | None = None  # raise on this global rank ...
     fail_step: int = 2  # ... at this batch index
     gradient_clip_val: float | None = None
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.

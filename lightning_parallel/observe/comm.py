@@ -61,7 +61,7 @@ def counting_comm_hook(
 
     # DDP inspects the hook's signature: the second parameter must be called ``bucket``, and annotations
     # are compared as objects (postponed string annotations would fail that check), so none are given.
-    def counted_hook(state, bucket):  # noqa: ANN001, ANN202
+    def counted_hook(state, bucket):
         stats.record(bucket)
         return hook(state, bucket)
 

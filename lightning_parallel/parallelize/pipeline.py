@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES, ScheduleSpec, check_schedule
+from lightning_parallel.parallelize.pipeline_schedule import (
+    SCHEDULES,
+    ScheduleSpec,
+    check_schedule,
+)
 from lightning_parallel.parallelize.pipeline_split import BALANCES
 
 

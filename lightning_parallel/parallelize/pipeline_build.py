@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -120,7 +121,7 @@ def build_local_pipeline(
     local = [s for s, r in enumerate(stage_to_rank) if r == pp_rank]
     try:
         train_pipe = _trace(module, example_args, example_kwargs, split_points, training=True)
-    except Exception as error:  # noqa: BLE001 - export raises many kinds; all mean "cannot trace"
+    except Exception as error:
         if isinstance(module, nn.Sequential):
             log.info("lightning_parallel: %s cannot be traced (%s); splitting the nn.Sequential by slicing.", type(module).__name__, error)
             return _slice_sequential(module, split_points, stage_to_rank, pp_rank, device, group)
@@ -223,9 +224,9 @@ def _slice_sequential(
             f"children ({', '.join(children)}); got {not_children}."
         )
     bounds = [0, *(children.index(p) for p in split_points), len(children)]
-    if any(a >= b for a, b in zip(bounds, bounds[1:])):
+    if any(a >= b for a, b in pairwise(bounds)):
         raise ValueError(f"split_points {list(split_points)} must be increasing children of the nn.Sequential.")
-    parts = [nn.Sequential(*list(module)[a:b]) for a, b in zip(bounds, bounds[1:])]
+    parts = [nn.Sequential(*list(module)[a:b]) for a, b in pairwise(bounds)]
     num_stages = len(parts)
     local = [s for s, r in enumerate(stage_to_rank) if r == pp_rank]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal
 
 import torch
@@ -126,7 +127,7 @@ def plan_split(
     costs = layer_costs(module, list(trunk.children()), example_args, example_kwargs, balance)
     starts = partition(costs, num_stages)
     bounds = [0, *starts, len(costs)]
-    stage_costs = tuple(sum(costs[a:b]) for a, b in zip(bounds, bounds[1:]))
+    stage_costs = tuple(sum(costs[a:b]) for a, b in pairwise(bounds))
     return SplitPlan(tuple(layers[i] for i in starts), stage_costs, balance)
 
 

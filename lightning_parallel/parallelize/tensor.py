@@ -180,7 +180,7 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     _check_tied_parameters(module, resolved)
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, sequence_parallel: bool = False) -> nn.Module:  # noqa: ANN001
+def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, sequence_parallel: bool = False) -> nn.Module:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` and shrink its attention head counts.
 
     Call :func:`check_plan` first; this assumes the sizes divide.
@@ -225,7 +225,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     return module
 
 
-def _whole_logits_in_eval(module: nn.Module, inputs: tuple, output):  # noqa: ANN001, ANN202
+def _whole_logits_in_eval(module: nn.Module, inputs: tuple, output):
     # Outside training (validation, test, predict: eval mode) users get ordinary logits back.
     from torch.distributed.tensor import DTensor
 

@@ -149,6 +149,7 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
         self._tensor_parallel_module: nn.Module | None = None
         self._pipeline = pipeline if pipeline is not None else PipelineConfig()
         self._pipeline_runner: PipelineRunner | None = None
+        self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
         self._sharded_units: list[nn.Module] = []
         self._accumulating = False
         self._loss_parallel = False
@@ -242,7 +243,7 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             self.num_nodes * self.num_processes,
             world_description=f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
         )
-        self._check_layout_support(self._layout)
+        self._check_pipeline_layout(self._layout)
         self._launcher = make_launcher(self, self._start_method, self.cluster_environment)
 
     @override
@@ -269,21 +270,6 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
                 f"{tuple(self.coordinates)}; the process group's ranks are not numbered as the launcher assigned them."
             )
         rank_zero_info(f"lightning_parallel: layout {self._layout.describe()} on {self._process_group_backend}")
-
-    def _check_layout_support(self, layout: ParallelLayout) -> None:
-        if layout.pipeline_parallel_size == 1:
-            return
-        if layout.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={layout.tensor_parallel_size} with pipeline_parallel_size="
-                f"{layout.pipeline_parallel_size} is not supported yet; use one of them (with data parallelism)."
-            )
-        if self._sync_batchnorm:
-            raise ValueError(
-                "sync_batchnorm=True is not supported with pipeline_parallel_size > 1 (a stage's batch statistics are "
-                "its micro-batch's); set sync_batchnorm=False."
-            )
-        self._pipeline.check(layout.pipeline_parallel_size)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size."""
@@ -325,25 +311,6 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             # Lightning clips through the precision plugin with torch's clip_grad_norm_, which refuses the
             # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
             self.precision_plugin.clip_grad_by_norm = clip_optimizer_grad_norm
-
-    def _setup_pipelined(self, trainer: Trainer, fitting: bool) -> None:
-        if not self.lightning_module.automatic_optimization:
-            raise ValueError(
-                "Pipeline parallelism runs backward inside its schedule, so it needs automatic optimization; "
-                f"{type(self.lightning_module).__name__} sets automatic_optimization=False."
-            )
-        if self._layer_sync is not None:
-            raise ValueError("Trainer(sync_batchnorm=True) is not supported with pipeline parallelism; remove it.")
-        # Stages are cut on the first batch (tracing needs real inputs); until then every rank holds the
-        # whole module, starting from rank 0's weights so that replicas agree.
-        if self._pipeline_runner is None or not self._pipeline_runner.built:
-            _sync_module_states(self.model)
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self._setup_pipeline()
 
     @property
     def _is_sharded(self) -> bool:
@@ -419,24 +386,6 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             return super().training_step(*args, **kwargs)
         with loss_parallel():
             return apply_to_collection(super().training_step(*args, **kwargs), DTensor, whole)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._is_pipelined:
-            return self._pipeline_step("validation_step", args, kwargs)
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._is_pipelined:
-            return self._pipeline_step("test_step", args, kwargs)
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._is_pipelined:
-            return self._pipeline_step("predict_step", args, kwargs)
-        return super().predict_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, *args: Any, **kwargs: Any) -> Tensor:

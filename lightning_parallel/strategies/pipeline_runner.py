@@ -16,7 +16,7 @@ never reach the user's step).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,22 +26,40 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
-from torchmetrics import Metric
+from torch.utils._pytree import tree_map
 
 from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.pipeline_build import LocalPipeline, build_local_pipeline, check_split_points
-from lightning_parallel.parallelize.pipeline_schedule import build_forward_only_schedule, build_schedule, stage_ranks
+from lightning_parallel.parallelize.pipeline_build import (
+    LocalPipeline,
+    build_local_pipeline,
+    check_split_points,
+)
+from lightning_parallel.parallelize.pipeline_schedule import (
+    build_forward_only_schedule,
+    build_schedule,
+    stage_ranks,
+)
 from lightning_parallel.parallelize.pipeline_split import SplitPlan, plan_split
+from lightning_parallel.strategies.microbatches import (
+    LogCall,
+    batch_rows,
+    combine,
+    combine_logs,
+    first_rows,
+    loss_of,
+    pad_rows,
+    split_rows,
+    tensor_leaves,
+    to_cpu,
+    zero_like_output,
+)
 
-#: Log reductions (``self.log(reduce_fx=...)``) and how micro-batch values combine under each.
-_SUMMED = {"sum", torch.sum}
-_MAXED = {"max", torch.max}
-_MINNED = {"min", torch.min}
 
+class _ForwardCaptured(BaseException):
+    """Raised from a forward pre-hook to stop the user's step once the model's inputs are known.
 
-class _ForwardCaptured(Exception):
-    """Raised from a forward pre-hook to stop the user's step once the model's inputs are known."""
+    A ``BaseException`` so that an ``except Exception`` in the user's step does not swallow it.
+    """
 
     def __init__(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__(name)
@@ -62,7 +80,7 @@ class _StepState:
     training: bool
     loss_scale: float
     outputs: dict[int, Any] = field(default_factory=dict)
-    logs: dict[int, list[tuple[str, Any, dict[str, Any]]]] = field(default_factory=dict)
+    logs: dict[int, list[LogCall]] = field(default_factory=dict)
 
 
 class PipelineRunner:
@@ -147,7 +165,7 @@ class PipelineRunner:
         state = _StepState(
             module=module,
             hook=hook,
-            batches=_split_rows(batch, total, rows),
+            batches=split_rows(batch, total, rows),
             rest_args=tuple(rest),
             rest_kwargs=kwargs,
             rows=rows,
@@ -162,7 +180,8 @@ class PipelineRunner:
             self._state = None
         payload = None
         if self.holds_last_stage:
-            payload = (_to_cpu(_combine([state.outputs.get(j) for j in range(len(rows))], rows)), _combine_logs(state))
+            output = combine([state.outputs.get(j) for j in range(len(rows))], rows)
+            payload = (to_cpu(output), combine_logs(state.logs, rows, module))
         output, logs = self._broadcast_from_last_stage(payload)
         self._replay_logs(module, logs)
         return apply_to_collection(output, Tensor, lambda t: t.to(self.device))
@@ -196,7 +215,7 @@ class PipelineRunner:
         )
 
     def _build(self, module: LightningModule, captured: _ForwardCaptured, on_build: Callable[[LocalPipeline], None] | None) -> None:
-        rows = _batch_rows(captured.args, captured.kwargs)
+        rows = batch_rows(captured.args, captured.kwargs)
         m = self.config.microbatches
         if rows % m != 0:
             raise ValueError(
@@ -207,7 +226,7 @@ class PipelineRunner:
         root = module.get_submodule(captured.name)
         self.whole_shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
         example_args, example_kwargs = tree_map(
-            lambda t: t.clone() if isinstance(t, Tensor) else t, _first_rows((captured.args, captured.kwargs), rows, rows // m)
+            lambda t: t.clone() if isinstance(t, Tensor) else t, first_rows((captured.args, captured.kwargs), rows, rows // m)
         )
         self.plan = self._split_plan(root, example_args, example_kwargs)
         self.local = build_local_pipeline(
@@ -215,7 +234,7 @@ class PipelineRunner:
             self.pp_group, chained=self.config.spec.placement == "v",
         )
         self._rows_per_batch = rows
-        self._traced_meta = [(t.dtype, tuple(t.shape[1:])) for t in _tensor_leaves((captured.args, captured.kwargs))]
+        self._traced_meta = [(t.dtype, tuple(t.shape[1:])) for t in tensor_leaves((captured.args, captured.kwargs))]
         self._train_schedule = build_schedule(self.config.schedule, self.local.train_stages, m, self._loss_fn)
         self._eval_schedule = build_forward_only_schedule(self.local.eval_stages, m, self._loss_fn, self.stage_to_rank)
         self.tied_groups = self._tied_groups()
@@ -270,8 +289,8 @@ class PipelineRunner:
 
     def _pad_to_traced(self, captured: _ForwardCaptured) -> tuple[tuple[Any, ...], dict[str, Any], list[int], int]:
         inputs = (captured.args, captured.kwargs)
-        total = _batch_rows(*inputs)
-        meta = [(t.dtype, tuple(t.shape[1:])) for t in _tensor_leaves(inputs)]
+        total = batch_rows(*inputs)
+        meta = [(t.dtype, tuple(t.shape[1:])) for t in tensor_leaves(inputs)]
         if meta != self._traced_meta or total > self._rows_per_batch:
             raise ValueError(
                 f"The pipeline was traced for model inputs {self._describe(self._traced_meta, self._rows_per_batch)} but this "
@@ -281,7 +300,7 @@ class PipelineRunner:
         per_microbatch = self._rows_per_batch // self.config.microbatches
         rows = [max(0, min(per_microbatch, total - j * per_microbatch)) for j in range(self.config.microbatches)]
         if total < self._rows_per_batch:
-            inputs = tree_map(lambda t: _pad_rows(t, total, self._rows_per_batch), inputs)
+            inputs = tree_map(lambda t: pad_rows(t, total, self._rows_per_batch), inputs)
         return inputs[0], inputs[1], rows, total
 
     @staticmethod
@@ -307,14 +326,14 @@ class PipelineRunner:
         rows = state.rows[index]
         if rows == 0:
             # A padding-only micro-batch: nothing of it reaches the user's step, and it adds no gradient.
-            return _zero_like_output(output) if state.training else torch.zeros((), device=self.device)
+            return zero_like_output(output) if state.training else torch.zeros((), device=self.device)
         if rows < self._rows_per_batch // self.config.microbatches:
             output = tree_map(lambda t: t[:rows] if isinstance(t, Tensor) else t, output)
         result = self._call_user_step(state, index, output)
         state.outputs[index] = apply_to_collection(result, Tensor, lambda t: t.detach())
         if not state.training:
             return torch.zeros((), device=self.device)
-        return _loss_of(result, state.hook) * (rows / state.total_rows * state.loss_scale)
+        return loss_of(result, state.hook) * (rows / state.total_rows * state.loss_scale)
 
     def _call_user_step(self, state: _StepState, index: int, output: Any) -> Any:
         module = state.module
@@ -330,7 +349,7 @@ class PipelineRunner:
                 )
             return output
 
-        records: list[tuple[str, Any, dict[str, Any]]] = []
+        records: list[LogCall] = []
 
         def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
             if args:
@@ -353,7 +372,7 @@ class PipelineRunner:
         dist.broadcast_object_list(holder, src=self.pp_global_ranks[self.stage_to_rank[-1]], group=self.pp_group)
         return holder[0]
 
-    def _replay_logs(self, module: LightningModule, logs: list[tuple[str, Any, dict[str, Any]]]) -> None:
+    def _replay_logs(self, module: LightningModule, logs: list[LogCall]) -> None:
         for name, value, options in logs:
             if isinstance(value, tuple) and len(value) == 2 and value[0] == "__metric__":
                 value = module.get_submodule(value[1])
@@ -378,110 +397,6 @@ class PipelineRunner:
             for t in self.local.tied
             if self.pp_rank in t.pp_ranks and t.owner_pp_rank != self.pp_rank
         ]
-
-
-def _loss_of(result: Any, hook: str) -> Tensor:
-    loss = result.get("loss") if isinstance(result, Mapping) else result
-    if not isinstance(loss, Tensor):
-        raise TypeError(
-            f"{hook} returned {type(result).__name__} for a micro-batch; under pipeline parallelism it must return the "
-            f"loss tensor (or a dict with a 'loss' tensor) for every batch — skipping a batch by returning None is not supported."
-        )
-    return loss
-
-
-def _combine(values: list[Any], weights: list[int]) -> Any:
-    """Micro-batch results as one batch's: scalars averaged by rows, batched tensors concatenated."""
-    present = [(v, w) for v, w in zip(values, weights) if v is not None and w > 0]
-    if not present:
-        return None
-    first = present[0][0]
-    if isinstance(first, Tensor):
-        if first.ndim == 0:
-            total = sum(w for _, w in present)
-            return sum(v.to(torch.float64) * w for v, w in present).div(total).to(first.dtype)
-        return torch.cat([v for v, _ in present])
-    if isinstance(first, Mapping):
-        return {k: _combine([v.get(k) if v is not None else None for v in values], weights) for k in first}
-    if isinstance(first, (list, tuple)) and not isinstance(first, str):
-        combined = [_combine([v[i] if v is not None else None for v in values], weights) for i in range(len(first))]
-        return type(first)(combined) if isinstance(first, list) else tuple(combined)
-    return present[-1][0]
-
-
-def _combine_logs(state: _StepState) -> list[tuple[str, Any, dict[str, Any]]]:
-    """One ``self.log`` call per name: micro-batch values combined by the log's ``reduce_fx``."""
-    order: list[str] = []
-    by_name: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
-    for index in sorted(state.logs):
-        for name, value, options in state.logs[index]:
-            if name not in by_name:
-                order.append(name)
-            by_name.setdefault(name, []).append((index, value, options))
-    metric_names = {id(m): name for name, m in state.module.named_modules() if isinstance(m, Metric)}
-    combined = []
-    for name in order:
-        entries = by_name[name]
-        value, options = entries[-1][1], entries[-1][2]
-        if isinstance(value, Metric):
-            # Metric objects are not sent: every rank logs its own copy, whose state syncs at compute().
-            combined.append((name, ("__metric__", metric_names[id(value)]), options))
-            continue
-        reduce_fx = options.get("reduce_fx", "mean")
-        values = [torch.as_tensor(v).detach() for _, v, _ in entries]
-        if reduce_fx in _SUMMED:
-            result = torch.stack(values).sum(0)
-        elif reduce_fx in _MAXED:
-            result = torch.stack(values).amax(0)
-        elif reduce_fx in _MINNED:
-            result = torch.stack(values).amin(0)
-        else:
-            result = _combine(values, [state.rows[i] for i, _, _ in entries])
-        combined.append((name, result.cpu(), options))
-    return combined
-
-
-def _split_rows(batch: Any, total: int, rows: list[int]) -> list[Any]:
-    """The batch cut into micro-batches of ``rows`` (tensors whose first dimension is the batch's)."""
-    leaves, spec = tree_flatten(batch)
-    split_leaves = [
-        torch.split(leaf, rows) if isinstance(leaf, Tensor) and leaf.ndim and leaf.shape[0] == total else None for leaf in leaves
-    ]
-    return [
-        spec.unflatten([parts[j] if parts is not None else leaf for leaf, parts in zip(leaves, split_leaves)])
-        for j in range(len(rows))
-    ]
-
-
-def _tensor_leaves(tree: Any) -> list[Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
-
-
-def _batch_rows(args: Any, kwargs: Any = None) -> int:
-    tensors = [t for t in _tensor_leaves((args, kwargs)) if t.ndim > 0]
-    if not tensors:
-        raise TypeError("The model is called without a batched tensor input; pipeline parallelism splits tensor inputs along dim 0.")
-    return tensors[0].shape[0]
-
-
-def _first_rows(tree: Any, total: int, rows: int) -> Any:
-    return tree_map(lambda t: t[:rows] if isinstance(t, Tensor) and t.ndim and t.shape[0] == total else t, tree)
-
-
-def _pad_rows(t: Any, total: int, target: int) -> Any:
-    if not isinstance(t, Tensor) or not t.ndim or t.shape[0] != total:
-        return t
-    # Repeat the last row: valid input (e.g. token ids) whose outputs are dropped before the user's step.
-    return torch.cat([t, t[-1:].expand(target - total, *t.shape[1:])])
-
-
-def _zero_like_output(output: Any) -> Tensor:
-    floats = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.is_floating_point()]
-    return sum(t.sum() * 0.0 for t in floats)
-
-
-def _to_cpu(value: Any) -> Any:
-    return apply_to_collection(value, Tensor, lambda t: t.cpu())
 
 
 def _restore(obj: Any, name: str, saved: Any) -> None:

@@ -1,9 +1,9 @@
 """The engine's pipeline part: step hooks through the schedule, gradients at the optimizer step, clipping.
 
 Mixed into :class:`~lightning_parallel.strategies.engine.ParallelEngineStrategy`, which provides
-``layout``, ``coordinates``, ``device_mesh``, ``root_device``, ``lightning_module``, ``optimizers``,
-``precision_plugin``, ``data_parallel_group``, ``_pipeline`` (the config), ``_accumulating`` and
-``_comm_stats``.
+``layout``, ``coordinates``, ``device_mesh``, ``root_device``, ``model``, ``lightning_module``,
+``optimizers``, ``precision_plugin``, ``data_parallel_group``, ``_pipeline`` (the config),
+``_sync_batchnorm``, ``_layer_sync``, ``_accumulating`` and ``_comm_stats``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,13 @@ from functools import partial
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from typing_extensions import override
 
+from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
@@ -32,7 +37,7 @@ class PipelineStepsMixin:
     """
 
     _pipeline_runner: PipelineRunner | None
-    _pending_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    _pending_gradients: list[tuple[torch.nn.Parameter, torch.Tensor]]
 
     @property
     def _is_pipelined(self) -> bool:
@@ -43,7 +48,43 @@ class PipelineStepsMixin:
         """This rank's pipeline (``None`` without pipeline parallelism or before setup)."""
         return self._pipeline_runner
 
-    def _setup_pipeline(self) -> None:
+    def _check_pipeline_layout(self, layout: ParallelLayout) -> None:
+        """Refuse, before any process starts, what pipelines cannot do (yet)."""
+        if layout.pipeline_parallel_size == 1:
+            return
+        if layout.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={layout.tensor_parallel_size} with pipeline_parallel_size="
+                f"{layout.pipeline_parallel_size} is not supported yet; use one of them (with data parallelism)."
+            )
+        if self._sync_batchnorm:
+            raise ValueError(
+                "sync_batchnorm=True is not supported with pipeline_parallel_size > 1 (a stage's batch statistics are "
+                "its micro-batch's); set sync_batchnorm=False."
+            )
+        self._pipeline.check(layout.pipeline_parallel_size)
+
+    def _setup_pipelined(self, trainer: Trainer, fitting: bool) -> None:
+        """The engine's ``setup`` under pipeline parallelism: no wrappers, optimizers, the runner."""
+        if not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "Pipeline parallelism runs backward inside its schedule, so it needs automatic optimization; "
+                f"{type(self.lightning_module).__name__} sets automatic_optimization=False."
+            )
+        if self._layer_sync is not None:
+            raise ValueError("Trainer(sync_batchnorm=True) is not supported with pipeline parallelism; remove it.")
+        # Stages are cut on the first batch (tracing needs real inputs); until then every rank holds the
+        # whole module, starting from rank 0's weights so that replicas agree.
+        if self._pipeline_runner is None or not self._pipeline_runner.built:
+            _sync_module_states(self.model)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        self._setup_runner()
+
+    def _setup_runner(self) -> None:
         if self._pipeline_runner is None:
             mesh = self.device_mesh
             self._pipeline_runner = PipelineRunner(
@@ -56,6 +97,24 @@ class PipelineStepsMixin:
             )
         # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.
         self.precision_plugin.clip_grad_by_norm = partial(_clip_pipeline, self)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_pipelined:
+            return self._pipeline_step("validation_step", args, kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_pipelined:
+            return self._pipeline_step("test_step", args, kwargs)
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._is_pipelined:
+            return self._pipeline_step("predict_step", args, kwargs)
+        return super().predict_step(*args, **kwargs)
 
     def _pipeline_step(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         runner = self._pipeline_runner

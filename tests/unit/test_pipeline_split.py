@@ -8,11 +8,23 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
-from lightning_parallel import SCHEDULES, ParallelLayout, PipelineConfig, PipelineParallelStrategy
+from lightning_parallel import (
+    SCHEDULES,
+    ParallelLayout,
+    PipelineParallelStrategy,
+)
 from lightning_parallel.parallelize.pipeline_build import check_split_points
-from lightning_parallel.parallelize.pipeline_schedule import check_schedule, local_stage_indices, stage_ranks
-from lightning_parallel.parallelize.pipeline_split import find_trunk, partition, plan_split
-from lightning_parallel.strategies.pipeline_runner import _combine
+from lightning_parallel.parallelize.pipeline_schedule import (
+    check_schedule,
+    local_stage_indices,
+    stage_ranks,
+)
+from lightning_parallel.parallelize.pipeline_split import (
+    find_trunk,
+    partition,
+    plan_split,
+)
+from lightning_parallel.strategies.microbatches import combine
 from recipes.models.gpt import GPT
 
 
@@ -126,7 +138,7 @@ def test_explicit_split_points_are_checked():
 def test_micro_batch_results_combine_into_the_batch_result():
     losses = [torch.tensor(1.0), torch.tensor(4.0)]
     # Weighted by rows: a 3-row and a 1-row micro-batch.
-    assert _combine(losses, [3, 1]) == pytest.approx(1.75)
-    combined = _combine([{"loss": torch.tensor(2.0), "pred": torch.ones(3, 2)}, {"loss": torch.tensor(4.0), "pred": torch.zeros(1, 2)}], [3, 1])
+    assert combine(losses, [3, 1]) == pytest.approx(1.75)
+    combined = combine([{"loss": torch.tensor(2.0), "pred": torch.ones(3, 2)}, {"loss": torch.tensor(4.0), "pred": torch.zeros(1, 2)}], [3, 1])
     assert combined["loss"] == pytest.approx(2.5) and combined["pred"].shape == (4, 2)
-    assert _combine([None, None], [1, 1]) is None
+    assert combine([None, None], [1, 1]) is None
