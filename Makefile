@@ -30,6 +30,7 @@ unit: venv
 benchmark: venv
 	$(PY) benchmarks/dp_vs_ddp.py
 	$(PY) benchmarks/tp_vs_model_parallel.py
+	$(PY) benchmarks/pp_efficiency.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs

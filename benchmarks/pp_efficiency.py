@@ -59,6 +59,15 @@ def ideal_efficiency(schedule: str, m: int, p: int = STAGES) -> float:
     return m * v / (m * v + p - 1)
 
 
+def median_accumulated_step(batch_times: list[float], m: int, warmup: int) -> float:
+    """Median time of an optimizer step made of m micro-batch ends (the optimizer step included)."""
+    # StepTimer dropped `warmup` batch ends: realign to whole steps before grouping.
+    skip = (-warmup) % m
+    times = batch_times[skip:]
+    steps = [sum(times[i : i + m]) for i in range(0, len(times) - m + 1, m)]
+    return statistics.median(steps)
+
+
 def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path) -> None:
     import lightning as L
     import torch
@@ -138,8 +147,7 @@ def main() -> None:
         t_micro = {}
         for m in counts:
             micro = run("single", m, required=True)
-            # A step of m accumulated micro-batches spans m batch ends; the mean keeps the optimizer step in.
-            t_micro[m] = statistics.mean(micro["step_times"]) * m
+            t_micro[m] = median_accumulated_step(micro["step_times"], m, args.warmup)
             print(f"single device, {m} micro-batches of {BATCH // m}: {t_micro[m] * 1e3:.1f} ms per step", flush=True)
         for schedule in schedules:
             for m in counts:
