@@ -44,6 +44,7 @@ class JobSpec:
     strategy_kwargs: dict[str, Any] = field(default_factory=dict)
     validate: bool = False
     predict: bool = False  # after validate: trainer.predict over the validation batches
+    sanity_val_steps: int = 0  # Lightning's default is 2: validation batches before training starts
     fail_rank: int | None = None  # raise on this global rank ...
     fail_step: int = 2  # ... at this batch index
     gradient_clip_val: float | None = None
@@ -244,7 +245,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         gradient_clip_val=spec.gradient_clip_val,
         limit_val_batches=4,
         limit_predict_batches=3,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=spec.sanity_val_steps,
         val_check_interval=None,
         check_val_every_n_epoch=None,
         callbacks=[recorder],

@@ -34,10 +34,12 @@ def reference():
 @pytest.mark.parametrize(("schedule", "stages_per_rank"), SCHEDULES, ids=[s for s, _ in SCHEDULES])
 def test_every_schedule_matches_single_device(schedule, stages_per_rank, reference, tmp_path):
     round_trip = schedule == "1f1b"
+    # With Lightning's default sanity check the pipeline is built from a validation batch, in inference mode.
+    sanity = 2 if schedule == "interleaved_1f1b" else 0
     result = run_distributed(
         JobSpec(
             strategy="pipeline", devices=2, batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True,
-            checkpoint_round_trip=round_trip, predict=round_trip,
+            checkpoint_round_trip=round_trip, predict=round_trip, sanity_val_steps=sanity,
             strategy_kwargs={"pipeline_parallel_size": 2, "schedule": schedule, "stages_per_rank": stages_per_rank, "microbatches": 4},
         ),
         tmp_path,
