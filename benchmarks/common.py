@@ -7,7 +7,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +62,11 @@ def run_worker_copies(script: Path, worker_args: list[str], outs: list[Path]) ->
 
 def median_step(result: dict[str, Any]) -> float:
     return statistics.median(result["step_times"])
+
+
+@contextmanager
+def scratch_dir() -> Iterator[Path]:
+    """A folder for the workers' JSON results, removed afterwards whatever happens."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=RESULTS, prefix=".scratch-") as folder:
+        yield Path(folder)

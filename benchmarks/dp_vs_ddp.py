@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies
+from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies, scratch_dir
 
 VARIANTS = ("ours", "ddp", "single", "pair")
 
@@ -138,14 +138,8 @@ def main() -> None:
         worker(args.worker, args.batch_size, args.steps, args.warmup, args.out)
         return
 
-    scratch = RESULTS / ".scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
-    try:
+    with scratch_dir() as scratch:
         results = [measure(int(b), args.rounds, args.steps, args.warmup, scratch) for b in args.batch_sizes.split(",")]
-    finally:
-        for leftover in scratch.iterdir():
-            leftover.unlink()
-        scratch.rmdir()
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
     command = f"python benchmarks/dp_vs_ddp.py --rounds {args.rounds} --steps {args.steps} --batch-sizes {args.batch_sizes}"

@@ -30,7 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies
+from benchmarks.common import (
+    RESULTS,
+    StepTimer,
+    median_step,
+    run_worker_copies,
+    scratch_dir,
+)
 
 MODEL = {"vocab_size": 128, "block_size": 64, "n_layer": 8, "n_head": 4, "n_embd": 128}
 BATCH = 32
@@ -137,8 +143,6 @@ def main() -> None:
         worker(args.worker, args.m, args.steps, args.warmup, args.out)
         return
 
-    scratch = RESULTS / ".scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
 
     def run(variant: str, m: int, required: bool = False) -> dict | str:
         worker_args = ["--worker", variant, "--m", str(m), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -153,7 +157,7 @@ def main() -> None:
     schedules = args.schedules.split(",")
     counts = [int(m) for m in args.microbatches.split(",")]
     rows = []
-    try:
+    with scratch_dir() as scratch:
         single = run("single", 1, required=True)
         t_single = median_step(single)
         whole_bytes = single["param_bytes_per_rank"][0]
@@ -179,10 +183,6 @@ def main() -> None:
                 rows.append(row)
                 shown = row.get("error") or f"step {row['step_s'] * 1e3:7.1f} ms, efficiency {row['efficiency']:.2f} (ideal {row['ideal_efficiency']:.2f})"
                 print(f"{schedule:24s} m={m:2d}: {shown}", flush=True)
-    finally:
-        for leftover in scratch.iterdir():
-            leftover.unlink()
-        scratch.rmdir()
 
     measured = [r for r in rows if "error" not in r]
     summary = {

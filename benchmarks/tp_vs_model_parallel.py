@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies
+from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies, scratch_dir
 
 VARIANTS = ("ours", "lightning", "ours_sp")
 MODEL = {"vocab_size": 128, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
@@ -117,20 +117,14 @@ def main() -> None:
         worker(args.worker, args.steps, args.warmup, args.out)
         return
 
-    scratch = RESULTS / ".scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    try:
+    with scratch_dir() as scratch:
         for round_index in range(args.rounds):
             for variant in VARIANTS:
                 worker_args = ["--worker", variant, "--steps", str(args.steps), "--warmup", str(args.warmup)]
                 (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{variant}-{time.monotonic_ns()}.json"])
                 runs[variant].append(result)
                 print(f"round {round_index + 1}/{args.rounds} {variant:9s} median step {median_step(result) * 1e3:7.1f} ms", flush=True)
-    finally:
-        for leftover in scratch.iterdir():
-            leftover.unlink()
-        scratch.rmdir()
 
     medians = {v: [median_step(r) for r in runs[v]] for v in VARIANTS}
     ratios = [o / lt for o, lt in zip(medians["ours"], medians["lightning"], strict=True)]

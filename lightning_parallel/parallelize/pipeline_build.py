@@ -25,6 +25,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
+from lightning_parallel.parallelize.pipeline_schedule import stages_on
+
 
 @dataclass(frozen=True)
 class TiedParameter:
@@ -117,12 +119,12 @@ def build_local_pipeline(
         ValueError: The split points do not produce ``len(stage_to_rank)`` stages.
     """
     num_stages = len(stage_to_rank)
-    local = [s for s, r in enumerate(stage_to_rank) if r == pp_rank]
+    local = stages_on(stage_to_rank, pp_rank)
     try:
         train_pipe = _trace(module, example_args, example_kwargs, split_points, training=True)
     except Exception as error:
         if isinstance(module, nn.Sequential):
-            result = _slice_sequential(module, split_points, stage_to_rank, pp_rank, device, group)
+            result = _slice_sequential(module, split_points, stage_to_rank, local, device, group)
             result.note = f"torch.export cannot trace it ({_root_cause(error)}), so the nn.Sequential is sliced"
             return result
         raise TypeError(
@@ -212,7 +214,7 @@ def _slice_sequential(
     module: nn.Sequential,
     split_points: Sequence[str],
     stage_to_rank: Sequence[int],
-    pp_rank: int,
+    local: list[int],
     device: torch.device,
     group: ProcessGroup,
 ) -> LocalPipeline:
@@ -228,7 +230,6 @@ def _slice_sequential(
         raise ValueError(f"split_points {list(split_points)} must be increasing children of the nn.Sequential.")
     parts = [nn.Sequential(*list(module)[a:b]) for a, b in pairwise(bounds)]
     num_stages = len(parts)
-    local = [s for s, r in enumerate(stage_to_rank) if r == pp_rank]
 
     def stage(s: int) -> PipelineStage:
         return PipelineStage(parts[s], s, num_stages, device, group=group)

@@ -25,7 +25,6 @@ class ScheduleSpec:
         placement: ``"loop"`` (round-robin) or ``"v"`` (rank r holds r and 2·pp−1−r).
         exact_stages_per_rank: Stages per rank the schedule requires, if it requires a number.
         min_microbatches_per_stage: Micro-batches needed per stage *in total* (``m >= this × stages``).
-        bubble: How the idle fraction is usually estimated, for the README and the benchmark.
     """
 
     torch_name: str
@@ -33,7 +32,6 @@ class ScheduleSpec:
     placement: Literal["loop", "v"] = "loop"
     exact_stages_per_rank: int | None = None
     min_microbatches_per_stage: int = 0
-    bubble: str = "(p-1)/(m+p-1)"
 
     @property
     def torch_class(self) -> type:
@@ -44,11 +42,11 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {
     "gpipe": ScheduleSpec("GPipe", multi_stage=False),
     "1f1b": ScheduleSpec("1F1B", multi_stage=False, min_microbatches_per_stage=1),
-    "interleaved_1f1b": ScheduleSpec("Interleaved1F1B", multi_stage=True, bubble="(p-1)/(v·m+p-1)"),
+    "interleaved_1f1b": ScheduleSpec("Interleaved1F1B", multi_stage=True),
     "looped_bfs": ScheduleSpec("LoopedBFS", multi_stage=True),
-    "interleaved_zero_bubble": ScheduleSpec("InterleavedZeroBubble", multi_stage=True, bubble="≈0 for m ≥ 2p"),
+    "interleaved_zero_bubble": ScheduleSpec("InterleavedZeroBubble", multi_stage=True),
     "zbv_zero_bubble": ScheduleSpec(
-        "ZBVZeroBubble", multi_stage=True, placement="v", exact_stages_per_rank=2, bubble="≈0 for m ≥ 2p"
+        "ZBVZeroBubble", multi_stage=True, placement="v", exact_stages_per_rank=2
     ),
     "dualpipev": ScheduleSpec(
         "DualPipeV",
@@ -56,7 +54,6 @@ SCHEDULES: dict[str, ScheduleSpec] = {
         placement="v",
         exact_stages_per_rank=2,
         min_microbatches_per_stage=1,
-        bubble="≈0 for m ≥ 2p",
     ),
 }
 
@@ -108,9 +105,9 @@ def stage_ranks(spec: ScheduleSpec, pipeline_parallel_size: int, num_stages: int
     return [s % pipeline_parallel_size for s in range(num_stages)]
 
 
-def local_stage_indices(spec: ScheduleSpec, pipeline_parallel_size: int, num_stages: int, pp_rank: int) -> list[int]:
+def stages_on(stage_to_rank: Sequence[int], pp_rank: int) -> list[int]:
     """The stage indices pipeline rank ``pp_rank`` holds, in increasing order."""
-    return [s for s, r in enumerate(stage_ranks(spec, pipeline_parallel_size, num_stages)) if r == pp_rank]
+    return [s for s, r in enumerate(stage_to_rank) if r == pp_rank]
 
 
 def build_forward_only_schedule(
@@ -139,7 +136,7 @@ def build_forward_only_schedule(
     actions = {
         rank: [
             torch_schedules._Action(stage, forward, mb)
-            for stage in sorted(s for s, r in enumerate(stage_to_rank) if r == rank)
+            for stage in stages_on(stage_to_rank, rank)
             for mb in range(microbatches)
         ]
         for rank in sorted(set(stage_to_rank))

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from typing_extensions import override
 
@@ -23,6 +22,7 @@ from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
+from lightning_parallel.strategies.whole_state import unwrap_optimizer
 
 #: Lightning hooks that run through the pipeline, and whether they train.
 PIPELINED_HOOKS = {"training_step": True, "validation_step": False, "test_step": False, "predict_step": False}
@@ -145,7 +145,7 @@ class PipelineStepsMixin:
 
     def _on_pipeline_built(self, local: LocalPipeline) -> None:
         for optimizer in self.optimizers:
-            remap_optimizer(_unwrap(optimizer), local.replaced)
+            remap_optimizer(unwrap_optimizer(optimizer), local.replaced)
 
     def _reduce_pipeline_gradients(self) -> None:
         runner = self._pipeline_runner
@@ -170,7 +170,3 @@ def _clip_pipeline(strategy: PipelineStepsMixin, optimizer: torch.optim.Optimize
     duplicates = runner.norm_duplicates(strategy.lightning_module) if runner is not None else []
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     clip_grad_norm_(parameters, clip_val, exclude_from_norm=duplicates, sum_over=strategy.device_mesh["pp"].get_group())
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

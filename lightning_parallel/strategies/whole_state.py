@@ -49,9 +49,9 @@ class WholeTensorCheckpointMixin:
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if self._is_sharded:
-            return full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
+            return full_optimizer_state(self.lightning_module, unwrap_optimizer(optimizer))
         if self._staged:
-            local = named_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer))
+            local = named_optimizer_state(self.lightning_module, unwrap_optimizer(optimizer))
             return gather_pipeline_parts(local, self.device_mesh["pp"].get_group())
         return super().optimizer_state(optimizer)
 
@@ -70,7 +70,7 @@ class WholeTensorCheckpointMixin:
             super().load_optimizer_state_dict(checkpoint)
             return
         for optimizer, state in zip(self.optimizers, states):
-            load_full_optimizer_state(self.lightning_module, _unwrap_optimizer(optimizer), state)
+            load_full_optimizer_state(self.lightning_module, unwrap_optimizer(optimizer), state)
 
     @property
     def _staged(self) -> bool:
@@ -79,5 +79,6 @@ class WholeTensorCheckpointMixin:
         return runner is not None and runner.built
 
 
-def _unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

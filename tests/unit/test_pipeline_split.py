@@ -16,8 +16,8 @@ from lightning_parallel import (
 from lightning_parallel.parallelize.pipeline_build import check_split_points
 from lightning_parallel.parallelize.pipeline_schedule import (
     check_schedule,
-    local_stage_indices,
     stage_ranks,
+    stages_on,
 )
 from lightning_parallel.parallelize.pipeline_split import (
     find_trunk,
@@ -77,7 +77,7 @@ def test_pipeline_strategy_wiring():
 def test_stage_placement_loop_and_v():
     assert stage_ranks(SCHEDULES["interleaved_1f1b"], 2, 4) == [0, 1, 0, 1]
     assert stage_ranks(SCHEDULES["zbv_zero_bubble"], 2, 4) == [0, 1, 1, 0]
-    assert local_stage_indices(SCHEDULES["dualpipev"], 4, 8, 1) == [1, 6]
+    assert stages_on(stage_ranks(SCHEDULES["dualpipev"], 4, 8), 1) == [1, 6]
 
 
 @pytest.mark.parametrize(
