@@ -7,12 +7,17 @@ Importing the package registers the strategy names with Lightning, so
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.observe.summary import TrainingSummary
-from lightning_parallel.parallelize.data import COMM_HOOKS, DataParallelConfig
+from lightning_parallel.parallelize.data import (
+    COMM_HOOKS,
+    DATA_PARALLEL_MODES,
+    DataParallelConfig,
+)
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES
 from lightning_parallel.parallelize.tensor import STYLES, TensorParallelConfig
 from lightning_parallel.strategies import (
     DataParallelStrategy,
+    HybridParallelStrategy,
     ParallelEngineStrategy,
     PipelineParallelStrategy,
     TensorParallelStrategy,
@@ -23,11 +28,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "COMM_HOOKS",
+    "DATA_PARALLEL_MODES",
     "SCHEDULES",
     "STYLES",
     "CommStats",
     "DataParallelConfig",
     "DataParallelStrategy",
+    "HybridParallelStrategy",
     "ParallelEngineStrategy",
     "ParallelLayout",
     "PipelineConfig",

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_parallel.parallelize.stage_tensor import copy_whole_into
+
 
 def full_model_state(module: nn.Module) -> dict[str, Any]:
     """Unsharded model state (a collective: call on every rank)."""
@@ -103,8 +105,10 @@ def load_into_stages(module: nn.Module, state: dict[str, Any], whole_shapes: dic
                 if items
             )
         )
-    local = module.state_dict().keys()
-    module.load_state_dict({k: state[k] for k in local if k in state}, strict=strict)
+    # In place, so tensor-parallel stages (DTensors) keep their placement: each rank copies its part.
+    for name, target in module.state_dict().items():
+        if name in state:
+            copy_whole_into(target, state[name])
 
 
 def local_named_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:

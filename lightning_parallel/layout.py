@@ -142,12 +142,34 @@ class ParallelLayout:
             ranks.append((coords["pp"] * self.data_parallel_size + coords["dp"]) * self.tensor_parallel_size + coords["tp"])
         return ranks
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """Create the ``(pp, dp, tp)`` DeviceMesh; the default process group must already exist."""
+    def build_mesh(self, device_type: str, data_parallel_shard_size: int = 1) -> DeviceMesh:
+        """Create the DeviceMesh; the default process group must already exist.
+
+        Its dimensions are ``(pp, dp_replicate, dp_shard, tp)``, with ``dp`` the two data-parallel
+        dimensions flattened (``dp_replicate × dp_shard = data_parallel_size``, shard ranks adjacent):
+        ``mesh["dp"]``, ``mesh["tp"]``, ``mesh["pp"]`` are the groups above, and
+        ``mesh["dp_replicate", "dp_shard"]`` is what hybrid sharding (HSDP) replicates and shards over.
+
+        Raises:
+            ValueError: ``data_parallel_shard_size`` does not divide ``data_parallel_size``.
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         self._require_resolved("build_mesh")
-        return init_device_mesh(device_type, self.sizes, mesh_dim_names=MESH_DIM_NAMES)
+        if data_parallel_shard_size < 1 or self.data_parallel_size % data_parallel_shard_size != 0:
+            raise ValueError(
+                f"data_parallel_shard_size={data_parallel_shard_size} must divide data_parallel_size="
+                f"{self.data_parallel_size} (replicas × shards = data-parallel ranks)."
+            )
+        shape = (
+            self.pipeline_parallel_size,
+            self.data_parallel_size // data_parallel_shard_size,
+            data_parallel_shard_size,
+            self.tensor_parallel_size,
+        )
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
 
     def _require_resolved(self, what: str) -> None:
         if not self.is_resolved:

@@ -35,7 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @dataclass
 class JobSpec:
     model: str = "gpt"  # gpt | convnet | regressor (untraceable nn.Sequential) | regressor_loop (untraceable, no Sequential)
-    strategy: str = "single"  # single | data | tensor | pipeline
+    strategy: str = "single"  # single | data | tensor | pipeline | hybrid
     devices: int = 1
     batch_size: int = 4  # per data-parallel rank
     accumulate: int = 1
@@ -231,6 +231,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         strategy = lightning_parallel.TensorParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
     elif spec.strategy == "pipeline":
         strategy = lightning_parallel.PipelineParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
+    elif spec.strategy == "hybrid":
+        strategy = lightning_parallel.HybridParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
     else:
         raise ValueError(f"unknown strategy {spec.strategy!r}")
     recorder = Recorder(save_path)

@@ -29,11 +29,28 @@ COMM_HOOKS: dict[str, str] = {
 }
 
 
+#: How data-parallel replicas hold the model, and the ZeRO stage each corresponds to.
+DATA_PARALLEL_MODES: dict[str, str] = {
+    "replicate": "every replica holds all parameters, gradients and optimizer state; gradients all-reduced "
+    "(DDP; ZeRO stage 0)",
+    "shard": "parameters, gradients and optimizer state sharded over the replicas, parameters gathered per "
+    "block for forward/backward, gradients reduce-scattered (FSDP2 fully_shard; ZeRO stage 3, or stage 2 "
+    "with reshard_after_forward=False)",
+    "hybrid_shard": "sharded within groups of data_parallel_shard_size ranks (a node), replicated across "
+    "groups (FSDP2 HSDP; ZeRO-3 inside a node, all-reduce between nodes)",
+}
+
+
 @dataclass(frozen=True)
 class DataParallelConfig:
-    """Options of the data-parallel dimension, as torch's DistributedDataParallel names them.
+    """Options of the data-parallel dimension, as torch's DistributedDataParallel and FSDP2 name them.
 
     Args:
+        mode: One of :data:`DATA_PARALLEL_MODES`.
+        shard_size: With ``mode="hybrid_shard"``: ranks that shard one replica (``-1``: the data-parallel
+            ranks of one node).
+        reshard_after_forward: Sharded modes: free gathered parameters after forward and gather them again
+            for backward (ZeRO-3, least memory); ``False`` keeps them until backward (ZeRO-2-like, less traffic).
         bucket_cap_mb: Gradient bucket size; larger buckets mean fewer, bigger all-reduces.
         find_unused_parameters: Tolerate parameters that get no gradient in some steps (costs a graph walk).
         static_graph: Promise that the set of used parameters never changes (enables optimizations).
@@ -44,6 +61,9 @@ class DataParallelConfig:
             PowerSGD's error feedback needs a warm start).
     """
 
+    mode: str = "replicate"
+    shard_size: int = -1
+    reshard_after_forward: bool = True
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
     static_graph: bool = False
@@ -53,6 +73,15 @@ class DataParallelConfig:
     powersgd_start_iter: int = 1000
 
     def __post_init__(self) -> None:
+        if self.mode not in DATA_PARALLEL_MODES:
+            raise ValueError(f"data_parallel_mode={self.mode!r} is unknown. Choose one of: {', '.join(DATA_PARALLEL_MODES)}.")
+        if isinstance(self.shard_size, bool) or not isinstance(self.shard_size, int) or (self.shard_size < 1 and self.shard_size != -1):
+            raise ValueError(f"data_parallel_shard_size={self.shard_size!r} must be a positive int, or -1 (the ranks of one node).")
+        if self.mode != "replicate" and self.comm_hook != "allreduce":
+            raise ValueError(
+                f"comm_hook={self.comm_hook!r} is a DDP gradient hook and only applies to data_parallel_mode='replicate' "
+                f"(got {self.mode!r}). Set comm_hook='allreduce' or data_parallel_mode='replicate'."
+            )
         if self.comm_hook not in COMM_HOOKS:
             raise ValueError(
                 f"comm_hook={self.comm_hook!r} is unknown. Choose one of: {', '.join(COMM_HOOKS)}."
@@ -66,6 +95,29 @@ class DataParallelConfig:
                 f"powersgd_start_iter={self.powersgd_start_iter} must be >= 2: PowerSGD's error feedback needs at "
                 f"least one exact all-reduce step first."
             )
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether replicas shard the model state (FSDP2) rather than each holding all of it."""
+        return self.mode != "replicate"
+
+    def resolve_shard_size(self, data_parallel_size: int, data_parallel_per_node: int) -> int:
+        """Ranks each replica's state is sharded over: 1 (replicate), all (shard), or a node's (hybrid_shard).
+
+        Raises:
+            ValueError: The shard size does not divide the data-parallel size.
+        """
+        if self.mode == "replicate":
+            return 1
+        if self.mode == "shard":
+            return data_parallel_size
+        size = data_parallel_per_node if self.shard_size == -1 else self.shard_size
+        if size < 1 or data_parallel_size % size != 0:
+            raise ValueError(
+                f"data_parallel_mode='hybrid_shard' shards over data_parallel_shard_size={size} ranks, which must divide "
+                f"data_parallel_size={data_parallel_size}. Choose a shard size that divides it (e.g. the GPUs of a node)."
+            )
+        return size
 
     def check_backend(self, backend: str) -> None:
         """Reject hooks the process-group backend cannot run, before any model is wrapped."""

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 
 def sum_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> int:
@@ -31,7 +32,8 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
     """Average gradients over data-parallel replicas: one all-reduce per dtype. Returns the bytes sent.
 
     Parameters without a gradient are skipped, as DDP with ``find_unused_parameters`` would; every
-    replica holds the same stages, so they agree on which those are.
+    replica holds the same stages, so they agree on which those are. DTensor gradients (tensor-parallel
+    stages) average their local parts: the replicas hold the same parts.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     return _all_reduce_flat(grads, group, dist.ReduceOp.SUM, divide_by=dist.get_world_size(group))
@@ -41,6 +43,10 @@ def _all_reduce_flat(grads: list[Tensor], group: dist.ProcessGroup, op: dist.Red
     sent = 0
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for grad in grads:
+        if isinstance(grad, DTensor):
+            if any(p.is_partial() for p in grad.placements):
+                raise RuntimeError("Partial-sum DTensor gradients must be reduced over their mesh before the replicas average them.")
+            grad = grad._local_tensor  # the part this rank holds; updated in place below
         by_kind.setdefault((grad.dtype, grad.device), []).append(grad)
     for same_kind in by_kind.values():
         # One flat buffer per dtype: a single collective instead of one per parameter.

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 
 from lightning_parallel.parallelize.pipeline_schedule import stages_on
+from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def build_local_pipeline(
     device: torch.device,
     group: ProcessGroup,
     chained: bool = False,
+    tensor_parallel: StageTensorParallel | None = None,
 ) -> LocalPipeline:
     """Split ``module`` at ``split_points`` and build this rank's stages; rebinds ``module`` (see module doc).
 
@@ -113,6 +115,7 @@ def build_local_pipeline(
         chained: Build plain ``PipelineStage``s that pass activations from each stage to the next one only
             (what V-shaped schedules need: there two consecutive stages share a rank, and only those stages
             hand activations over in memory). The traced stages are checked to form such a chain.
+        tensor_parallel: Split this rank's stages over a tensor-parallel mesh (traced stages only).
 
     Raises:
         TypeError: The module can be neither traced nor sliced.
@@ -123,14 +126,19 @@ def build_local_pipeline(
     try:
         train_pipe = _trace(module, example_args, example_kwargs, split_points, training=True)
     except Exception as error:
-        if isinstance(module, nn.Sequential):
+        if isinstance(module, nn.Sequential) and tensor_parallel is None:
             result = _slice_sequential(module, split_points, stage_to_rank, local, device, group)
             result.note = f"torch.export cannot trace it ({_root_cause(error)}), so the nn.Sequential is sliced"
             return result
+        fallback = (
+            "with tensor parallelism stages must be traced (an nn.Sequential is sliced only without it)"
+            if tensor_parallel is not None
+            else "or keep the layers in an nn.Sequential, which is split without tracing"
+        )
         raise TypeError(
             f"Pipeline parallelism could not trace {type(module).__name__}.forward with torch.export: "
             f"{_root_cause(error)}. Make forward traceable (no Python control flow on tensor values, no calls "
-            f"torch.export cannot capture), or keep the layers in an nn.Sequential, which is split without tracing."
+            f"torch.export cannot capture); {fallback}."
         ) from error
     if train_pipe.num_stages != num_stages:
         raise ValueError(
@@ -148,6 +156,9 @@ def build_local_pipeline(
         _share(train_pipe.get_stage_module(s), originals, canonical)
     for s in local:
         _share(eval_pipe.get_stage_module(s), originals, canonical)
+    if tensor_parallel is not None:
+        stage_modules = [pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local]
+        _split_over_tensor_parallel(stage_modules, originals, canonical, tensor_parallel)
     if chained:
         _check_chain(train_pipe, type(module).__name__)
         train_stages = [PipelineStage(train_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
@@ -185,6 +196,27 @@ def _trace(
                 submodule.__dict__.pop("forward", None)
             else:
                 submodule.forward = forward
+
+
+def _split_over_tensor_parallel(
+    stage_modules: list[nn.Module], originals: dict[str, Tensor], canonical: dict[int, Tensor], tp: StageTensorParallel
+) -> None:
+    """Replace this rank's parameters by DTensors placed by the plan, in every stage module and in ``canonical``."""
+    name_of: dict[int, str] = {}
+    for name, tensor in originals.items():
+        name_of.setdefault(id(tensor), name)
+    placed = {
+        id(tensor): tp.distribute(name_of[key], tensor)
+        for key, tensor in canonical.items()
+        if isinstance(tensor, nn.Parameter) and key in name_of
+    }
+    for stage_module in stage_modules:
+        for name, tensor in list(_named_tensors(stage_module)):
+            if id(tensor) in placed:
+                _set_by_name(stage_module, name, placed[id(tensor)])
+        tp.wrap(stage_module)
+    for key, tensor in list(canonical.items()):
+        canonical[key] = placed.get(id(tensor), tensor)
 
 
 def _check_chain(pipe: Any, module_name: str) -> None:

@@ -1,8 +1,9 @@
-"""Data parallelism over parameters that are already DTensors: FSDP2 ``fully_shard`` on the dp mesh.
+"""Sharded data parallelism: FSDP2 ``fully_shard`` on the data-parallel part of the DeviceMesh.
 
-DDP cannot replicate DTensor parameters, so once tensor parallelism has split a module, its data-parallel
-replicas are formed with FSDP2 over the ``dp`` dimension of the same DeviceMesh (parameters, gradients
-and optimizer state sharded over the replicas, i.e. ZeRO-3). No Lightning here.
+Used for ``data_parallel_mode="shard"`` (a 1-D mesh: ZeRO-3), ``"hybrid_shard"`` (a 2-D
+``(replicate, shard)`` mesh: HSDP), and for replicas of tensor-parallel modules, whose DTensor parameters
+DDP cannot take (``"replicate"`` there is HSDP with shards of one rank: all-reduce, no sharding). No
+Lightning here.
 """
 
 from __future__ import annotations
@@ -11,11 +12,18 @@ from collections.abc import Iterator
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def shard_over_data_parallel(root: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Module]:
+def shard_over_data_parallel(
+    root: nn.Module,
+    dp_mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> list[nn.Module]:
     """Apply ``fully_shard`` to the parameter-holding children of ``root``; returns the sharded units.
+
+    ``dp_mesh`` is 1-D (shard over it) or 2-D ``(replicate, shard)`` (HSDP).
 
     ``root`` itself is not sharded: its entry points (e.g. a LightningModule's ``training_step``) are not
     its ``forward``, so FSDP's hooks would never run on it. Instead each direct child that owns
@@ -31,6 +39,7 @@ def shard_over_data_parallel(root: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Mo
             f"{type(root).__name__} holds parameters directly ({', '.join(direct)}); with data parallelism over "
             f"split (DTensor) parameters they must live in a submodule. Move them into an nn.Module attribute."
         )
+    options = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     units: list[nn.Module] = []
     for child in root.children():
         if not any(True for _ in child.parameters()):
@@ -38,9 +47,9 @@ def shard_over_data_parallel(root: nn.Module, dp_mesh: DeviceMesh) -> list[nn.Mo
         for block_list in _module_lists(child):
             for block in block_list:
                 if any(True for _ in block.parameters()):
-                    fully_shard(block, mesh=dp_mesh)
+                    fully_shard(block, **options)
                     units.append(block)
-        fully_shard(child, mesh=dp_mesh)
+        fully_shard(child, **options)
         units.append(child)
     return units
 

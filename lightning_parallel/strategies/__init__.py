@@ -4,6 +4,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_parallel.strategies.data import DataParallelStrategy
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
+from lightning_parallel.strategies.hybrid import HybridParallelStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.tensor import TensorParallelStrategy
 
@@ -26,6 +27,12 @@ def _register() -> None:
             description=f"lightning_parallel tensor parallelism (automatic Megatron-style plan), start_method={start_method!r}: {when}",
             start_method=start_method,
         )
+        HybridParallelStrategy.register_as(
+            StrategyRegistry,
+            f"hybrid_parallel{suffix}",
+            description=f"lightning_parallel dp × tp × pp on one DeviceMesh, start_method={start_method!r}: {when}",
+            start_method=start_method,
+        )
         PipelineParallelStrategy.register_as(
             StrategyRegistry,
             f"pipeline_parallel{suffix}",
@@ -36,4 +43,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["DataParallelStrategy", "ParallelEngineStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]
+__all__ = ["DataParallelStrategy", "HybridParallelStrategy", "ParallelEngineStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]

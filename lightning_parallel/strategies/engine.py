@@ -8,7 +8,7 @@ and those that follow) are thin presets of it, so every layout shares the same g
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -54,6 +54,11 @@ from lightning_parallel.parallelize.batchnorm import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
 )
+from lightning_parallel.parallelize.checkpointing import (
+    apply_activation_checkpointing,
+    checkpoint_targets,
+    normalize_patterns,
+)
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
 from lightning_parallel.parallelize.pipeline import PipelineConfig
@@ -75,6 +80,7 @@ from lightning_parallel.strategies.launch import (
 )
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 from lightning_parallel.strategies.pipeline_steps import PipelineStepsMixin
+from lightning_parallel.strategies.precision import fsdp_mixed_precision
 from lightning_parallel.strategies.whole_state import WholeTensorCheckpointMixin
 
 log = logging.getLogger(__name__)
@@ -86,18 +92,20 @@ DEFAULT_TIMEOUT_S = 1800.0
 class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTensorCheckpointMixin, ParallelStrategy):
     """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
 
-    In order: the tensor-parallel plan over the ``tp`` mesh dimension, then data parallelism over ``dp``
-    (DDP for plain parameters; FSDP2 once TP has made them DTensors). With ``pp > 1`` the module is cut
-    into pipeline stages on its first batch and its step methods run through a pipeline schedule; the
-    replicas of each stage then average gradients once per optimizer step. Tensor and pipeline
-    parallelism together come later. Use a named preset such as
-    :class:`~lightning_parallel.strategies.data.DataParallelStrategy` rather than this class directly.
+    Transforms apply in a fixed order: the tensor-parallel plan (resolved on the whole module) → the
+    pipeline split (with ``pp > 1``, on the first batch; each stage's parameters then placed on the ``tp``
+    mesh by the plan) → activation checkpointing → data parallelism over ``dp`` (replicate: DDP, or for
+    DTensor parameters FSDP2 with shards of one rank; shard / hybrid_shard: FSDP2; pipeline stages
+    average gradients once per optimizer step). Use a named preset such as
+    :class:`~lightning_parallel.strategies.hybrid.HybridParallelStrategy` rather than this class directly.
 
     Args:
         layout: Parallel sizes; ``-1`` in one of them fills the remaining ranks.
         data_parallel: DDP options and the gradient communication hook.
         tensor_parallel: The tensor-parallel plan (used when ``tensor_parallel_size > 1``).
         pipeline: Schedule, micro-batches and split (used when ``pipeline_parallel_size > 1``).
+        activation_checkpointing: ``"auto"`` (each layer of the model's trunk), module-name glob patterns
+            (relative to the LightningModule), or ``None``/``[]`` (off).
         sync_batchnorm: Compute BatchNorm statistics over the whole data-parallel batch (as
             ``Trainer(sync_batchnorm=True)`` does; either switch turns it on).
         track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
@@ -116,6 +124,7 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
         data_parallel: DataParallelConfig | None = None,
         tensor_parallel: TensorParallelConfig | None = None,
         pipeline: PipelineConfig | None = None,
+        activation_checkpointing: str | Sequence[str] | None = None,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
         start_method: StartMethod = "popen",
@@ -148,6 +157,8 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
         self._tensor_parallel = tensor_parallel if tensor_parallel is not None else TensorParallelConfig()
         self._tensor_parallel_module: nn.Module | None = None
         self._pipeline = pipeline if pipeline is not None else PipelineConfig()
+        self._activation_checkpointing = normalize_patterns(activation_checkpointing)
+        self._checkpointed: list[str] | None = None
         self._pipeline_runner: PipelineRunner | None = None
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []
         self._sharded_units: list[nn.Module] = []
@@ -244,6 +255,7 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             world_description=f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
         )
         self._check_pipeline_layout(self._layout)
+        self._check_data_parallel_layout(self._layout)
         self._launcher = make_launcher(self, self._start_method, self.cluster_environment)
 
     @override
@@ -262,11 +274,12 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
         self._layout = self._requested_layout.resolve(
             dist.get_world_size(), world_description="processes in the default process group"
         )
-        self._mesh = self._layout.build_mesh(self.root_device.type)
-        if tuple(self._mesh.get_coordinate()) != tuple(self.coordinates):
+        self._mesh = self._layout.build_mesh(self.root_device.type, self._data_parallel_shard_size())
+        mesh_coordinates = tuple(self._mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))
+        if mesh_coordinates != tuple(self.coordinates):
             # The sampler and the collectives rely on the layout's rank arithmetic matching the mesh.
             raise RuntimeError(
-                f"Rank {self.global_rank}: mesh coordinate {self._mesh.get_coordinate()} differs from the layout's "
+                f"Rank {self.global_rank}: mesh coordinate {mesh_coordinates} differs from the layout's "
                 f"{tuple(self.coordinates)}; the process group's ranks are not numbered as the launcher assigned them."
             )
         rank_zero_info(f"lightning_parallel: layout {self._layout.describe()} on {self._process_group_backend}")
@@ -293,6 +306,7 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             self._setup_pipelined(trainer, fitting)
             return
         self._apply_tensor_parallel()
+        self._apply_activation_checkpointing()
         if fitting:
             self._check_manual_optimization_support()
             self._data_parallel.check_accumulation(trainer.accumulate_grad_batches)
@@ -314,7 +328,36 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
 
     @property
     def _is_sharded(self) -> bool:
-        return self.layout.tensor_parallel_size > 1
+        """Whether parameters are DTensors (split by TP, or sharded over dp by FSDP2)."""
+        return self.layout.tensor_parallel_size > 1 or self._shards_data_parallel
+
+    @property
+    def _shards_data_parallel(self) -> bool:
+        return self.layout.data_parallel_size > 1 and self._data_parallel.is_sharded
+
+    def _data_parallel_shard_size(self) -> int:
+        layout = self.layout
+        # TP peers are adjacent, then dp: a node of N devices holds N // tp data-parallel ranks of a stage.
+        per_node = max(1, min(layout.data_parallel_size, self.num_processes // layout.tensor_parallel_size))
+        return self._data_parallel.resolve_shard_size(layout.data_parallel_size, per_node)
+
+    def _check_data_parallel_layout(self, layout: ParallelLayout) -> None:
+        """Refuse, before any process starts, data-parallel settings the layout cannot run; warn about slow ones."""
+        if layout.data_parallel_size > 1:
+            self._data_parallel_shard_size()
+        if layout.pipeline_parallel_size > 1 and self._shards_data_parallel:
+            raise ValueError(
+                f"data_parallel_mode={self._data_parallel.mode!r} is not supported with pipeline_parallel_size="
+                f"{layout.pipeline_parallel_size} yet: pipeline stages' replicas replicate (one gradient all-reduce per "
+                f"optimizer step). Set data_parallel_mode='replicate'."
+            )
+        tp = layout.tensor_parallel_size
+        if tp > 1 and self.num_nodes > 1 and (tp > self.num_processes or self.num_processes % tp != 0):
+            rank_zero_warn(
+                f"tensor_parallel_size={tp} does not divide the {self.num_processes} devices per node: some tensor-parallel "
+                f"groups span nodes, and their all-reduces (every layer, forward and backward) cross the slow inter-node "
+                f"link. Use a tensor_parallel_size that divides the devices per node."
+            )
 
     def _apply_tensor_parallel(self) -> None:
         module = self.lightning_module
@@ -337,13 +380,25 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             f"{resolved.describe()}"
         )
 
+    def _apply_activation_checkpointing(self) -> None:
+        if not self._activation_checkpointing or self._checkpointed is not None:
+            return
+        module = self.lightning_module
+        self._checkpointed = apply_activation_checkpointing(module, checkpoint_targets(module, self._activation_checkpointing))
+        rank_zero_info(f"lightning_parallel: activation checkpointing of {', '.join(self._checkpointed)}")
+
     def _apply_data_parallel(self) -> None:
         if self.layout.data_parallel_size == 1:
             return
         if self._is_sharded:
-            # DTensor parameters: replicas are FSDP2 units over the dp dimension (DDP cannot take DTensors).
+            # Sharded replicas, or DTensor parameters (which DDP cannot take): FSDP2 over the dp dimensions.
             if not self._sharded_units:
-                self._sharded_units = shard_over_data_parallel(self.lightning_module, self.device_mesh["dp"])
+                self._sharded_units = shard_over_data_parallel(
+                    self.lightning_module,
+                    self.device_mesh["dp_replicate", "dp_shard"],
+                    reshard_after_forward=self._data_parallel.reshard_after_forward,
+                    mp_policy=fsdp_mixed_precision(self.precision_plugin),
+                )
             return
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         self.model = apply_ddp(self.model, self.data_parallel_group, self._data_parallel, device_ids, self._comm_stats)

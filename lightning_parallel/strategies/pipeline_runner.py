@@ -17,6 +17,7 @@ never reach the user's step).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,10 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from lightning_parallel.parallelize.checkpointing import (
+    apply_activation_checkpointing,
+    checkpoint_targets,
+)
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_build import (
     LocalPipeline,
@@ -40,6 +45,7 @@ from lightning_parallel.parallelize.pipeline_schedule import (
     stage_ranks,
 )
 from lightning_parallel.parallelize.pipeline_split import SplitPlan, plan_split
+from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
 from lightning_parallel.strategies.microbatches import (
     LogCall,
     batch_rows,
@@ -93,6 +99,10 @@ class PipelineRunner:
         pp_global_ranks: Global ranks of this rank's pipeline group, by pipeline rank.
         pp_group: Its process group.
         device: Where the stages run.
+        tensor_parallel: Given the name of the module being cut, how to split its stages over a
+            tensor-parallel mesh (``None``: stages hold whole layers).
+        activation_checkpointing: ``("auto",)`` or module-name patterns (relative to the LightningModule)
+            to checkpoint inside the training stages.
     """
 
     def __init__(
@@ -103,8 +113,13 @@ class PipelineRunner:
         pp_global_ranks: Sequence[int],
         pp_group: dist.ProcessGroup,
         device: torch.device,
+        tensor_parallel: Callable[[str], StageTensorParallel] | None = None,
+        activation_checkpointing: Sequence[str] = (),
     ) -> None:
         self.config = config
+        self._tensor_parallel_for = tensor_parallel
+        self._activation_checkpointing = tuple(activation_checkpointing)
+        self.tensor_parallel: StageTensorParallel | None = None
         self.pp_size, self.pp_rank, self.pp_group, self.device = pp_size, pp_rank, pp_group, device
         self.pp_global_ranks = list(pp_global_ranks)
         self.num_stages = config.num_stages(pp_size)
@@ -228,11 +243,16 @@ class PipelineRunner:
         example_args, example_kwargs = tree_map(
             lambda t: t.clone() if isinstance(t, Tensor) else t, first_rows((captured.args, captured.kwargs), rows, rows // m)
         )
+        if self._tensor_parallel_for is not None:
+            self.tensor_parallel = self._tensor_parallel_for(captured.name)
         self.plan = self._split_plan(root, example_args, example_kwargs)
+        checkpointed = self._checkpoint_targets(module, captured.name)
         self.local = build_local_pipeline(
             root, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.pp_rank, self.device,
-            self.pp_group, chained=self.config.spec.placement == "v",
+            self.pp_group, chained=self.config.spec.placement == "v", tensor_parallel=self.tensor_parallel,
         )
+        for stage in self.local.train_stages:
+            apply_activation_checkpointing(stage.submod, checkpointed)
         self._rows_per_batch = rows
         self._traced_meta = [(t.dtype, tuple(t.shape[1:])) for t in tensor_leaves((captured.args, captured.kwargs))]
         self._train_schedule = build_schedule(self.config.schedule, self.local.train_stages, m, self._loss_fn)
@@ -247,6 +267,20 @@ class PipelineRunner:
             f"{': ' + self.local.note if self.local.note else ''}:\n"
             f"{self.plan.describe(prefix)}"
         )
+
+    def _checkpoint_targets(self, module: LightningModule, root_name: str) -> list[str]:
+        """Modules to checkpoint, named relative to the pipelined module ``root_name`` (resolved before the cut)."""
+        names = checkpoint_targets(module, self._activation_checkpointing)
+        prefix = f"{root_name}." if root_name else ""
+        outside = [n for n in names if not n.startswith(prefix)]
+        if outside:
+            raise ValueError(
+                f"activation_checkpointing selects {outside}, outside {root_name!r}, the module the pipeline cuts into "
+                f"stages; under pipeline parallelism only its submodules can be checkpointed."
+            )
+        if names:
+            rank_zero_info(f"lightning_parallel: activation checkpointing of {', '.join(names)} inside the stages")
+        return [n[len(prefix) :] for n in names]
 
     def _split_plan(self, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> SplitPlan:
         points = self.config.split_points
@@ -314,10 +348,11 @@ class PipelineRunner:
         schedule = self._train_schedule if training else self._eval_schedule
         target = torch.arange(self.config.microbatches, device=self.device)
         inputs, model_kwargs = (args, kwargs) if self.holds_first_stage else ((), {})
-        if training:
-            schedule.step(*inputs, target=target, return_outputs=False, **model_kwargs)
-        else:
-            schedule.eval(*inputs, target=target, **model_kwargs)
+        with self.tensor_parallel.context() if self.tensor_parallel is not None else nullcontext():
+            if training:
+                schedule.step(*inputs, target=target, return_outputs=False, **model_kwargs)
+            else:
+                schedule.eval(*inputs, target=target, **model_kwargs)
 
     def _loss_fn(self, output: Any, target: Tensor) -> Tensor:
         state = self._state

@@ -15,12 +15,16 @@ import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import Trainer
 from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
+from lightning_parallel.parallelize.sequence import reduce_partial_gradients
+from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
+from lightning_parallel.parallelize.tensor import check_plan
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 from lightning_parallel.strategies.whole_state import unwrap_optimizer
 
@@ -52,10 +56,10 @@ class PipelineStepsMixin:
         """Refuse, before any process starts, what pipelines cannot do (yet)."""
         if layout.pipeline_parallel_size == 1:
             return
-        if layout.tensor_parallel_size > 1:
+        if layout.tensor_parallel_size > 1 and self._tensor_parallel.sequence_parallel:
             raise ValueError(
-                f"tensor_parallel_size={layout.tensor_parallel_size} with pipeline_parallel_size="
-                f"{layout.pipeline_parallel_size} is not supported yet; use one of them (with data parallelism)."
+                "sequence_parallel=True is not supported with pipeline_parallel_size > 1 (traced stages run in DTensor's "
+                "global view, without the sequence-sharded regions); set sequence_parallel=False."
             )
         if self._sync_batchnorm:
             raise ValueError(
@@ -94,9 +98,22 @@ class PipelineStepsMixin:
                 pp_global_ranks=self.layout.group_ranks("pp", self.global_rank),
                 pp_group=mesh["pp"].get_group(),
                 device=self.root_device,
+                tensor_parallel=self._stage_tensor_parallel if self.layout.tensor_parallel_size > 1 else None,
+                activation_checkpointing=self._activation_checkpointing,
             )
         # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.
         self.precision_plugin.clip_grad_by_norm = partial(_clip_pipeline, self)
+
+    def _stage_tensor_parallel(self, root_name: str) -> StageTensorParallel:
+        """The tensor-parallel plan for the stages of ``root_name`` (resolved on the whole module, before the cut)."""
+        module = self.lightning_module
+        resolved = self._tensor_parallel.resolve(module, warn=rank_zero_warn)
+        check_plan(module, resolved, self.layout.tensor_parallel_size)
+        rank_zero_info(
+            f"lightning_parallel: tensor-parallel plan over tp={self.layout.tensor_parallel_size} inside each stage:\n"
+            f"{resolved.describe()}"
+        )
+        return StageTensorParallel.from_plan(resolved, root_name, self.device_mesh["tp"])
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -150,6 +167,8 @@ class PipelineStepsMixin:
     def _reduce_pipeline_gradients(self) -> None:
         runner = self._pipeline_runner
         module = self.lightning_module
+        # Tensor-parallel stages leave partial sums for replicated weights used after a row-wise split.
+        reduce_partial_gradients(module.parameters())
         for param, group in runner.tied_parameters(module):
             sum_gradients([param], group)
         if self.layout.data_parallel_size > 1:

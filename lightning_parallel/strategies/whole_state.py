@@ -24,6 +24,7 @@ from lightning_parallel.checkpoint import (
     local_named_optimizer_state,
     named_optimizer_state,
 )
+from lightning_parallel.strategies.collectives import whole
 
 
 class WholeTensorCheckpointMixin:
@@ -31,12 +32,13 @@ class WholeTensorCheckpointMixin:
     ``device_mesh``, ``lightning_module`` and ``optimizers`` (mixed into the engine)."""
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._staged:
+            # Tensor-parallel stages hold DTensors: gathered over tp first (every rank takes part).
+            local = {k: whole(v).detach().cpu() for k, v in self.lightning_module.state_dict().items()}
+            return gather_pipeline_parts(local, self.device_mesh["pp"].get_group())
         if self._is_sharded:
             # Sharded parameters are gathered so the file holds ordinary tensors (every rank takes part).
             return full_model_state(self.lightning_module)
-        if self._staged:
-            local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
-            return gather_pipeline_parts(local, self.device_mesh["pp"].get_group())
         return super().lightning_module_state_dict()
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -48,11 +50,11 @@ class WholeTensorCheckpointMixin:
             super().load_model_state_dict(checkpoint, strict=strict)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._is_sharded:
-            return full_optimizer_state(self.lightning_module, unwrap_optimizer(optimizer))
         if self._staged:
             local = named_optimizer_state(self.lightning_module, unwrap_optimizer(optimizer))
             return gather_pipeline_parts(local, self.device_mesh["pp"].get_group())
+        if self._is_sharded:
+            return full_optimizer_state(self.lightning_module, unwrap_optimizer(optimizer))
         return super().optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

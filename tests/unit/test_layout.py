@@ -89,8 +89,12 @@ def test_build_mesh_names_dimensions_in_pp_dp_tp_order(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         mesh = ParallelLayout().resolve(1).build_mesh("cpu")
-        assert mesh.mesh_dim_names == ("pp", "dp", "tp")
-        assert tuple(mesh.shape) == (1, 1, 1)
-        assert tuple(mesh.get_coordinate()) == (0, 0, 0)
+        # dp is split in (replicate, shard) for hybrid sharding and available flattened as "dp".
+        assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
+        assert tuple(mesh.shape) == (1, 1, 1, 1)
+        assert [mesh[dim].size() for dim in ("pp", "dp", "tp")] == [1, 1, 1]
+        assert mesh["dp_replicate", "dp_shard"].ndim == 2
+        with pytest.raises(ValueError, match="data_parallel_shard_size=2 must divide data_parallel_size=1"):
+            ParallelLayout().resolve(1).build_mesh("cpu", data_parallel_shard_size=2)
     finally:
         dist.destroy_process_group()

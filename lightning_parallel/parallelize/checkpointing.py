@@ -1,0 +1,92 @@
+"""Activation checkpointing by name: chosen submodules keep only their inputs and recompute in backward.
+
+``activation_checkpointing`` is ``"auto"`` (each layer of the trunk: the longest ``nn.ModuleList`` or
+``nn.Sequential``, i.e. the transformer blocks), or glob patterns of module names. A matched module's
+``forward`` is replaced, on the instance, by torch's non-reentrant ``torch.utils.checkpoint``: module and
+parameter names stay as they were (checkpoints, plans and optimizers see no wrapper), and the same works
+on a traced pipeline stage's modules. Numbers are unchanged; memory of activations inside each block is
+traded for one more forward of it in backward. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from functools import partial
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_parallel.parallelize.pipeline_split import find_trunk, trunk_layer_names
+
+#: Marks a module whose forward is already checkpointed (applying twice would recompute twice).
+_MARK = "_lightning_parallel_checkpointed"
+
+
+def normalize_patterns(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``activation_checkpointing`` as a tuple: ``()`` (off), ``("auto",)`` or patterns.
+
+    Raises:
+        TypeError: Not ``None``, a string or a list of strings.
+        ValueError: ``"auto"`` mixed with patterns.
+    """
+    if value is None or value is False or value == "none":
+        return ()
+    patterns = (value,) if isinstance(value, str) else tuple(value)
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"activation_checkpointing must be 'auto' or a list of module-name patterns, got {value!r}.")
+    if "auto" in patterns and len(patterns) > 1:
+        raise ValueError(f"activation_checkpointing={list(patterns)}: use 'auto' alone, or only module-name patterns.")
+    return patterns
+
+
+def checkpoint_targets(module: nn.Module, patterns: Sequence[str]) -> list[str]:
+    """Names of the submodules of ``module`` that ``patterns`` select (outermost only).
+
+    Raises:
+        ValueError: A pattern matches nothing (with near matches), or ``auto`` finds no trunk.
+    """
+    if not patterns:
+        return []
+    names = [name for name, _ in module.named_modules() if name]
+    if tuple(patterns) == ("auto",):
+        try:
+            trunk_name, trunk = find_trunk(module)
+        except ValueError as error:
+            raise ValueError(f"activation_checkpointing='auto' needs a list of layers: {error}") from None
+        return trunk_layer_names(trunk_name, trunk)
+    selected: list[str] = []
+    for pattern in patterns:
+        matched = [name for name in names if fnmatchcase(name, pattern)]
+        if not matched:
+            near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
+            hint = f" Near matches: {', '.join(near)}." if near else ""
+            raise ValueError(f"activation_checkpointing pattern {pattern!r} matches no submodule of {type(module).__name__}.{hint}")
+        selected += [name for name in matched if name not in selected]
+    # A module inside a checkpointed one is recomputed with it anyway.
+    return [n for n in selected if not any(n.startswith(f"{outer}.") for outer in selected if outer != n)]
+
+
+def apply_activation_checkpointing(module: nn.Module, names: Sequence[str]) -> list[str]:
+    """Checkpoint the submodules ``names`` of ``module`` that exist in it; returns those done.
+
+    Names absent from ``module`` are skipped: a pipeline stage holds only some of the layers.
+    """
+    done = []
+    for name in names:
+        try:
+            target = module.get_submodule(name)
+        except AttributeError:
+            continue
+        if not getattr(target, _MARK, False):
+            target.forward = partial(_checkpointed, target.forward)
+            setattr(target, _MARK, True)
+        done.append(name)
+    return done
+
+
+def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # Non-reentrant: works with inputs that need no grad, keyword arguments, DDP and FSDP2.
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -1,0 +1,124 @@
+"""Tensor parallelism inside traced pipeline stages: parameters become DTensors, the graph runs on DTensors.
+
+A traced stage is an ATen graph: its layers are no longer ``nn.Linear`` modules that ``parallelize_module``
+could rewrite, and export baked the whole (unsplit) shapes into its reshapes. So instead of local shards
+with hooks, the stage runs in DTensor's global view: each parameter is placed by the plan (column-wise:
+``Shard(0)``; row-wise: weight ``Shard(1)``, bias replicated; vocabulary-parallel embedding: ``Shard(0)``;
+everything else replicated), the stage's inputs enter as replicated DTensors, DTensor's sharding propagation
+runs every op (reshapes into heads keep their global shapes; split matmuls produce shards and partial sums,
+reduced where an op needs whole values), and the outputs leave as whole tensors for the next stage. The
+math is the unsplit model's by construction. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.utils._pytree import tree_map
+
+import lightning_parallel.parallelize.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
+from lightning_parallel.parallelize.tensor import ResolvedPlan
+
+#: Placement of each parameter of a module, by style; anything not listed is replicated.
+_PLACEMENTS: dict[str, dict[str, Placement]] = {
+    "colwise": {"weight": Shard(0), "bias": Shard(0)},
+    "rowwise": {"weight": Shard(1)},
+    "embedding_rowwise": {"weight": Shard(0)},
+}
+#: Styles whose meaning cannot be kept inside a traced stage.
+_UNSUPPORTED = {
+    "loss_parallel": "the loss runs on whole logits after the last stage; use 'colwise' or 'replicate' for the head",
+}
+
+
+@dataclass(frozen=True)
+class StageTensorParallel:
+    """Places stage parameters on the ``tp`` mesh by plan and runs stages in DTensor's global view.
+
+    Attributes:
+        mesh: The 1-D tensor-parallel mesh.
+        styles: Module name (relative to the pipelined module) -> style.
+    """
+
+    mesh: DeviceMesh
+    styles: Mapping[str, str]
+
+    @classmethod
+    def from_plan(cls, resolved: ResolvedPlan, root_name: str, mesh: DeviceMesh) -> StageTensorParallel:
+        """Bind a plan resolved on the LightningModule to the pipelined submodule ``root_name``.
+
+        Raises:
+            ValueError: A style cannot run inside a stage, or a split module lies outside the pipelined module.
+        """
+        prefix = f"{root_name}." if root_name else ""
+        styles: dict[str, str] = {}
+        for fqn, style in resolved.styles.items():
+            if style in _UNSUPPORTED:
+                raise ValueError(f"Plan entry {fqn!r}: style {style!r} is not supported with pipeline parallelism ({_UNSUPPORTED[style]}).")
+            if style == "replicate":
+                continue
+            if not fqn.startswith(prefix):
+                raise ValueError(
+                    f"Plan entry {fqn!r} ({style}) is outside {root_name!r}, the module the pipeline cuts into stages; "
+                    f"under pipeline parallelism only its layers can be split. Leave {fqn} replicated."
+                )
+            styles[fqn[len(prefix) :]] = style
+        return cls(mesh, styles)
+
+    def placement(self, name: str) -> Placement:
+        """Where the parameter ``name`` (relative to the pipelined module) lives on the mesh."""
+        module_name, _, attribute = name.rpartition(".")
+        return _PLACEMENTS.get(self.styles.get(module_name, ""), {}).get(attribute, Replicate())
+
+    def distribute(self, name: str, param: Tensor) -> nn.Parameter:
+        """A DTensor parameter holding this rank's part of ``param`` (every rank passes the same values)."""
+        placed = distribute_tensor(param.detach(), self.mesh, [self.placement(name)], src_data_rank=None)
+        return nn.Parameter(placed, requires_grad=param.requires_grad)
+
+    def wrap(self, stage_module: nn.Module) -> None:
+        """Inputs enter ``stage_module`` as replicated DTensors; its outputs leave as whole tensors."""
+        stage_module.register_forward_pre_hook(self._inputs_to_dtensor, with_kwargs=True)
+        stage_module.register_forward_hook(self._outputs_to_whole)
+
+    def context(self) -> AbstractContextManager[Any]:
+        """Run stages (forward and backward) in this: tensors the graph creates (positions, masks) count as replicated."""
+        return implicit_replication()
+
+    def _inputs_to_dtensor(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        def to_dtensor(value: Any) -> Any:
+            if isinstance(value, Tensor) and not isinstance(value, DTensor):
+                return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+            return value
+
+        return tree_map(to_dtensor, args), tree_map(to_dtensor, kwargs)
+
+    @staticmethod
+    def _outputs_to_whole(_: nn.Module, __: Any, output: Any) -> Any:
+        def to_whole(value: Any) -> Any:
+            if isinstance(value, DTensor):
+                return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
+            return value
+
+        return tree_map(to_whole, output)
+
+
+@torch.no_grad()
+def copy_whole_into(target: Tensor, value: Tensor) -> None:
+    """Copy a whole tensor into ``target``, which may be a DTensor (each rank keeps its part)."""
+    if isinstance(target, DTensor):
+        value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    target.copy_(value)
