@@ -146,9 +146,9 @@ class ParallelLayout:
         """Create the DeviceMesh; the default process group must already exist.
 
         Its dimensions are ``(pp, dp_replicate, dp_shard, tp)``, with ``dp`` the two data-parallel
-        dimensions flattened (``dp_replicate × dp_shard = data_parallel_size``, shard ranks adjacent):
-        ``mesh["dp"]``, ``mesh["tp"]``, ``mesh["pp"]`` are the groups above, and
-        ``mesh["dp_replicate", "dp_shard"]`` is what hybrid sharding (HSDP) replicates and shards over.
+        dimensions (``dp_replicate × dp_shard = data_parallel_size``, shard ranks adjacent) also available
+        flattened through :func:`data_parallel_mesh`; ``mesh["dp_replicate", "dp_shard"]`` is what hybrid
+        sharding (HSDP) replicates and shards over.
 
         Raises:
             ValueError: ``data_parallel_shard_size`` does not divide ``data_parallel_size``.
@@ -168,9 +168,15 @@ class ParallelLayout:
             self.tensor_parallel_size,
         )
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        data_parallel_mesh(mesh)  # creates its process group now, while every rank is here
         return mesh
+
 
     def _require_resolved(self, what: str) -> None:
         if not self.is_resolved:
             raise RuntimeError(f"ParallelLayout.{what} needs resolved sizes; call resolve(world_size) first ({self}).")
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of all data-parallel ranks (``dp_replicate × dp_shard`` flattened; created once, then cached)."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")

@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 import lightning_parallel
+from lightning_parallel.observe.memory import state_bytes
+from lightning_parallel.strategies.whole_state import unwrap_optimizer
 from recipes.data.chars import CharCorpusDataModule
 from recipes.data.images import SyntheticImagesDataModule
 from recipes.models.convnet import ConvNetLightningModule
@@ -135,6 +137,7 @@ class Recorder(Callback):
         self.synced_logs: list[float] = []
         self.first_batch_checksum: float | None = None
         self._reduce_scatters_at_start = 0
+        self.state_bytes: dict[str, int] = {}
         self.result: dict[str, Any] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -148,6 +151,8 @@ class Recorder(Callback):
         self._reduce_scatters_at_start = _REDUCE_SCATTERS[0]
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        # Before the step: gradients exist, and the optimizer state of the previous steps.
+        self.state_bytes = state_bytes(pl_module, [unwrap_optimizer(o) for o in trainer.optimizers]).as_dict()
         grads = {n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
         self.grads.append(_whole_across_stages(trainer, grads))
 
@@ -185,6 +190,7 @@ class Recorder(Callback):
             "reduce_scatters": _REDUCE_SCATTERS[0] - self._reduce_scatters_at_start,
             "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
+            "state_bytes": self.state_bytes,
         }
         # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.
         if self.save_path is not None and trainer.is_global_zero:

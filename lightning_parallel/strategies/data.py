@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -21,8 +22,16 @@ class DataParallelStrategy(ParallelEngineStrategy):
     batch ``b`` equals single-device training with batch ``N·b``. With
     ``Trainer(accumulate_grad_batches=k)`` the all-reduce runs only on the k-th micro-batch.
 
+    ``data_parallel_mode="shard"`` shards parameters, gradients and optimizer state over the replicas
+    instead (FSDP2; ZeRO-3), ``"hybrid_shard"`` shards within a node and replicates across nodes (HSDP).
+
     Args:
         data_parallel_size: Number of replicas; ``-1`` uses every process.
+        data_parallel_mode: ``"replicate"`` (DDP), ``"shard"`` or ``"hybrid_shard"`` (FSDP2).
+        data_parallel_shard_size: Shard group size for ``hybrid_shard`` (``-1``: the ranks of one node).
+        reshard_after_forward: Sharded modes: free gathered parameters after forward (ZeRO-3) or keep them
+            for backward (``False``: ZeRO-2-like, less communication).
+        activation_checkpointing: ``"auto"`` (each block of the model's trunk), module-name patterns, or ``None``.
         bucket_cap_mb: Gradient bucket size in MB (fewer, larger all-reduces when raised).
         find_unused_parameters: Allow parameters that get no gradient in a step.
         static_graph: The set of used parameters never changes (lets DDP skip bookkeeping).
@@ -45,6 +54,10 @@ class DataParallelStrategy(ParallelEngineStrategy):
         self,
         data_parallel_size: int = -1,
         *,
+        data_parallel_mode: str = "replicate",
+        data_parallel_shard_size: int = -1,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: str | Sequence[str] | None = None,
         bucket_cap_mb: float = 25.0,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -62,6 +75,9 @@ class DataParallelStrategy(ParallelEngineStrategy):
         super().__init__(
             layout=ParallelLayout(data_parallel_size=data_parallel_size),
             data_parallel=DataParallelConfig(
+                mode=data_parallel_mode,
+                shard_size=data_parallel_shard_size,
+                reshard_after_forward=reshard_after_forward,
                 bucket_cap_mb=bucket_cap_mb,
                 find_unused_parameters=find_unused_parameters,
                 static_graph=static_graph,
@@ -70,6 +86,7 @@ class DataParallelStrategy(ParallelEngineStrategy):
                 powersgd_rank=powersgd_rank,
                 powersgd_start_iter=powersgd_start_iter,
             ),
+            activation_checkpointing=activation_checkpointing,
             sync_batchnorm=sync_batchnorm,
             track_communication=track_communication,
             start_method=start_method,

@@ -48,7 +48,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_parallel.layout import ParallelLayout, RankCoordinates
+from lightning_parallel.layout import (
+    ParallelLayout,
+    RankCoordinates,
+    data_parallel_mesh,
+)
 from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.parallelize.batchnorm import (
     convert_sync_batchnorm,
@@ -225,7 +229,7 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Process group of this rank's data-parallel replicas (``None`` before the mesh exists)."""
-        return self._mesh["dp"].get_group() if self._mesh is not None else None
+        return data_parallel_mesh(self._mesh).get_group() if self._mesh is not None else None
 
     @property
     def tensor_parallel_group(self) -> dist.ProcessGroup | None:
@@ -275,7 +279,7 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             dist.get_world_size(), world_description="processes in the default process group"
         )
         self._mesh = self._layout.build_mesh(self.root_device.type, self._data_parallel_shard_size())
-        mesh_coordinates = tuple(self._mesh[dim].get_local_rank() for dim in ("pp", "dp", "tp"))
+        mesh_coordinates = tuple(m.get_local_rank() for m in (self._mesh["pp"], data_parallel_mesh(self._mesh), self._mesh["tp"]))
         if mesh_coordinates != tuple(self.coordinates):
             # The sampler and the collectives rely on the layout's rank arithmetic matching the mesh.
             raise RuntimeError(

@@ -36,6 +36,8 @@ class PipelineParallelStrategy(ParallelEngineStrategy):
         stages_per_rank: Virtual stages per rank (≥ 2 for the interleaved, looped, zero-bubble and V schedules).
         split_points: ``"auto"`` or module names (relative to the LightningModule) where stages 1, 2, ... begin.
         balance: With ``split_points="auto"``: balance stages by ``"params"`` or measured ``"time"``.
+        activation_checkpointing: ``"auto"`` (each block of the trunk) or module-name patterns to checkpoint
+            inside the stages, or ``None``.
         start_method: ``"popen"`` (scripts, Hydra, torchrun, SLURM), ``"spawn"`` or ``"fork"``.
         process_group_backend: ``None`` (nccl on CUDA, gloo on CPU), or a backend name.
         timeout: Seconds a collective may wait before the job fails.
@@ -54,6 +56,7 @@ class PipelineParallelStrategy(ParallelEngineStrategy):
         stages_per_rank: int = 1,
         split_points: str | Sequence[str] = "auto",
         balance: str = "params",
+        activation_checkpointing: str | Sequence[str] | None = None,
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
@@ -71,6 +74,7 @@ class PipelineParallelStrategy(ParallelEngineStrategy):
                 split_points=split_points,
                 balance=balance,
             ),
+            activation_checkpointing=activation_checkpointing,
             start_method=start_method,
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.tensor import HEAD_ATTRIBUTES, TensorParallelConfig
 from lightning_parallel.strategies.engine import (
     DEFAULT_TIMEOUT_S,
@@ -25,13 +26,17 @@ class TensorParallelStrategy(ParallelEngineStrategy):
 
     With more processes than ``tensor_parallel_size``, the remaining ones form data-parallel replicas of
     the TP group (2-D: dp × tp): since split parameters are DTensors, the replicas use FSDP2
-    ``fully_shard`` over the dp mesh dimension (parameters, gradients and optimizer state sharded over the
-    replicas), and gradient accumulation skips their reduce-scatter on intermediate micro-batches.
+    ``fully_shard`` over the dp mesh dimension — by default sharding parameters, gradients and optimizer
+    state over the replicas (``data_parallel_mode="shard"``), or ``"replicate"``/``"hybrid_shard"`` — and
+    gradient accumulation skips their gradient reduction on intermediate micro-batches.
 
     Args:
         tensor_parallel_size: Ranks that split each layer; ``-1`` uses every process.
         plan: ``"auto"`` or a mapping of module-name patterns (relative to the LightningModule) to styles.
         head_attributes: Attribute names of head counts to divide on split attention modules.
+        data_parallel_mode: How the replicas hold the TP group's state: ``"shard"`` (ZeRO-3, the default),
+            ``"replicate"`` or ``"hybrid_shard"`` (see ``HybridParallelStrategy``).
+        activation_checkpointing: ``"auto"`` (each block of the model's trunk), module-name patterns, or ``None``.
         sequence_parallel: Split the trunk's residual stream (norms, dropout) along the sequence too:
             activations between the TP regions shrink by 1/TP; the sequence length must divide by TP.
         start_method: ``"popen"`` (scripts, Hydra, torchrun, SLURM), ``"spawn"`` or ``"fork"``.
@@ -51,6 +56,8 @@ class TensorParallelStrategy(ParallelEngineStrategy):
         plan: str | Mapping[str, str] = "auto",
         head_attributes: tuple[str, ...] | list[str] = HEAD_ATTRIBUTES,
         sequence_parallel: bool = False,
+        data_parallel_mode: str = "shard",
+        activation_checkpointing: str | Sequence[str] | None = None,
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
@@ -65,6 +72,8 @@ class TensorParallelStrategy(ParallelEngineStrategy):
             tensor_parallel=TensorParallelConfig(
                 plan=plan, head_attributes=tuple(head_attributes), sequence_parallel=sequence_parallel
             ),
+            data_parallel=DataParallelConfig(mode=data_parallel_mode),
+            activation_checkpointing=activation_checkpointing,
             start_method=start_method,
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -1,6 +1,7 @@
 import pytest
 
 from lightning_parallel import ParallelLayout, RankCoordinates
+from lightning_parallel.layout import data_parallel_mesh
 
 
 def test_fill_resolves_remaining_ranks():
@@ -92,7 +93,7 @@ def test_build_mesh_names_dimensions_in_pp_dp_tp_order(tmp_path):
         # dp is split in (replicate, shard) for hybrid sharding and available flattened as "dp".
         assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
         assert tuple(mesh.shape) == (1, 1, 1, 1)
-        assert [mesh[dim].size() for dim in ("pp", "dp", "tp")] == [1, 1, 1]
+        assert [m.size() for m in (mesh["pp"], data_parallel_mesh(mesh), mesh["tp"])] == [1, 1, 1]
         assert mesh["dp_replicate", "dp_shard"].ndim == 2
         with pytest.raises(ValueError, match="data_parallel_shard_size=2 must divide data_parallel_size=1"):
             ParallelLayout().resolve(1).build_mesh("cpu", data_parallel_shard_size=2)

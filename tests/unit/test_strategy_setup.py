@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_parallel
 from lightning_parallel import (
     DataParallelStrategy,
+    HybridParallelStrategy,
     ParallelEngineStrategy,
     ParallelLayout,
     TensorParallelStrategy,
@@ -70,11 +71,46 @@ def test_timeout_accepts_seconds_and_timedelta():
 
 
 def test_engine_rejects_combinations_it_cannot_apply_yet():
-    strategy = ParallelEngineStrategy(layout=ParallelLayout(data_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=2))
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 with pipeline_parallel_size=2 is not supported yet"):
-        L.Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     with pytest.raises(TypeError, match="layout must be a ParallelLayout"):
         ParallelEngineStrategy(layout={"data_parallel_size": 2})
+
+
+def trainer_with(strategy, devices, **kwargs):
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, **kwargs)
+
+
+def test_hybrid_strategy_wiring_and_errors():
+    trainer = trainer_with(HybridParallelStrategy(2, 2, 2), 8)
+    assert trainer.strategy.layout == ParallelLayout(2, 2, 2)
+    assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+    assert isinstance(trainer_with("hybrid_parallel", 2).strategy, HybridParallelStrategy)
+    # -1 fills the rest.
+    assert trainer_with(HybridParallelStrategy(-1, 2, 2), 8).strategy.layout == ParallelLayout(2, 2, 2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 × data_parallel_size=2 × tensor_parallel_size=2 = 8 ranks, but the world size is 4"):
+        trainer_with(HybridParallelStrategy(2, 2, 2), 4)
+    with pytest.raises(ValueError, match=r"= 4 ranks does not match the world size 8"):
+        trainer_with(HybridParallelStrategy(1, 2, 2), 8)
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported with pipeline_parallel_size > 1"):
+        trainer_with(HybridParallelStrategy(1, 2, 2, sequence_parallel=True), 4)
+    with pytest.raises(ValueError, match="data_parallel_mode='shard' is not supported with pipeline_parallel_size=2"):
+        trainer_with(HybridParallelStrategy(2, 1, 2, data_parallel_mode="shard"), 4)
+    with pytest.raises(ValueError, match="data_parallel_shard_size=3 .* must divide data_parallel_size=4"):
+        trainer_with(HybridParallelStrategy(4, data_parallel_mode="hybrid_shard", data_parallel_shard_size=3), 4)
+    with pytest.raises(ValueError, match="data_parallel_mode='zero2' is unknown"):
+        HybridParallelStrategy(data_parallel_mode="zero2")
+    with pytest.raises(ValueError, match="comm_hook='fp16' is a DDP gradient hook"):
+        HybridParallelStrategy(data_parallel_mode="shard", comm_hook="fp16")
+    with pytest.raises(ValueError, match="1f1b.* with 2 stages needs at least 2 micro-batches"):
+        trainer_with(HybridParallelStrategy(1, 2, 2, microbatches=1), 4)
+    with pytest.raises(TypeError, match="activation_checkpointing must be 'auto' or a list"):
+        HybridParallelStrategy(activation_checkpointing=[3])
+    with pytest.raises(ValueError, match="use 'auto' alone"):
+        HybridParallelStrategy(activation_checkpointing=["auto", "model.blocks.0"])
+
+
+def test_tensor_parallel_groups_spanning_nodes_warn():
+    with pytest.warns(UserWarning, match="tensor_parallel_size=2 does not divide the 3 devices per node"):
+        trainer_with(HybridParallelStrategy(3, 2), 3, num_nodes=2)
 
 
 def test_tensor_parallel_strategy_wiring():

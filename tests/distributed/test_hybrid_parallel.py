@@ -1,0 +1,140 @@
+"""HybridParallelStrategy (dp × tp × pp, data_parallel_mode, activation checkpointing) vs single-device training.
+
+Every layout trains the recipe GPT (float64) and must match one process training on the whole batch:
+losses, every gradient and every parameter after each optimizer step. Each rank's training state must be
+the fraction of the whole model the layout promises, counted from the local shards.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import pytest
+
+from tests.distributed.test_data_parallel import TOL, assert_same_training
+from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
+from tests.harness import JobSpec, run_distributed, run_job
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 5
+LAYERS = 4
+GLOBAL_BATCH = 8
+#: The recipe GPT's automatic plan: q/k/v and fc_in split by output (weight and bias), out_proj and
+#: fc_out by input (weight only; their bias stays whole).
+SPLIT_BY_TP = (".q_proj.", ".k_proj.", ".v_proj.", ".fc_in.", ".out_proj.weight", ".fc_out.weight")
+
+
+@cache
+def reference(accumulate: int = 1, clip: float | None = None) -> dict:
+    return run_job(
+        JobSpec(batch_size=GLOBAL_BATCH, steps=STEPS, n_layer=LAYERS, accumulate=accumulate, gradient_clip_val=clip, validate=True)
+    )
+
+
+def hybrid_job(devices: int, accumulate: int = 1, clip: float | None = None, round_trip: bool = False, **strategy) -> JobSpec:
+    dp = strategy.get("data_parallel_size", 1)
+    return JobSpec(
+        strategy="hybrid", devices=devices, batch_size=GLOBAL_BATCH // dp, steps=STEPS, n_layer=LAYERS,
+        accumulate=accumulate, gradient_clip_val=clip, validate=True, perturb_other_ranks=True,
+        checkpoint_round_trip=round_trip, strategy_kwargs=strategy,
+    )
+
+
+def expected_parameter_bytes(whole_state: dict, tp: int = 1, dp_shards: int = 1, stage_prefixes: tuple[str, ...] | None = None) -> int:
+    """Rank 0's parameter bytes: its stage's tensors, split by TP where the plan splits, then sharded over dp."""
+    total = 0
+    for name, tensor in whole_state.items():
+        if not name.endswith(("weight", "bias")) or name == "model.lm_head.weight":  # tied: counted as tok_emb
+            continue
+        if stage_prefixes is not None and not name.startswith(stage_prefixes):
+            continue
+        shape = list(tensor.shape)
+        if tp > 1 and any(part in name for part in SPLIT_BY_TP):
+            dim = 1 if name.endswith(("out_proj.weight", "fc_out.weight")) else 0
+            shape[dim] //= tp
+        if dp_shards > 1:  # FSDP2 shards dim 0 with padding: rank 0 holds ceil(rows / shards)
+            shape[0] = math.ceil(shape[0] / dp_shards)
+        total += math.prod(shape) * tensor.element_size()
+    return total
+
+
+def assert_state_fraction(result: dict, expected_params: int) -> None:
+    state = result["state_bytes"]
+    assert state["parameters"] == expected_params
+    assert state["gradients"] == expected_params
+    # AdamW: two moments per parameter, plus a one-element step counter per tensor.
+    assert 2 * expected_params <= state["optimizer"] <= 2 * expected_params + 8 * 64
+
+
+STAGE_0 = ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.1.")
+
+
+def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(tmp_path):
+    """The issue's 8-rank layout: 2 replicas of a 2-stage pipeline whose stages are split over 2 ranks."""
+    ref = reference(accumulate=2, clip=0.05)
+    result = run_distributed(
+        hybrid_job(
+            8, accumulate=2, clip=0.05, round_trip=True, data_parallel_size=2, tensor_parallel_size=2,
+            pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"],
+        ),
+        tmp_path,
+        timeout=420,
+    )
+    assert_same_training(ref, result)
+    for key in ("val/loss", "val/accuracy"):
+        assert result["validation"][key] == pytest.approx(ref["validation"][key], abs=TOL), key
+    whole = ref["states"][0]
+    assert_state_fraction(result, expected_parameter_bytes(whole, tp=2, stage_prefixes=STAGE_0))
+    # One gradient round over the replicas per optimizer step, not per micro-batch.
+    assert result["comm"]["rounds"] == STEPS
+    assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
+
+
+PAIRS = {
+    # dp × tp: replicas of the TP group through FSDP2 with one-rank shards (all-reduce), accumulation skips it.
+    "dp2xtp2": ({"data_parallel_size": 2, "tensor_parallel_size": 2}, 2, {"tp": 2}),
+    # dp × pp with every block checkpointed inside the stages.
+    "dp2xpp2_checkpointed": (
+        {"data_parallel_size": 2, "pipeline_parallel_size": 2, "split_points": ["model.blocks.2"], "activation_checkpointing": "auto"},
+        1,
+        {"stage_prefixes": STAGE_0},
+    ),
+    # tp × pp with two virtual stages per rank (interleaved 1F1B) and checkpointed blocks.
+    "tp2xpp2_interleaved_checkpointed": (
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "schedule": "interleaved_1f1b", "stages_per_rank": 2,
+             "split_points": ["model.blocks.1", "model.blocks.2", "model.blocks.3"], "activation_checkpointing": ["model.blocks.*"]},
+        2,
+        {"tp": 2, "stage_prefixes": ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.2.")},
+    ),
+    # dp × tp with the replicas sharding the TP group's state (ZeRO-3 over dp).
+    "dp2xtp2_shard": ({"data_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_mode": "shard"}, 2, {"tp": 2, "dp_shards": 2}),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_each_pair_of_dimensions_matches_single_device(name, tmp_path):
+    strategy, accumulate, fraction = PAIRS[name]
+    ref = reference(accumulate=accumulate)
+    result = run_distributed(hybrid_job(4, accumulate=accumulate, **strategy), tmp_path, timeout=300)
+    assert_same_training(ref, result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+    assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], **fraction))
+
+
+@pytest.mark.parametrize(
+    ("devices", "strategy", "shards"),
+    [
+        # ZeRO-3 over 2 replicas, blocks checkpointed; accumulation skips the reduce-scatter until the last micro-batch.
+        (2, {"data_parallel_size": 2, "data_parallel_mode": "shard", "activation_checkpointing": "auto"}, 2),
+        # HSDP: 2 replicas × 2 shards, parameters kept gathered between forward and backward (ZeRO-2-like).
+        (4, {"data_parallel_size": 4, "data_parallel_mode": "hybrid_shard", "data_parallel_shard_size": 2, "reshard_after_forward": False}, 2),
+    ],
+    ids=["shard_dp2", "hybrid_shard_2x2"],
+)
+def test_sharded_data_parallel_matches_single_device(devices, strategy, shards, tmp_path):
+    ref = reference(accumulate=2)
+    result = run_distributed(hybrid_job(devices, accumulate=2, **strategy), tmp_path, timeout=300)
+    assert_same_training(ref, result)
+    assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], dp_shards=shards))
