@@ -56,6 +56,7 @@ class JobSpec:
     n_layer: int = 2  # GPT blocks
     # Ranks other than 0 build different initial weights: the strategy must start all from rank 0's.
     perturb_other_ranks: bool = False
+    precision: str = "64-true"  # Lightning's precision setting
     seed: int = 1234
 
 
@@ -246,7 +247,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         accelerator="cpu",
         devices=spec.devices,
         strategy=strategy,
-        precision="64-true",
+        precision=spec.precision,
         max_steps=spec.steps,
         accumulate_grad_batches=spec.accumulate,
         sync_batchnorm=spec.trainer_sync_batchnorm,

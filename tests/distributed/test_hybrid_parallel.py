@@ -11,6 +11,7 @@ import math
 from functools import cache
 
 import pytest
+import torch
 
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
@@ -138,3 +139,28 @@ def test_sharded_data_parallel_matches_single_device(devices, strategy, shards, 
     result = run_distributed(hybrid_job(devices, accumulate=2, **strategy), tmp_path, timeout=300)
     assert_same_training(ref, result)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], dp_shards=shards))
+
+
+PRECISION_CASES = [
+    ("bf16-mixed", 4, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+    ("bf16-mixed", 2, {"data_parallel_size": 2, "data_parallel_mode": "shard"}),  # FSDP2 gathers bf16, reduces fp32
+    ("bf16-true", 4, {"data_parallel_size": 2, "pipeline_parallel_size": 2}),
+    ("bf16-true", 2, {"tensor_parallel_size": 2}),
+]
+
+
+@pytest.mark.parametrize(("precision", "devices", "strategy"), PRECISION_CASES, ids=[f"{p}-{d}ranks-{i}" for i, (p, d, _) in enumerate(PRECISION_CASES)])
+def test_lightning_precision_settings_work_with_every_layout(precision, devices, strategy, tmp_path):
+    """Low precision cannot match to 1e-6: each layout must track single device at the same precision."""
+    steps = 3
+    ref = run_job(JobSpec(batch_size=GLOBAL_BATCH, steps=steps, n_layer=LAYERS, precision=precision))
+    dp = strategy.get("data_parallel_size", 1)
+    spec = JobSpec(strategy="hybrid", devices=devices, batch_size=GLOBAL_BATCH // dp, steps=steps, n_layer=LAYERS, precision=precision, strategy_kwargs=strategy)
+    result = run_distributed(spec, tmp_path, timeout=300)
+    losses, expected = result["step_losses"].float(), ref["step_losses"].float()
+    assert losses.isfinite().all()
+    # bf16 keeps ~3 significant digits: the replicas' losses are rounded before they are averaged.
+    torch.testing.assert_close(losses, expected, rtol=0, atol=0.05 if precision == "bf16-true" else 0.01)
+    # "-true" trains bf16 weights; "-mixed" keeps float32 master weights and computes in bf16.
+    weight = result["states"][-1]["model.blocks.0.attn.q_proj.weight"]
+    assert weight.dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
