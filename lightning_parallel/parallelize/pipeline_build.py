@@ -156,9 +156,6 @@ def build_local_pipeline(
         _share(train_pipe.get_stage_module(s), originals, canonical)
     for s in local:
         _share(eval_pipe.get_stage_module(s), originals, canonical)
-    if tensor_parallel is not None:
-        stage_modules = [pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local]
-        _split_over_tensor_parallel(stage_modules, originals, canonical, tensor_parallel)
     if chained:
         _check_chain(train_pipe, type(module).__name__)
         train_stages = [PipelineStage(train_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
@@ -166,6 +163,11 @@ def build_local_pipeline(
     else:
         train_stages = [train_pipe.build_stage(s, device, group) for s in local]
         eval_stages = [eval_pipe.build_stage(s, device, group) for s in local]
+    if tensor_parallel is not None:
+        # After building the stages: PipelineStage moves its module to the device, which cannot swap
+        # DTensor parameters shared with other modules.
+        stage_modules = [pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local]
+        _split_over_tensor_parallel(stage_modules, originals, canonical, tensor_parallel)
     result = LocalPipeline("trace", local, train_stages, eval_stages)
     _rebind(module, originals, canonical, stage_uses, local, result)
     result.tied = _tied(originals, stage_uses, stage_to_rank)

@@ -110,7 +110,9 @@ class StageTensorParallel:
     def _outputs_to_whole(_: nn.Module, __: Any, output: Any) -> Any:
         def to_whole(value: Any) -> Any:
             if isinstance(value, DTensor):
-                return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local()
+                # A copy, not to_local()'s view of the DTensor's storage: the zero-bubble schedules detach
+                # stage outputs in place after the input-gradient pass, which views do not allow.
+                return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim).to_local().clone()
             return value
 
         return tree_map(to_whole, output)

@@ -109,6 +109,12 @@ PAIRS = {
         2,
         {"tp": 2, "stage_prefixes": ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.2.")},
     ),
+    # tp × pp with a V-shaped zero-bubble schedule (backward split into input and weight gradients).
+    "tp2xpp2_zbv": (
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "schedule": "zbv_zero_bubble", "stages_per_rank": 2},
+        1,
+        {"tp": 2, "stage_prefixes": ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.3.", "model.ln_f")},
+    ),
     # dp × tp with the replicas sharding the TP group's state (ZeRO-3 over dp).
     "dp2xtp2_shard": ({"data_parallel_size": 2, "tensor_parallel_size": 2, "data_parallel_mode": "shard"}, 2, {"tp": 2, "dp_shards": 2}),
 }
