@@ -8,8 +8,8 @@ and those that follow) are thin presets of it, so every layout shares the same g
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -45,7 +45,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
-from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_parallel.layout import (
@@ -59,24 +58,19 @@ from lightning_parallel.parallelize.batchnorm import (
     revert_sync_batchnorm,
 )
 from lightning_parallel.parallelize.checkpointing import (
-    apply_activation_checkpointing,
-    checkpoint_targets,
     normalize_patterns,
 )
-from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
+from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
-from lightning_parallel.parallelize.sharded import (
-    set_gradient_sync,
-    shard_over_data_parallel,
-)
 from lightning_parallel.parallelize.tensor import (
     TensorParallelConfig,
     apply_tensor_parallel,
     check_plan,
 )
 from lightning_parallel.strategies.collectives import GroupCollectivesMixin, whole
+from lightning_parallel.strategies.data_steps import DataParallelStepsMixin
 from lightning_parallel.strategies.launch import (
     START_METHODS,
     StartMethod,
@@ -84,7 +78,6 @@ from lightning_parallel.strategies.launch import (
 )
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 from lightning_parallel.strategies.pipeline_steps import PipelineStepsMixin
-from lightning_parallel.strategies.precision import fsdp_mixed_precision
 from lightning_parallel.strategies.whole_state import WholeTensorCheckpointMixin
 
 log = logging.getLogger(__name__)
@@ -93,7 +86,9 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 1800.0
 
 
-class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTensorCheckpointMixin, ParallelStrategy):
+class ParallelEngineStrategy(
+    PipelineStepsMixin, DataParallelStepsMixin, GroupCollectivesMixin, WholeTensorCheckpointMixin, ParallelStrategy
+):
     """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
 
     Transforms apply in a fixed order: the tensor-parallel plan (resolved on the whole module) → the
@@ -330,43 +325,10 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
             self.precision_plugin.clip_grad_by_norm = clip_optimizer_grad_norm
 
-    @property
-    def _is_sharded(self) -> bool:
-        """Whether parameters are DTensors (split by TP, or sharded over dp by FSDP2)."""
-        return self.layout.tensor_parallel_size > 1 or self._shards_data_parallel
-
-    @property
-    def _shards_data_parallel(self) -> bool:
-        return self.layout.data_parallel_size > 1 and self._data_parallel.is_sharded
-
-    def _data_parallel_shard_size(self) -> int:
-        layout = self.layout
-        # TP peers are adjacent, then dp: a node of N devices holds N // tp data-parallel ranks of a stage.
-        per_node = max(1, min(layout.data_parallel_size, self.num_processes // layout.tensor_parallel_size))
-        return self._data_parallel.resolve_shard_size(layout.data_parallel_size, per_node)
-
-    def _check_data_parallel_layout(self, layout: ParallelLayout) -> None:
-        """Refuse, before any process starts, data-parallel settings the layout cannot run; warn about slow ones."""
-        if layout.data_parallel_size > 1:
-            self._data_parallel_shard_size()
-        if layout.pipeline_parallel_size > 1 and self._shards_data_parallel:
-            raise ValueError(
-                f"data_parallel_mode={self._data_parallel.mode!r} is not supported with pipeline_parallel_size="
-                f"{layout.pipeline_parallel_size} yet: pipeline stages' replicas replicate (one gradient all-reduce per "
-                f"optimizer step). Set data_parallel_mode='replicate'."
-            )
-        tp = layout.tensor_parallel_size
-        if tp > 1 and self.num_nodes > 1 and (tp > self.num_processes or self.num_processes % tp != 0):
-            rank_zero_warn(
-                f"tensor_parallel_size={tp} does not divide the {self.num_processes} devices per node: some tensor-parallel "
-                f"groups span nodes, and their all-reduces (every layer, forward and backward) cross the slow inter-node "
-                f"link. Use a tensor_parallel_size that divides the devices per node."
-            )
-
     def _apply_tensor_parallel(self) -> None:
         module = self.lightning_module
         # fit() then validate()/test() set up again: the module is already split (and stays split).
-        if not self._is_sharded or module is self._tensor_parallel_module:
+        if self.layout.tensor_parallel_size == 1 or module is self._tensor_parallel_module:
             return
         resolved = self._tensor_parallel.resolve(module, warn=rank_zero_warn)
         check_plan(module, resolved, self.layout.tensor_parallel_size)
@@ -383,57 +345,6 @@ class ParallelEngineStrategy(PipelineStepsMixin, GroupCollectivesMixin, WholeTen
             f"lightning_parallel: tensor-parallel plan over tp={self.layout.tensor_parallel_size}{sequence}:\n"
             f"{resolved.describe()}"
         )
-
-    def _apply_activation_checkpointing(self) -> None:
-        if not self._activation_checkpointing or self._checkpointed is not None:
-            return
-        module = self.lightning_module
-        self._checkpointed = apply_activation_checkpointing(module, checkpoint_targets(module, self._activation_checkpointing))
-        rank_zero_info(f"lightning_parallel: activation checkpointing of {', '.join(self._checkpointed)}")
-
-    def _apply_data_parallel(self) -> None:
-        if self.layout.data_parallel_size == 1:
-            return
-        if self._is_sharded:
-            # Sharded replicas, or DTensor parameters (which DDP cannot take): FSDP2 over the dp dimensions.
-            if not self._sharded_units:
-                self._sharded_units = shard_over_data_parallel(
-                    self.lightning_module,
-                    self.device_mesh["dp_replicate", "dp_shard"],
-                    reshard_after_forward=self._data_parallel.reshard_after_forward,
-                    mp_policy=fsdp_mixed_precision(self.precision_plugin),
-                )
-            return
-        device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
-        self.model = apply_ddp(self.model, self.data_parallel_group, self._data_parallel, device_ids, self._comm_stats)
-
-    def _reduce_metrics_over_data_parallel(self) -> None:
-        # torchmetrics sync over the whole world by default; TP/PP peers hold the same samples, so
-        # metrics must reduce over the data-parallel replicas only.
-        if self.layout.data_parallel_size == self.world_size:
-            return
-        for module in self.lightning_module.modules():
-            if isinstance(module, Metric) and module.process_group is None:
-                module.process_group = self.data_parallel_group
-
-    @override
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip gradient synchronization while Lightning accumulates micro-batches (DDP and FSDP2)."""
-        self._accumulating = True
-        try:
-            if self._sharded_units:
-                set_gradient_sync(self._sharded_units, False)
-                try:
-                    yield
-                finally:
-                    set_gradient_sync(self._sharded_units, True)
-            else:
-                with super().block_backward_sync():
-                    yield
-        finally:
-            self._accumulating = False
-        self._loss_parallel = False
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
