@@ -31,6 +31,7 @@ benchmark: venv
 	$(PY) benchmarks/dp_vs_ddp.py
 	$(PY) benchmarks/tp_vs_model_parallel.py
 	$(PY) benchmarks/pp_efficiency.py
+	$(PY) benchmarks/hybrid_layouts.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs
