@@ -2,8 +2,9 @@
 
 Mixed into :class:`~lightning_parallel.strategies.engine.ParallelEngineStrategy`, which provides
 ``layout``, ``coordinates``, ``device_mesh``, ``root_device``, ``model``, ``lightning_module``,
-``optimizers``, ``precision_plugin``, ``data_parallel_group``, ``_pipeline`` (the config),
-``_sync_batchnorm``, ``_layer_sync``, ``_accumulating`` and ``_comm_stats``.
+``optimizers``, ``precision_plugin``, ``data_parallel_group``, ``_pipeline`` and ``_tensor_parallel`` (the
+configs), ``_activation_checkpointing``, ``_sync_batchnorm``, ``_layer_sync``, ``_accumulating`` and
+``_comm_stats``. With ``tensor_parallel_size > 1`` each stage is split over the ``tp`` mesh after the cut.
 """
 
 from __future__ import annotations
