@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -19,9 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
-
-from lightning_parallel.parallelize.stage_tensor import copy_whole_into
 
 
 def full_model_state(module: nn.Module) -> dict[str, Any]:
@@ -117,3 +117,11 @@ def local_named_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[
         "state": {k: v for k, v in state["state"].items() if k in names},
         "param_groups": [dict(g, params=[p for p in g["params"] if p in names]) for g in state["param_groups"]],
     }
+
+
+@torch.no_grad()
+def copy_whole_into(target: Tensor, value: Tensor) -> None:
+    """Copy a whole tensor into ``target``, which may be a DTensor (each rank keeps its part, no communication)."""
+    if isinstance(target, DTensor):
+        value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+    target.copy_(value)

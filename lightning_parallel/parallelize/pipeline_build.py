@@ -204,9 +204,7 @@ def _split_over_tensor_parallel(
     stage_modules: list[nn.Module], originals: dict[str, Tensor], canonical: dict[int, Tensor], tp: StageTensorParallel
 ) -> None:
     """Replace this rank's parameters by DTensors placed by the plan, in every stage module and in ``canonical``."""
-    name_of: dict[int, str] = {}
-    for name, tensor in originals.items():
-        name_of.setdefault(id(tensor), name)
+    name_of = _parameter_names(originals)
     placed = {
         id(tensor): tp.distribute(name_of[key], tensor)
         for key, tensor in canonical.items()
@@ -323,11 +321,17 @@ def _rebind(
             result.replaced[key] = canonical.get(key)  # type: ignore[assignment]
 
 
-def _tied(originals: dict[str, Tensor], stage_uses: list[set[int]], stage_to_rank: Sequence[int]) -> list[TiedParameter]:
-    first_name: dict[int, str] = {}
+def _parameter_names(originals: dict[str, Tensor]) -> dict[int, str]:
+    """``id(parameter) -> its first name`` (tied weights have several)."""
+    names: dict[int, str] = {}
     for name, tensor in originals.items():
         if isinstance(tensor, nn.Parameter):
-            first_name.setdefault(id(tensor), name)
+            names.setdefault(id(tensor), name)
+    return names
+
+
+def _tied(originals: dict[str, Tensor], stage_uses: list[set[int]], stage_to_rank: Sequence[int]) -> list[TiedParameter]:
+    first_name = _parameter_names(originals)
     tied = []
     for key in sorted(set().union(*stage_uses), key=lambda k: first_name.get(k, "")):
         stages = [s for s, uses in enumerate(stage_uses) if key in uses]

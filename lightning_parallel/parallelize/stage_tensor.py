@@ -17,7 +17,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -116,11 +115,3 @@ class StageTensorParallel:
             return value
 
         return tree_map(to_whole, output)
-
-
-@torch.no_grad()
-def copy_whole_into(target: Tensor, value: Tensor) -> None:
-    """Copy a whole tensor into ``target``, which may be a DTensor (each rank keeps its part)."""
-    if isinstance(target, DTensor):
-        value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None)
-    target.copy_(value)
