@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import Callback
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lightning_parallel
 from lightning_parallel.observe.memory import state_bytes
@@ -105,7 +106,7 @@ def single_device_order(datamodule: L.LightningDataModule, seed: int) -> None:
     def train_dataloader() -> DataLoader:
         loader = make_loader()
         sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-        return DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
+        return StatefulDataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler, drop_last=loader.drop_last)
 
     datamodule.train_dataloader = train_dataloader
 

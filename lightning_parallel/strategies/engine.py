@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.layout import (
     ParallelLayout,
     RankCoordinates,
@@ -70,6 +71,11 @@ from lightning_parallel.parallelize.tensor import (
     apply_tensor_parallel,
     check_plan,
 )
+from lightning_parallel.strategies.checkpoint_files import (
+    SAVE_FORMATS,
+    CheckpointFilesMixin,
+    SaveFormat,
+)
 from lightning_parallel.strategies.collectives import GroupCollectivesMixin, whole
 from lightning_parallel.strategies.data_steps import DataParallelStepsMixin
 from lightning_parallel.strategies.launch import (
@@ -88,7 +94,12 @@ DEFAULT_TIMEOUT_S = 1800.0
 
 
 class ParallelEngineStrategy(
-    PipelineStepsMixin, DataParallelStepsMixin, GroupCollectivesMixin, WholeTensorCheckpointMixin, ParallelStrategy
+    PipelineStepsMixin,
+    DataParallelStepsMixin,
+    GroupCollectivesMixin,
+    CheckpointFilesMixin,
+    WholeTensorCheckpointMixin,
+    ParallelStrategy,
 ):
     """Runs a LightningModule on a ``(pp, dp, tp)`` DeviceMesh.
 
@@ -116,6 +127,12 @@ class ParallelEngineStrategy(
             through Lightning's cluster environments and need no option.
         process_group_backend: ``"nccl"``/``"gloo"``; ``None`` picks nccl on CUDA and gloo on CPU.
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails instead of hanging.
+        save_format: ``"sharded"``: each rank writes its own shards (a directory, through
+            ``torch.distributed.checkpoint``); ``"full"``: whole tensors in one file that loads into the plain
+            module. Any layout resumes from either. Checkpoints appear under their name only when complete.
+        async_save: Write checkpoints in the background while training goes on (tensors are copied to host
+            memory first); each save is completed before the next one, before a load and at the end.
+        checkpoint_io: Defaults to :class:`~lightning_parallel.checkpoint.io.ParallelCheckpointIO` (atomic files).
     """
 
     def __init__(
@@ -131,6 +148,8 @@ class ParallelEngineStrategy(
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+        save_format: SaveFormat = "sharded",
+        async_save: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -141,9 +160,15 @@ class ParallelEngineStrategy(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else ParallelCheckpointIO(),
             precision_plugin=precision_plugin,
         )
+        if save_format not in SAVE_FORMATS:
+            raise ValueError(f"save_format={save_format!r} is unknown; choose one of {', '.join(SAVE_FORMATS)}.")
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}.")
+        self._save_format = save_format
+        self._async_save = async_save
         layout = layout if layout is not None else ParallelLayout()
         if not isinstance(layout, ParallelLayout):
             raise TypeError(f"layout must be a ParallelLayout, got {type(layout).__name__}.")

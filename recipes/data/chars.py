@@ -9,6 +9,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+# torchdata's loader saves how far the epoch got: a checkpoint taken mid-epoch resumes at the next batch.
+from torchdata.stateful_dataloader import StatefulDataLoader
+
 
 def read_stdlib_corpus(max_chars: int) -> str:
     """Concatenate the top-level ``.py`` files of the running Python's stdlib, in name order, up to ``max_chars``."""
@@ -87,7 +90,7 @@ class CharCorpusDataModule(L.LightningDataModule):
         self.val_set = BlockDataset(tokens[split:], self.hparams.block_size)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
+        return StatefulDataLoader(
             self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle,
             num_workers=self.hparams.num_workers, drop_last=True,
         )

@@ -6,6 +6,9 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+# torchdata's loader saves how far the epoch got: a checkpoint taken mid-epoch resumes at the next batch.
+from torchdata.stateful_dataloader import StatefulDataLoader
+
 
 def make_images(
     count: int, num_classes: int, channels: int, size: int, noise: float, generator: torch.Generator, templates: torch.Tensor
@@ -50,7 +53,7 @@ class SyntheticImagesDataModule(L.LightningDataModule):
         self.train_set, self.val_set = make(hp.num_train), make(hp.num_val)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle, drop_last=True)
+        return StatefulDataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)

@@ -1,12 +1,13 @@
-"""Checkpoint state for sharded modules: full (unsharded) tensors in, full tensors out.
+"""Checkpoint state of split and staged modules as whole tensors keyed by parameter names.
 
 Built on ``torch.distributed.checkpoint.state_dict``: every rank takes part, the result holds ordinary
 tensors keyed by the module's own parameter names, so a file written under tensor parallelism loads into
-the plain module with ``load_state_dict``. Resharding sharded (DCP) checkpoints across layouts builds on this.
+the plain module with ``load_state_dict`` (the ``full`` save format; ``sharded.py`` writes each rank's shards).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -63,6 +64,13 @@ def gather_pipeline_parts(part: dict[str, Any], group: dist.ProcessGroup, dst_gr
     return _merge_optimizer_parts(parts) if _is_optimizer_state(part) else {k: v for p in parts for k, v in p.items()}
 
 
+def all_pipeline_parts(part: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """:func:`gather_pipeline_parts`, merged on every rank of ``group``."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, part, group=group)
+    return _merge_optimizer_parts(parts) if _is_optimizer_state(part) else {k: v for p in parts for k, v in p.items()}
+
+
 def is_named_optimizer_state(state: dict[str, Any]) -> bool:
     """Whether an optimizer state is keyed by parameter names (from :func:`full_optimizer_state`)."""
     return _is_optimizer_state(state) and all(isinstance(k, str) for k in state["state"])
@@ -93,22 +101,26 @@ def load_into_stages(module: nn.Module, state: dict[str, Any], whole_shapes: dic
     Raises:
         RuntimeError: Names or shapes differ; the message lists them. Nothing is loaded then.
     """
-    missing = sorted(set(whole_shapes) - set(state))
-    unexpected = sorted(set(state) - set(whole_shapes))
-    mismatched = [f"{k}: {tuple(state[k].shape)} vs {whole_shapes[k]}" for k in whole_shapes if k in state and tuple(state[k].shape) != whole_shapes[k]]
-    if mismatched or (strict and (missing or unexpected)):
-        raise RuntimeError(
-            "The checkpoint does not fit this model: "
-            + "; ".join(
-                f"{label} {items[:8]}{' …' if len(items) > 8 else ''}"
-                for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched))
-                if items
-            )
-        )
+    message = describe_mismatch(whole_shapes, {k: tuple(v.shape) for k, v in state.items()}, strict)
+    if message:
+        raise RuntimeError(f"The checkpoint does not fit this model: {message}")
     # In place, so tensor-parallel stages (DTensors) keep their placement: each rank copies its part.
     for name, target in module.state_dict().items():
         if name in state:
             copy_whole_into(target, state[name])
+
+
+def describe_mismatch(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], strict: bool = True) -> str:
+    """What differs between the tensors a model expects and those a checkpoint holds ("" when they fit).
+
+    Missing and unexpected names count only when ``strict``; a different shape always does.
+    """
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    mismatched = [f"{k}: {tuple(found[k])} in the checkpoint vs {tuple(expected[k])}" for k in expected if k in found and tuple(found[k]) != tuple(expected[k])]
+    parts = [("missing", missing), ("unexpected", unexpected)] if strict else []
+    parts.append(("shape mismatch", mismatched))
+    return "; ".join(f"{label} {items[:8]}{' …' if len(items) > 8 else ''}" for label, items in parts if items)
 
 
 def local_named_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:

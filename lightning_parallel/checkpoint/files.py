@@ -1,0 +1,155 @@
+"""Where checkpoints live on disk, and how they appear there atomically.
+
+A checkpoint is either one ``torch.save`` file (``full`` format) or a directory written by
+``torch.distributed.checkpoint`` plus ``meta.pt`` (``sharded`` format, the layout Lightning's
+``ModelParallelStrategy`` uses). Either is first written under a hidden partial name beside its final name
+and renamed into place only when complete, so a crash or a kill mid-save leaves the previous checkpoint
+intact and the partial one ignored (and swept away by the next save of the same name).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+# Lightning's name for the non-tensor part of a sharded checkpoint (loops, callbacks, hyperparameters).
+META_FILENAME = "meta.pt"
+# What DCP's coordinator writes last: a directory without it was never finished.
+DCP_METADATA_FILENAME = ".metadata"
+#: What lightning_parallel adds to every checkpoint: format, layout that wrote it, versions, RNG states.
+INFO_KEY = "lightning_parallel"
+PARTIAL_SUFFIX = ".partial"
+_REPLACED_SUFFIX = ".replaced"
+
+CheckpointFormat = Literal["sharded", "full"]
+
+
+def partial_path(path: str | os.PathLike) -> Path:
+    """The hidden name ``path`` is written under until complete (``dir/.name.partial``)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+def is_partial(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an unfinished write (never a checkpoint to load)."""
+    name = Path(path).name
+    return name.startswith(".") and name.endswith((PARTIAL_SUFFIX, _REPLACED_SUFFIX))
+
+
+def checkpoint_format(path: str | os.PathLike) -> CheckpointFormat:
+    """``sharded`` for a complete DCP directory, ``full`` for a file.
+
+    Raises:
+        FileNotFoundError: Nothing at ``path``.
+        RuntimeError: A directory that is not a complete sharded checkpoint.
+    """
+    path = Path(path)
+    if path.is_file():
+        return "full"
+    if not path.exists():
+        raise FileNotFoundError(f"No checkpoint at {str(path)!r}.")
+    missing = [name for name in (DCP_METADATA_FILENAME, META_FILENAME) if not (path / name).is_file()]
+    if missing:
+        raise RuntimeError(
+            f"{str(path)!r} is a directory but not a complete sharded checkpoint (it lacks {', '.join(missing)}): "
+            "it was not written by lightning_parallel, or its save did not finish. Pass another checkpoint."
+        )
+    return "sharded"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a finished checkpoint of either format."""
+    if is_partial(path):
+        return False
+    try:
+        checkpoint_format(path)
+    except (FileNotFoundError, RuntimeError):
+        return False
+    return True
+
+
+def latest_checkpoint(directory: str | os.PathLike, pattern: str = "*.ckpt") -> Path | None:
+    """The most recently completed checkpoint in ``directory`` (partial writes ignored), or ``None``."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    complete = [path for path in directory.glob(pattern) if is_complete(path)]
+    return max(complete, key=_completed_at, default=None)
+
+
+def _completed_at(path: Path) -> float:
+    # A sharded checkpoint is complete when its meta file is: that file is written last.
+    return (path / META_FILENAME).stat().st_mtime if path.is_dir() else path.stat().st_mtime
+
+
+def prepare_partial(final: str | os.PathLike) -> Path:
+    """Create an empty partial location for ``final`` (a leftover from a killed save is removed first)."""
+    partial = partial_path(final)
+    remove_path(partial)
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    return partial
+
+
+def publish(partial: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Move a completed partial write to its final name.
+
+    A file replaces the previous one in one atomic rename. A directory cannot be renamed over another, so
+    the previous one is first moved aside under a hidden name and deleted only after the new one is in
+    place: at every instant a complete checkpoint exists under the final name or under that hidden name.
+    """
+    partial, final = Path(partial), Path(final)
+    _sync_directory_entries(partial)
+    if partial.is_file() or not final.exists():
+        if final.is_dir():
+            shutil.rmtree(final)
+        os.replace(partial, final)
+    else:
+        aside = final.with_name(f".{final.name}{_REPLACED_SUFFIX}")
+        remove_path(aside)
+        os.replace(final, aside)
+        os.replace(partial, final)
+        remove_path(aside)
+    _fsync(final.parent)
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` that never leaves a truncated file under ``path``."""
+    partial = prepare_partial(path)
+    with open(partial, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    publish(partial, path)
+
+
+def remove_path(path: str | os.PathLike) -> None:
+    """Delete a checkpoint file or directory if it exists."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _sync_directory_entries(path: Path) -> None:
+    """Flush what was written under ``path`` to disk before it is renamed into place."""
+    if path.is_dir():
+        for child in path.iterdir():
+            if child.is_file():
+                _fsync(child)
+        _fsync(path)
+    else:
+        _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,152 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), readable under any layout.
+
+On disk (Lightning's layout for sharded checkpoints, so its own tools read ours too)::
+
+    step=8.ckpt/
+        .metadata          DCP: every tensor's whole shape and which file holds which chunk
+        __0_0.distcp ...   DCP: each rank's shards (replicated tensors written once)
+        meta.pt            Lightning's non-tensor state (loops, callbacks, schedulers) + who wrote it
+
+Tensors are keyed ``state_dict.<parameter name>`` and ``optimizer_<i>.state.<parameter name>.<field>``
+by the module's original parameter names, whatever the layout that wrote them, so any layout can read
+what any other wrote: DCP reads for each rank just the chunks its own shards cover.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_parallel.checkpoint.files import META_FILENAME, checkpoint_format
+from lightning_parallel.checkpoint.state import describe_mismatch
+
+MODEL_KEY = "state_dict"
+
+
+def optimizer_key(index: int) -> str:
+    """The top-level key of the ``index``-th optimizer's state (Lightning's naming)."""
+    return f"optimizer_{index}"
+
+
+def save_states(
+    states: dict[str, Any],
+    directory: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    asynchronous: bool = False,
+) -> Future | None:
+    """Write each rank's part of ``states`` into ``directory`` (a collective: every rank calls it).
+
+    With ``asynchronous=True`` the tensors are first copied to host memory, then written by a background
+    thread: the returned future completes when this rank's files and (on the coordinator) the metadata
+    are written. ``process_group`` should then be a group used for nothing else (the thread runs collectives).
+    """
+    if asynchronous:
+        return dcp.async_save(states, checkpoint_id=directory, process_group=process_group)
+    dcp.save(states, checkpoint_id=directory, process_group=process_group)
+    return None
+
+
+def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
+    """The non-tensor part (``meta.pt``) of a sharded checkpoint."""
+    with reading(directory):
+        return torch.load(Path(directory) / META_FILENAME, map_location="cpu", weights_only=False)
+
+
+def stored_shapes(directory: str | os.PathLike, prefix: str = MODEL_KEY) -> dict[str, tuple[int, ...]]:
+    """Whole shape of every tensor stored under ``prefix`` (``state_dict``: the model), by name."""
+    metadata = _read_metadata(directory)
+    start = prefix + "."
+    return {
+        key[len(start):]: tuple(entry.size)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(start) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def stored_keys(directory: str | os.PathLike) -> set[str]:
+    """Every flattened key stored in a sharded checkpoint (``state_dict.<name>``, ``optimizer_0.state...``)."""
+    return set(_read_metadata(directory).state_dict_metadata)
+
+
+def check_model_fits(directory: str | os.PathLike, expected: Mapping[str, tuple[int, ...]], strict: bool) -> None:
+    """Refuse, before anything is read, a checkpoint whose model tensors differ from ``expected``.
+
+    Raises:
+        RuntimeError: Missing or unexpected names (when ``strict``) or different shapes; all listed.
+    """
+    message = describe_mismatch(expected, stored_shapes(directory), strict)
+    if message:
+        raise RuntimeError(f"The checkpoint {str(directory)!r} does not fit this model: {message}")
+
+
+def load_states(states: dict[str, Any], directory: str | os.PathLike, *, allow_partial: bool = False) -> None:
+    """Fill ``states`` (this rank's tensors, any sharding) in place from a sharded checkpoint (a collective)."""
+    with reading(directory):
+        dcp.load(states, checkpoint_id=directory, planner=DefaultLoadPlanner(allow_partial_load=allow_partial))
+
+
+def read_whole(directory: str | os.PathLike) -> dict[str, Any]:
+    """A sharded checkpoint as the ordinary Lightning checkpoint dict, whole tensors (one process, no peers).
+
+    ``state_dict`` loads into the plain module; ``optimizer_states`` are keyed by parameter names in the
+    optimizer's order, which ``torch.optim.Optimizer.load_state_dict`` maps by position.
+    """
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    states: dict[str, Any] = {}
+    with reading(directory):
+        _load_state_dict(states, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    checkpoint = read_meta(directory)
+    checkpoint[MODEL_KEY] = states.pop(MODEL_KEY, {})
+    count = len([key for key in states if key.startswith("optimizer_")])
+    checkpoint["optimizer_states"] = [states.pop(optimizer_key(i)) for i in range(count)]
+    checkpoint.update(states)
+    return checkpoint
+
+
+def whole_to_states(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a Lightning checkpoint dict into DCP tensor states and the ``meta.pt`` rest (for conversion)."""
+    meta = dict(checkpoint)
+    states = {MODEL_KEY: meta.pop(MODEL_KEY)}
+    for index, optimizer_state in enumerate(meta.pop("optimizer_states", [])):
+        states[optimizer_key(index)] = optimizer_state
+    return states, meta
+
+
+@contextmanager
+def reading(path: str | os.PathLike) -> Iterator[None]:
+    """Turn a failure to read ``path`` into one clear error instead of a deep torch traceback."""
+    try:
+        yield
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError, CheckpointException) as error:
+        if isinstance(error, FileNotFoundError) and not Path(path).exists():
+            raise FileNotFoundError(f"No checkpoint at {str(path)!r}.") from error
+        if str(error).startswith("The checkpoint ") or "weights_only" in str(error):  # already clear
+            raise
+        detail = str(error).strip().splitlines()
+        raise RuntimeError(
+            f"The checkpoint {str(path)!r} could not be read ({type(error).__name__}: {detail[-1] if detail else ''}). "
+            "It is corrupt or incomplete (a truncated copy, a save that did not finish); nothing was loaded. "
+            "Resume from an earlier checkpoint."
+        ) from error
+
+
+def _read_metadata(directory: str | os.PathLike) -> Metadata:
+    checkpoint_format(directory)  # a clear error for a missing path or an unfinished directory
+    with reading(directory):
+        return FileSystemReader(directory).read_metadata()
