@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lightning_parallel
+from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.observe.memory import state_bytes
 from lightning_parallel.strategies.whole_state import unwrap_optimizer
 from recipes.data.chars import CharCorpusDataModule
@@ -55,6 +56,7 @@ class JobSpec:
     checkpoint_round_trip: bool = False
     tie_weights: bool = True  # GPT: share the embedding with the output head
     n_layer: int = 2  # GPT blocks
+    n_embd: int = 16  # GPT width
     # Ranks other than 0 build different initial weights: the strategy must start all from rank 0's.
     perturb_other_ranks: bool = False
     precision: str = "64-true"  # Lightning's precision setting
@@ -215,7 +217,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     if spec.model == "gpt":
         data: L.LightningDataModule = CharCorpusDataModule(block_size=8, batch_size=spec.batch_size, max_chars=20_000, shuffle=False)
         model: L.LightningModule = RecordingGPT(
-            vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=16, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
+            vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=spec.n_embd, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step,
         )
     elif spec.model in ("regressor", "regressor_loop"):
@@ -244,7 +246,10 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     else:
         raise ValueError(f"unknown strategy {spec.strategy!r}")
     recorder = Recorder(save_path)
+    # Lightning's own strategy with our checkpoint I/O: atomic files, and it reads sharded checkpoints.
+    plugins = [ParallelCheckpointIO()] if spec.strategy == "single" else None
     trainer = L.Trainer(
+        plugins=plugins,
         accelerator="cpu",
         devices=spec.devices,
         strategy=strategy,
@@ -308,12 +313,18 @@ def launch_worker(spec: JobSpec, tmp_path: Path, timeout: float, torchrun: bool 
     """
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(asdict(spec)))
+    arguments = ["tests.worker", str(spec_file), str(tmp_path / "result.pt")]
+    return launch_module(arguments, timeout, nproc=spec.devices if torchrun else None)
+
+
+def launch_module(arguments: list[str], timeout: float, nproc: int | None = None) -> subprocess.CompletedProcess:
+    """``python -m <arguments>`` (under torchrun with ``nproc`` processes) in its own session, killed whole on timeout."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED"):
         env.pop(var, None)
-    command = [sys.executable, "-m", "tests.worker", str(spec_file), str(tmp_path / "result.pt")]
-    if torchrun:
-        command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.devices}", "-m"]
+    command = [sys.executable, "-m", *arguments]
+    if nproc is not None:
+        command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
     proc = subprocess.Popen(
         command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
