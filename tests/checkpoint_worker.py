@@ -30,12 +30,13 @@ class Run:
     checkpoint_every: int | None = None
     checkpoint_dir: str | None = None
     accumulate: int = 1
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # JobSpec's n_layer, n_embd, ...
 
 
 def run(plan: Run, devices: int) -> dict[str, Any]:
     spec = JobSpec(
         strategy=plan.strategy, devices=devices, steps=plan.steps, batch_size=plan.batch_size,
-        accumulate=plan.accumulate, strategy_kwargs=plan.strategy_kwargs,
+        accumulate=plan.accumulate, strategy_kwargs=plan.strategy_kwargs, **plan.model_kwargs,
     )
     model, data, trainer, recorder = build(spec)
     if plan.checkpoint_every is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_parallel.checkpoint.files import META_FILENAME, checkpoint_format
-from lightning_parallel.checkpoint.state import describe_mismatch
+from lightning_parallel.checkpoint.state import MISMATCH_HINT, describe_mismatch
 
 MODEL_KEY = "state_dict"
 
@@ -61,7 +62,8 @@ def save_states(
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    """The non-tensor part (``meta.pt``) of a sharded checkpoint."""
+    """The non-tensor part (``meta.pt``) of a sharded checkpoint (checked complete and not cut short first)."""
+    _read_metadata(directory)
     with reading(directory):
         return torch.load(Path(directory) / META_FILENAME, map_location="cpu", weights_only=False)
 
@@ -74,6 +76,15 @@ def stored_shapes(directory: str | os.PathLike, prefix: str = MODEL_KEY) -> dict
         key[len(start):]: tuple(entry.size)
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith(start) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def stored_tensors(directory: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Every stored tensor by flattened key: whole shape, dtype, and how many chunks (shards) hold it."""
+    return {
+        key: {"shape": list(entry.size), "dtype": str(entry.properties.dtype).removeprefix("torch."), "chunks": len(entry.chunks)}
+        for key, entry in _read_metadata(directory).state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
     }
 
 
@@ -90,7 +101,25 @@ def check_model_fits(directory: str | os.PathLike, expected: Mapping[str, tuple[
     """
     message = describe_mismatch(expected, stored_shapes(directory), strict)
     if message:
-        raise RuntimeError(f"The checkpoint {str(directory)!r} does not fit this model: {message}")
+        raise RuntimeError(f"The checkpoint {str(directory)!r} does not fit this model: {message}. {MISMATCH_HINT}")
+
+
+def check_optimizer_fits(directory: str | os.PathLike, key: str, target: Mapping[str, Any], optimizer_name: str) -> None:
+    """Refuse an optimizer state that lacks entries ``target`` (this rank's, by parameter name) needs."""
+    stored = stored_keys(directory)
+    wanted = {
+        f"{key}.state.{name}.{field}"
+        for name, fields in target["state"].items()
+        for field, value in fields.items()
+        if isinstance(value, torch.Tensor)
+    }
+    missing = sorted(wanted - stored)
+    if missing:
+        raise RuntimeError(
+            f"The optimizer state in {str(directory)!r} does not fit {optimizer_name} over this model: missing "
+            f"({len(missing)}) {missing[:8]}{' and more' if len(missing) > 8 else ''}. Resume with the optimizer "
+            "it was saved with (configure_optimizers), or load the weights only."
+        )
 
 
 def load_states(states: dict[str, Any], directory: str | os.PathLike, *, allow_partial: bool = False) -> None:
@@ -108,15 +137,24 @@ def read_whole(directory: str | os.PathLike) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    checkpoint = read_meta(directory)
     states: dict[str, Any] = {}
     with reading(directory):
         _load_state_dict(states, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    checkpoint = read_meta(directory)
     checkpoint[MODEL_KEY] = states.pop(MODEL_KEY, {})
     count = len([key for key in states if key.startswith("optimizer_")])
     checkpoint["optimizer_states"] = [states.pop(optimizer_key(i)) for i in range(count)]
     checkpoint.update(states)
     return checkpoint
+
+
+def write_whole(checkpoint: Mapping[str, Any], directory: str | os.PathLike) -> None:
+    """Write a Lightning checkpoint dict of whole tensors as a sharded checkpoint, from this one process."""
+    states, meta = whole_to_states(checkpoint)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process.*")
+        dcp.save(states, checkpoint_id=directory, no_dist=True)
+    torch.save(meta, Path(directory) / META_FILENAME)
 
 
 def whole_to_states(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -147,6 +185,20 @@ def reading(path: str | os.PathLike) -> Iterator[None]:
 
 
 def _read_metadata(directory: str | os.PathLike) -> Metadata:
+    """DCP's metadata, once the directory is known complete and no file it points into is cut short."""
     checkpoint_format(directory)  # a clear error for a missing path or an unfinished directory
     with reading(directory):
-        return FileSystemReader(directory).read_metadata()
+        metadata = FileSystemReader(directory).read_metadata()
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        file = Path(directory) / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual is None or actual < size:
+            found = "missing" if actual is None else f"{actual} bytes, {size} expected"
+            raise RuntimeError(
+                f"The checkpoint {str(directory)!r} is corrupt or incomplete: its file {name} is {found} "
+                "(a truncated copy, or a save that did not finish); nothing was loaded. Resume from an earlier checkpoint."
+            )
+    return metadata

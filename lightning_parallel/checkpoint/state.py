@@ -103,11 +103,18 @@ def load_into_stages(module: nn.Module, state: dict[str, Any], whole_shapes: dic
     """
     message = describe_mismatch(whole_shapes, {k: tuple(v.shape) for k, v in state.items()}, strict)
     if message:
-        raise RuntimeError(f"The checkpoint does not fit this model: {message}")
+        raise RuntimeError(f"The checkpoint does not fit this model: {message}. {MISMATCH_HINT}")
     # In place, so tensor-parallel stages (DTensors) keep their placement: each rank copies its part.
     for name, target in module.state_dict().items():
         if name in state:
             copy_whole_into(target, state[name])
+
+
+#: How to get past a model/checkpoint mismatch, appended to the error.
+MISMATCH_HINT = (
+    "Resume with the model that wrote it; to load only the weights that match, set "
+    "strict_loading = False on the LightningModule (shapes must still agree)."
+)
 
 
 def describe_mismatch(expected: Mapping[str, tuple[int, ...]], found: Mapping[str, tuple[int, ...]], strict: bool = True) -> str:
@@ -120,7 +127,7 @@ def describe_mismatch(expected: Mapping[str, tuple[int, ...]], found: Mapping[st
     mismatched = [f"{k}: {tuple(found[k])} in the checkpoint vs {tuple(expected[k])}" for k in expected if k in found and tuple(found[k]) != tuple(expected[k])]
     parts = [("missing", missing), ("unexpected", unexpected)] if strict else []
     parts.append(("shape mismatch", mismatched))
-    return "; ".join(f"{label} {items[:8]}{' …' if len(items) > 8 else ''}" for label, items in parts if items)
+    return "; ".join(f"{label} ({len(items)}) {items[:8]}{' and more' if len(items) > 8 else ''}" for label, items in parts if items)
 
 
 def local_named_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:

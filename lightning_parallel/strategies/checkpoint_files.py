@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -45,6 +46,7 @@ from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.checkpoint.sharded import (
     MODEL_KEY,
     check_model_fits,
+    check_optimizer_fits,
     load_states,
     optimizer_key,
     read_meta,
@@ -53,6 +55,7 @@ from lightning_parallel.checkpoint.sharded import (
     whole_to_states,
 )
 from lightning_parallel.checkpoint.state import (
+    MISMATCH_HINT,
     all_pipeline_parts,
     describe_mismatch,
     local_named_optimizer_state,
@@ -92,6 +95,7 @@ class CheckpointFilesMixin:
 
     _pending_save: _PendingSave | None = None
     _sharded_source: Path | None = None
+    _loaded_from: Path | None = None
     _save_group: dist.ProcessGroup | None = None
     _writer: ThreadPoolExecutor | None = None
 
@@ -234,6 +238,7 @@ class CheckpointFilesMixin:
         path = Path(self.broadcast(str(checkpoint_path)))
         self.finish_pending_save()
         self._sharded_source = None
+        self._loaded_from = path
         if checkpoint_format(path) == "full":
             if isinstance(self.checkpoint_io, ParallelCheckpointIO):
                 self.checkpoint_io.data_parallel_size = self.layout.data_parallel_size
@@ -256,7 +261,7 @@ class CheckpointFilesMixin:
             found = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if isinstance(v, torch.Tensor)}
             message = describe_mismatch(expected, found, strict)
             if message:
-                raise RuntimeError(f"The checkpoint does not fit this model: {message}")
+                raise RuntimeError(f"The checkpoint {str(self._loaded_from)!r} does not fit this model: {message}. {MISMATCH_HINT}")
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         check_model_fits(source, expected, strict)
@@ -276,13 +281,8 @@ class CheckpointFilesMixin:
         for optimizer, stored in zip(self.optimizers, states):
             optimizer = unwrap_optimizer(optimizer)
             target = get_optimizer_state_dict(self.lightning_module, optimizer)
-            try:
-                load_states({stored.key: target}, self._sharded_source)
-            except RuntimeError as error:
-                raise RuntimeError(
-                    f"The optimizer state in {str(self._sharded_source)!r} does not fit {type(optimizer).__name__} over "
-                    f"this model (another optimizer type, or other parameters): {error.__cause__ or error}"
-                ) from error
+            check_optimizer_fits(self._sharded_source, stored.key, target, type(optimizer).__name__)
+            load_states({stored.key: target}, self._sharded_source)
             if self._staged:
                 names = {name for name, _ in self.lightning_module.named_parameters()}
                 target = local_named_optimizer_state(target, names)
@@ -353,6 +353,4 @@ def _restore_portable_rng_states(serialized: bytes) -> None:
 
 def _copy_tensors(obj: Any) -> Any:
     """A deep copy of a checkpoint's tensors (the background writer must not see later training steps)."""
-    from lightning_utilities.core.apply_func import apply_to_collection
-
     return apply_to_collection(obj, torch.Tensor, lambda t: t.detach().clone())

@@ -1,0 +1,163 @@
+"""Look into checkpoints and convert between formats, on one machine with no processes to start.
+
+    python -m lightning_parallel.checkpoint inspect outputs/run/checkpoints/last.ckpt [--tensors] [--json]
+    python -m lightning_parallel.checkpoint convert last.ckpt last-full.ckpt       # sharded -> full
+    python -m lightning_parallel.checkpoint convert model.ckpt model-sharded.ckpt  # full -> sharded
+
+A full checkpoint's ``state_dict`` loads into the plain LightningModule with ``load_state_dict`` (export,
+inference); either format resumes training under any layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_parallel.checkpoint.files import (
+    INFO_KEY,
+    atomic_torch_save,
+    checkpoint_format,
+    prepare_partial,
+    publish,
+)
+from lightning_parallel.checkpoint.sharded import (
+    read_meta,
+    read_whole,
+    reading,
+    write_whole,
+)
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """What a checkpoint holds: format, the layout that wrote it, progress, tensors (names, shapes, dtypes)."""
+    fmt = checkpoint_format(path)
+    if fmt == "sharded":
+        from lightning_parallel.checkpoint.sharded import stored_tensors
+
+        meta = read_meta(path)
+        stored = stored_tensors(path)
+        # Model tensors first, each part in the order it was written.
+        tensors = dict(sorted(stored.items(), key=lambda item: not item[0].startswith("state_dict.")))
+        files = [p for p in path.iterdir() if p.is_file()]
+    else:
+        with reading(path):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        tensors = _whole_tensors(checkpoint)
+        files = [path]
+    info = meta.get(INFO_KEY, {})
+    model = {k: v for k, v in tensors.items() if k.startswith("state_dict.")}
+    return {
+        "path": str(path),
+        "format": fmt,
+        "bytes_on_disk": sum(f.stat().st_size for f in files),
+        "files": len(files),
+        "written_by": {key: info[key] for key in ("layout", "world_size", "versions") if key in info},
+        "epoch": meta.get("epoch"),
+        "global_step": meta.get("global_step"),
+        "model_tensors": len(model),
+        "model_elements": sum(_numel(v["shape"]) for v in model.values()),
+        "optimizer_tensors": len(tensors) - len(model),
+        "tensors": tensors,
+    }
+
+
+def convert(source: Path, destination: Path) -> str:
+    """Sharded -> full (one file) or full -> sharded (a directory); returns the format written."""
+    if destination.exists():
+        raise FileExistsError(f"{str(destination)!r} exists; choose a new destination (nothing was written).")
+    if checkpoint_format(source) == "sharded":
+        atomic_torch_save(_marked(read_whole(source), "full"), destination)
+        return "full"
+    with reading(source):
+        checkpoint = torch.load(source, map_location="cpu", weights_only=False)
+    partial = prepare_partial(destination)
+    write_whole(_marked(checkpoint, "sharded"), partial)
+    publish(partial, destination)
+    return "sharded"
+
+
+def _marked(checkpoint: dict[str, Any], fmt: str) -> dict[str, Any]:
+    info = dict(checkpoint.get(INFO_KEY, {}))
+    info["format"] = fmt
+    return {**checkpoint, INFO_KEY: info}
+
+
+def _whole_tensors(checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for name, value in checkpoint.get("state_dict", {}).items():
+        if isinstance(value, torch.Tensor):
+            found[f"state_dict.{name}"] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."), "chunks": 1}
+    for index, state in enumerate(checkpoint.get("optimizer_states", [])):
+        for param, fields in state.get("state", {}).items():
+            for key, value in fields.items():
+                if isinstance(value, torch.Tensor):
+                    found[f"optimizer_{index}.state.{param}.{key}"] = {
+                        "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."), "chunks": 1,
+                    }
+    return found
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _print_summary(summary: dict[str, Any], tensors: bool) -> None:
+    layout = summary["written_by"].get("layout")
+    written = (
+        f"pp={layout.get('pp')} dp={layout.get('dp')} tp={layout.get('tp')}"
+        + (f" ({layout['data_parallel_mode']})" if layout.get("data_parallel_mode") and layout.get("dp", 1) > 1 else "")
+        + f", {summary['written_by'].get('world_size')} process(es)"
+        if layout else "unknown (not written by lightning_parallel)"
+    )
+    print(f"checkpoint   {summary['path']}")
+    print(f"format       {summary['format']} ({summary['files']} file(s), {summary['bytes_on_disk'] / 2**20:.1f} MiB on disk)")
+    print(f"written by   {written}")
+    print(f"progress     epoch {summary['epoch']}, global step {summary['global_step']}")
+    print(f"model        {summary['model_tensors']} tensors, {summary['model_elements']:,} elements")
+    print(f"optimizer    {summary['optimizer_tensors']} tensors")
+    if tensors:
+        width = max((len(name) for name in summary["tensors"]), default=0)
+        for name, entry in summary["tensors"].items():
+            shape = "×".join(map(str, entry["shape"])) or "scalar"
+            print(f"  {name:<{width}}  {shape:>16}  {entry['dtype']:<8}  {entry['chunks']} chunk(s)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.checkpoint", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    inspect = commands.add_parser("inspect", help="print what a checkpoint holds")
+    inspect.add_argument("path", type=Path)
+    inspect.add_argument("--tensors", action="store_true", help="list every tensor (name, whole shape, dtype, chunks)")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
+    conversion = commands.add_parser("convert", help="sharded -> full (one file) or full -> sharded (a directory)")
+    conversion.add_argument("source", type=Path)
+    conversion.add_argument("destination", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            summary = describe(args.path)
+            if args.json:
+                print(json.dumps(summary, indent=2))
+            else:
+                _print_summary(summary, args.tensors)
+        else:
+            written = convert(args.source, args.destination)
+            print(f"wrote a {written} checkpoint at {args.destination}")
+    except (FileNotFoundError, FileExistsError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
