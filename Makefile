@@ -32,6 +32,7 @@ benchmark: venv
 	$(PY) benchmarks/tp_vs_model_parallel.py
 	$(PY) benchmarks/pp_efficiency.py
 	$(PY) benchmarks/hybrid_layouts.py
+	$(PY) benchmarks/checkpoint_io.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs

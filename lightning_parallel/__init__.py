@@ -4,6 +4,8 @@ Importing the package registers the strategy names with Lightning, so
 ``Trainer(strategy="data_parallel")`` works after ``import lightning_parallel``.
 """
 
+from lightning_parallel.checkpoint.files import latest_checkpoint
+from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
 from lightning_parallel.observe.summary import TrainingSummary
@@ -36,6 +38,7 @@ __all__ = [
     "DataParallelStrategy",
     "HybridParallelStrategy",
     "ParallelEngineStrategy",
+    "ParallelCheckpointIO",
     "ParallelLayout",
     "PipelineConfig",
     "PipelineParallelStrategy",
@@ -43,5 +46,6 @@ __all__ = [
     "TensorParallelConfig",
     "TensorParallelStrategy",
     "TrainingSummary",
+    "latest_checkpoint",
     "training_job",
 ]

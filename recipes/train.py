@@ -5,9 +5,10 @@
     python recipes/train.py strategy=data trainer.devices=2 trainer.accumulate_grad_batches=4
     python recipes/train.py experiment=convnet_syncbn                     # BatchNorm over the global batch
     python recipes/train.py -m strategy=single,data trainer.devices=1,2   # sweep
+    python recipes/train.py hydra.run.dir=outputs/gpt ckpt_path=last      # resume that run (any layout)
 
 Global batch = data.batch_size (per rank) × data-parallel replicas × trainer.accumulate_grad_batches.
-Outputs (CSV metrics, checkpoints, Hydra config) go to outputs/<date>/<time>/.
+Outputs (CSV metrics, checkpoints/, Hydra config) go to outputs/<date>/<time>/ unless hydra.run.dir says.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
+from lightning.pytorch.utilities.rank_zero import rank_zero_info  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lightning_parallel import training_job  # noqa: E402  (importing the package registers the strategy names)
+from lightning_parallel import latest_checkpoint, training_job  # noqa: E402  (importing the package registers the strategy names)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -35,8 +37,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy)
     trainer = instantiate(cfg.trainer, strategy=strategy)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), Path(cfg.paths.output_dir) / "checkpoints")
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     return {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+
+def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None:
+    """``last`` -> the newest complete checkpoint in ``checkpoint_dir`` (a save cut short is skipped), else as given."""
+    if ckpt_path != "last":
+        return ckpt_path
+    latest = latest_checkpoint(checkpoint_dir)
+    if latest is None:
+        rank_zero_info(f"ckpt_path=last: no complete checkpoint in {checkpoint_dir}; starting fresh.")
+        return None
+    rank_zero_info(f"ckpt_path=last: resuming from {latest}")
+    return str(latest)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

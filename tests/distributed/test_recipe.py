@@ -16,6 +16,7 @@ pytestmark = pytest.mark.distributed
 
 SMALL = [
     "trainer.max_steps=3",
+    "checkpoint.every_n_train_steps=3",
     "trainer.log_every_n_steps=1",
     "trainer.val_check_interval=3",
     "trainer.limit_val_batches=2",
@@ -52,6 +53,16 @@ def test_train_recipe_with_data_parallel_strategy(tmp_path):
     # Rank 1 re-ran the same job (its log sits beside rank 0's), and only rank 0 wrote the config.
     assert (tmp_path / "train_rank1.log").exists()
     assert (tmp_path / ".hydra" / "config.yaml").exists()
+    assert (tmp_path / "checkpoints" / "last.ckpt" / "meta.pt").exists()  # sharded, written at the last step
+
+    # The same run, resumed under another layout from its newest checkpoint, trains on to step 5.
+    resumed = run_recipe(
+        ["strategy=tensor", "trainer.devices=2", *SMALL, "trainer.max_steps=5", "ckpt_path=last", f"hydra.run.dir={tmp_path}"]
+    )
+    output = resumed.stdout + resumed.stderr
+    assert f"ckpt_path=last: resuming from {tmp_path / 'checkpoints'}" in output
+    assert "Restored all states from the checkpoint" in output
+    assert "lightning_parallel summary: 2 steps" in output
 
 
 def test_multirun_sweep_runs_each_job_once(tmp_path):

@@ -45,10 +45,11 @@ def test_auto_plan_matches_single_device(accumulate, clip, tmp_path):
 
 
 def assert_checkpoint_holds_whole_tensors(path, expected_state, n_layer=2):
-    """A checkpoint written under TP (or PP) loads into the plain, unsplit module."""
+    """A checkpoint written under TP (or PP) loads into the plain, unsplit module (read whole if sharded)."""
+    from lightning_parallel import ParallelCheckpointIO
     from recipes.models.gpt import GPTLightningModule
 
-    checkpoint = torch.load(path, weights_only=False)
+    checkpoint = ParallelCheckpointIO().load_checkpoint(path)
     plain = GPTLightningModule(vocab_size=128, block_size=8, n_layer=n_layer, n_head=2, n_embd=16).double()
     plain.load_state_dict(checkpoint["state_dict"])  # strict: same keys, whole shapes
     for name, value in plain.state_dict().items():
