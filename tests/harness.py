@@ -305,6 +305,24 @@ def run_distributed(spec: JobSpec, tmp_path: Path, timeout: float = 240, torchru
     return torch.load(tmp_path / "result.pt", weights_only=False)
 
 
+def run_distributed_jobs(specs: dict[str, JobSpec], tmp_path: Path, timeout: float = 400) -> dict[str, dict[str, Any]]:
+    """Run jobs with the same number of ranks one after another in one torchrun launch; rank 0's results by name.
+
+    Each job gets ``tmp_path/<name>/`` (its result, and its checkpoint for a round trip).
+    """
+    (devices,) = {spec.devices for spec in specs.values()}
+    plan = []
+    for name, spec in specs.items():
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
+        plan.append({"spec": asdict(spec), "result": str(tmp_path / name / "result.pt")})
+    plan_file = tmp_path / "jobs.json"
+    plan_file.write_text(json.dumps(plan))
+    proc = launch_module(["tests.jobs_worker", str(plan_file)], timeout, nproc=devices)
+    if proc.returncode != 0:
+        raise AssertionError(f"jobs failed with exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return {name: torch.load(tmp_path / name / "result.pt", weights_only=False) for name in specs}
+
+
 def launch_worker(spec: JobSpec, tmp_path: Path, timeout: float, torchrun: bool = False) -> subprocess.CompletedProcess:
     """Run the worker in its own session; on timeout kill the whole session (every rank) and fail.
 

@@ -18,7 +18,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel import training_job
-from lightning_parallel.checkpoint import checkpoint_format, is_complete, latest_checkpoint, read_whole
+from lightning_parallel.checkpoint import (
+    checkpoint_format,
+    is_complete,
+    latest_checkpoint,
+    read_whole,
+)
 from lightning_parallel.checkpoint.files import partial_path
 from tests.checkpoint_worker import Run, run
 from tests.harness import REPO_ROOT, JobSpec, build

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.harness import JobSpec, run_distributed, run_job
+from tests.harness import JobSpec, run_distributed, run_distributed_jobs, run_job
 
 pytestmark = pytest.mark.distributed
 
@@ -43,21 +43,37 @@ def assert_one_allreduce_round_per_step(result: dict, steps: int = STEPS) -> Non
 BUCKET_OPTIONS = {"bucket_cap_mb": 0.02, "gradient_as_bucket_view": True}
 
 
-@pytest.mark.parametrize(
-    ("devices", "accumulate", "options"),
-    [(2, 1, {}), (4, 1, {"static_graph": True}), (2, 2, {}), (2, 4, BUCKET_OPTIONS)],
-    ids=["dp2", "dp4-static-graph", "dp2-accumulate2", "dp2-accumulate4-small-buckets"],
-)
-def test_gpt_matches_single_device_with_the_global_batch(devices, accumulate, options, tmp_path):
+VARIANTS = {
+    "dp2": (2, 1, {}),
+    "dp4-static-graph": (4, 1, {"static_graph": True}),
+    "dp2-accumulate2": (2, 2, {}),
+    "dp2-accumulate4-small-buckets": (2, 4, BUCKET_OPTIONS),
+}
+
+
+def variant_spec(devices: int, accumulate: int, options: dict) -> JobSpec:
+    return JobSpec(
+        strategy="data", devices=devices, batch_size=PER_RANK_BATCH, accumulate=accumulate, steps=STEPS,
+        validate=devices == 2 and accumulate == 1, strategy_kwargs=options,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_rank_variants(tmp_path_factory):
+    """The 2-rank variants one after another in one launch (starting processes is the slow part here)."""
+    specs = {name: variant_spec(*variant) for name, variant in VARIANTS.items() if variant[0] == 2}
+    return run_distributed_jobs(specs, tmp_path_factory.mktemp("dp2"))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpt_matches_single_device_with_the_global_batch(variant, request, tmp_path):
+    devices, accumulate, options = VARIANTS[variant]
     validate = devices == 2 and accumulate == 1
     reference = run_job(JobSpec(batch_size=PER_RANK_BATCH * devices * accumulate, steps=STEPS, validate=validate))
-    result = run_distributed(
-        JobSpec(
-            strategy="data", devices=devices, batch_size=PER_RANK_BATCH, accumulate=accumulate, steps=STEPS,
-            validate=validate, strategy_kwargs=options,
-        ),
-        tmp_path,
-    )
+    if devices == 2:
+        result = request.getfixturevalue("two_rank_variants")[variant]
+    else:
+        result = run_distributed(variant_spec(devices, accumulate, options), tmp_path)
     assert result["world_size"] == devices
     assert_same_training(reference, result)
     # Accumulation skips the all-reduce on the k-1 intermediate micro-batches.

@@ -15,7 +15,7 @@ import torch
 
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
-from tests.harness import JobSpec, run_distributed, run_job
+from tests.harness import JobSpec, run_distributed, run_distributed_jobs, run_job
 
 pytestmark = pytest.mark.distributed
 
@@ -120,29 +120,42 @@ PAIRS = {
 }
 
 
+SHARDED = {
+    # ZeRO-3 over 2 replicas, blocks checkpointed; accumulation skips the reduce-scatter until the last micro-batch.
+    "shard_dp2": (2, {"data_parallel_size": 2, "data_parallel_mode": "shard", "activation_checkpointing": "auto"}, 2),
+    # HSDP: 2 replicas × 2 shards, parameters kept gathered between forward and backward (ZeRO-2-like).
+    "hybrid_shard_2x2": (
+        4, {"data_parallel_size": 4, "data_parallel_mode": "hybrid_shard", "data_parallel_shard_size": 2, "reshard_after_forward": False}, 2,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(tmp_path_factory):
+    """The 4-rank jobs below, one after another in one launch (starting 4 processes is the slow part)."""
+    specs = {name: hybrid_job(4, accumulate=accumulate, **strategy) for name, (strategy, accumulate, _) in PAIRS.items()}
+    specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, (devices, strategy, _) in SHARDED.items() if devices == 4})
+    return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=600)
+
+
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_each_pair_of_dimensions_matches_single_device(name, tmp_path):
+def test_each_pair_of_dimensions_matches_single_device(name, four_rank_results):
     strategy, accumulate, fraction = PAIRS[name]
     ref = reference(accumulate=accumulate)
-    result = run_distributed(hybrid_job(4, accumulate=accumulate, **strategy), tmp_path, timeout=300)
+    result = four_rank_results[name]
     assert_same_training(ref, result)
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], **fraction))
 
 
-@pytest.mark.parametrize(
-    ("devices", "strategy", "shards"),
-    [
-        # ZeRO-3 over 2 replicas, blocks checkpointed; accumulation skips the reduce-scatter until the last micro-batch.
-        (2, {"data_parallel_size": 2, "data_parallel_mode": "shard", "activation_checkpointing": "auto"}, 2),
-        # HSDP: 2 replicas × 2 shards, parameters kept gathered between forward and backward (ZeRO-2-like).
-        (4, {"data_parallel_size": 4, "data_parallel_mode": "hybrid_shard", "data_parallel_shard_size": 2, "reshard_after_forward": False}, 2),
-    ],
-    ids=["shard_dp2", "hybrid_shard_2x2"],
-)
-def test_sharded_data_parallel_matches_single_device(devices, strategy, shards, tmp_path):
+@pytest.mark.parametrize("name", list(SHARDED))
+def test_sharded_data_parallel_matches_single_device(name, request, tmp_path):
+    devices, strategy, shards = SHARDED[name]
     ref = reference(accumulate=2)
-    result = run_distributed(hybrid_job(devices, accumulate=2, **strategy), tmp_path, timeout=300)
+    if devices == 4:
+        result = request.getfixturevalue("four_rank_results")[name]
+    else:
+        result = run_distributed(hybrid_job(devices, accumulate=2, **strategy), tmp_path, timeout=300)
     assert_same_training(ref, result)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], dp_shards=shards))
 

@@ -7,7 +7,13 @@ import torch
 
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
-from tests.harness import JobSpec, launch_worker, run_distributed, run_job
+from tests.harness import (
+    JobSpec,
+    launch_worker,
+    run_distributed,
+    run_distributed_jobs,
+    run_job,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -31,19 +37,27 @@ def reference():
     return run_job(JobSpec(batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True, predict=True))
 
 
-@pytest.mark.parametrize(("schedule", "stages_per_rank"), SCHEDULES, ids=[s for s, _ in SCHEDULES])
-def test_every_schedule_matches_single_device(schedule, stages_per_rank, reference, tmp_path):
-    round_trip = schedule == "1f1b"
-    # With Lightning's default sanity check the pipeline is built from a validation batch, in inference mode.
-    sanity = 2 if schedule == "interleaved_1f1b" else 0
-    result = run_distributed(
-        JobSpec(
+@pytest.fixture(scope="module")
+def schedule_results(tmp_path_factory):
+    """Every schedule's job, one after another in one 2-process launch."""
+    specs = {}
+    for schedule, stages_per_rank in SCHEDULES:
+        round_trip = schedule == "1f1b"
+        # With Lightning's default sanity check the pipeline is built from a validation batch, in inference mode.
+        sanity = 2 if schedule == "interleaved_1f1b" else 0
+        specs[schedule] = JobSpec(
             strategy="pipeline", devices=2, batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True,
             checkpoint_round_trip=round_trip, predict=round_trip, sanity_val_steps=sanity,
             strategy_kwargs={"pipeline_parallel_size": 2, "schedule": schedule, "stages_per_rank": stages_per_rank, "microbatches": 4},
-        ),
-        tmp_path,
-    )
+        )
+    root = tmp_path_factory.mktemp("schedules")
+    return root, run_distributed_jobs(specs, root)
+
+
+@pytest.mark.parametrize("schedule", [schedule for schedule, _ in SCHEDULES])
+def test_every_schedule_matches_single_device(schedule, reference, schedule_results):
+    root, results = schedule_results
+    result, round_trip = results[schedule], schedule == "1f1b"
     assert_same_training(reference, result)
     # The module's own self.log calls (micro-batch values combined) and validation equal single device.
     assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
@@ -54,8 +68,8 @@ def test_every_schedule_matches_single_device(schedule, stages_per_rank, referen
     if round_trip:
         # trainer.predict runs through the pipeline too; every rank returns the predictions.
         torch.testing.assert_close(result["predictions"], reference["predictions"], rtol=0, atol=TOL)
-        # Gathered from both stages into one file that loads into the plain module; validated from it above.
-        assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", reference["states"][-1], n_layer=LAYERS)
+        # Written by both stages (sharded), read whole it loads into the plain module; validated from it above.
+        assert_checkpoint_holds_whole_tensors(root / schedule / "final.ckpt", reference["states"][-1], n_layer=LAYERS)
 
 
 def test_data_parallel_replicas_of_a_pipeline_with_accumulation_and_clipping(tmp_path):

@@ -131,11 +131,16 @@ def test_two_node_launch_with_torchrun_agents(tmp_path):
 
 def test_hybrid_sim_experiment_runs_here(tmp_path):
     """The 64-GPU experiment's shape at CPU size: 8 processes, dp=2 × tp=2 × pp=2, checkpointed blocks."""
-    small = [arg for arg in SMALL if not arg.startswith(("model.", "data.batch_size"))]
-    proc = run_recipe(["experiment=hybrid_sim", *small, f"hydra.run.dir={tmp_path}"], timeout=400)
+    # Two steps, no validation or checkpoint (the 8-rank equivalence test covers those): this checks the config.
+    small = [arg for arg in SMALL if not arg.startswith(("model.", "data.batch_size", "trainer.max_steps", "checkpoint."))]
+    proc = run_recipe(
+        ["experiment=hybrid_sim", *small, "trainer.max_steps=2", "trainer.limit_val_batches=0",
+         "checkpoint.every_n_train_steps=1000", f"hydra.run.dir={tmp_path}"],
+        timeout=400,
+    )
     output = proc.stdout + proc.stderr
     assert "layout dp=2 × tp=2 × pp=2 on gloo" in output
     assert "tensor-parallel plan over tp=2 inside each stage" in output
     assert "activation checkpointing of model.blocks.0, model.blocks.1" in output
-    assert "lightning_parallel summary: 3 steps" in output
+    assert "lightning_parallel summary: 2 steps" in output
     assert any(row.get("train/loss") for row in metric_rows(tmp_path))

@@ -8,10 +8,20 @@ import time
 import pytest
 import torch
 
-from lightning_parallel.checkpoint import atomic_torch_save, checkpoint_format, latest_checkpoint, read_whole
+from lightning_parallel.checkpoint import (
+    atomic_torch_save,
+    checkpoint_format,
+    latest_checkpoint,
+    read_whole,
+)
 from lightning_parallel.checkpoint.__main__ import main as checkpoint_cli
 from lightning_parallel.checkpoint.data_position import rescale_loader_positions
-from lightning_parallel.checkpoint.files import INFO_KEY, partial_path, prepare_partial, publish
+from lightning_parallel.checkpoint.files import (
+    INFO_KEY,
+    partial_path,
+    prepare_partial,
+    publish,
+)
 from lightning_parallel.checkpoint.sharded import write_whole
 
 

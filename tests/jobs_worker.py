@@ -1,0 +1,16 @@
+"""Several test jobs in one set of processes: ``python -m tests.jobs_worker PLAN.json`` under torchrun.
+
+Starting processes is the slow part of a small job on 2 cores; jobs with the same number of ranks can
+share them (each job is its own Trainer and strategy). The plan lists ``{"spec": JobSpec fields, "result":
+path}``; each job's rank 0 saves its findings there (a checkpoint round trip writes beside it).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from tests.harness import JobSpec, run_job
+
+if __name__ == "__main__":
+    for job in json.loads(Path(sys.argv[1]).read_text()):
+        run_job(JobSpec(**job["spec"]), save_path=Path(job["result"]))
