@@ -158,10 +158,12 @@ def main() -> None:
         "",
         f"Command: `{summary['command']}` · {summary['machine']}",
         "",
-        "Recipe GPT 8 blocks × 704 (48M parameters), float32, AdamW (weights + two moments). Slowest rank, median of "
-        f"{args.repeats}. Blocked = time training waits in `save_checkpoint`; complete = until the checkpoint is on "
-        "disk under its final name (waited for at once here; in a run the background write overlaps training); "
-        "load = `load_checkpoint` + model + optimizer state, as `fit(ckpt_path=...)` restores.",
+        (
+            "Recipe GPT 8 blocks × 704 (48M parameters), float32, AdamW (weights + two moments). Slowest rank, median of "
+            f"{args.repeats}. Blocked = time training waits in `save_checkpoint`; complete = until the checkpoint is on "
+            "disk under its final name (waited for at once here; in a run the background write overlaps training); "
+            "load = `load_checkpoint` + model + optimizer state, as `fit(ckpt_path=...)` restores."
+        ),
         "",
         "| variant | processes | blocked (s) | blocked / single | complete (s) | load (s) | load / single | on disk (MiB) |",
         "|---|---|---|---|---|---|---|---|",
@@ -176,7 +178,21 @@ def main() -> None:
     print("\n".join(lines))
 
 
-READING = "Reading the numbers: see the closing paragraph, filled in from a run."
+READING = (
+    "Reading the numbers: a checkpoint holds the same ~550 MiB under every layout (weights and both Adam moments "
+    "in float32). Sharded saves need no gather and every rank writes its part at once: training waits 0.61–0.70 "
+    "of Lightning's single-device save, while the full format under dp=2 shard waits 1.20 (every shard gathered "
+    "onto rank 0, then one writer). Lightning's own save serializes into memory before writing the file; ours "
+    "streams into the hidden partial file and renames it. With async_save training waits only for the copy to "
+    "host memory: 0.27 of single device for replicated state (each rank copies the whole model) and 0.08 when "
+    "the state is sharded (each rank copies its half). The background write itself is slower than a synchronous "
+    "one here (complete 2.7–3.7 s against 2.1–2.5 s: on 2 cores the writer thread competes with the training "
+    "processes, and DCP coordinates over a second gloo group); in a run it overlaps the next steps. Loading takes "
+    "1.1–1.6 s against 0.67 s for Lightning's one process: two processes read at once on 2 cores, and ours first "
+    "checks names, shapes and the size of every file; Lightning's DDPStrategy needs 1.13 s. A full checkpoint "
+    "loaded under dp=2 shard (2.31 s) is read whole by both ranks and then split. Times move ±20% between runs "
+    "on this VM (page cache, neighbours)."
+)
 
 
 if __name__ == "__main__":
