@@ -38,7 +38,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     strategy = instantiate(cfg.strategy)
     trainer = instantiate(cfg.trainer, strategy=strategy)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), Path(cfg.paths.output_dir) / "checkpoints")
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+    # Checkpoints of these recipes hold the Hydra config (OmegaConf objects) among the hyperparameters,
+    # which torch's weights-only unpickler refuses: they are this project's own files, read in full.
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
     return {key: float(value) for key, value in trainer.callback_metrics.items()}
 
 

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-import lightning_parallel.checkpoint.files as files
-import lightning_parallel.strategies.checkpoint_files as checkpoint_files
+from lightning_parallel.checkpoint import files
+from lightning_parallel.strategies import checkpoint_files
 from tests.checkpoint_worker import Run, run
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def describe(path: Path) -> dict[str, Any]:
     if fmt == "sharded":
         from lightning_parallel.checkpoint.sharded import stored_tensors
 
-        meta = read_meta(path)
+        meta = read_meta(path, weights_only=False)
         stored = stored_tensors(path)
         # Model tensors first, each part in the order it was written.
         tensors = dict(sorted(stored.items(), key=lambda item: not item[0].startswith("state_dict.")))
@@ -73,7 +73,7 @@ def convert(source: Path, destination: Path) -> str:
     if destination.exists():
         raise FileExistsError(f"{str(destination)!r} exists; choose a new destination (nothing was written).")
     if checkpoint_format(source) == "sharded":
-        atomic_torch_save(_marked(read_whole(source), "full"), destination)
+        atomic_torch_save(_marked(read_whole(source, weights_only=False), "full"), destination)
         return "full"
     with reading(source):
         checkpoint = torch.load(source, map_location="cpu", weights_only=False)

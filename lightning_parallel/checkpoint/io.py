@@ -59,7 +59,7 @@ class ParallelCheckpointIO(TorchCheckpointIO):
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         if checkpoint_format(path) == "sharded":
-            checkpoint = read_whole(path)
+            checkpoint = read_whole(path, weights_only)
         else:
             with reading(path):
                 if map_location is None:

@@ -61,11 +61,15 @@ def save_states(
     return None
 
 
-def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    """The non-tensor part (``meta.pt``) of a sharded checkpoint (checked complete and not cut short first)."""
+def read_meta(directory: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+    """The non-tensor part (``meta.pt``) of a sharded checkpoint (checked complete and not cut short first).
+
+    ``weights_only`` as ``torch.load`` (``None``: torch's default, which refuses arbitrary objects among the
+    hyperparameters; pass ``False`` for checkpoints you trust).
+    """
     _read_metadata(directory)
     with reading(directory):
-        return torch.load(Path(directory) / META_FILENAME, map_location="cpu", weights_only=False)
+        return torch.load(Path(directory) / META_FILENAME, map_location="cpu", weights_only=weights_only)
 
 
 def stored_shapes(directory: str | os.PathLike, prefix: str = MODEL_KEY) -> dict[str, tuple[int, ...]]:
@@ -128,7 +132,7 @@ def load_states(states: dict[str, Any], directory: str | os.PathLike, *, allow_p
         dcp.load(states, checkpoint_id=directory, planner=DefaultLoadPlanner(allow_partial_load=allow_partial))
 
 
-def read_whole(directory: str | os.PathLike) -> dict[str, Any]:
+def read_whole(directory: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
     """A sharded checkpoint as the ordinary Lightning checkpoint dict, whole tensors (one process, no peers).
 
     ``state_dict`` loads into the plain module; ``optimizer_states`` are keyed by parameter names in the
@@ -137,7 +141,7 @@ def read_whole(directory: str | os.PathLike) -> dict[str, Any]:
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    checkpoint = read_meta(directory)
+    checkpoint = read_meta(directory, weights_only)
     states: dict[str, Any] = {}
     with reading(directory):
         _load_state_dict(states, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True)

@@ -17,7 +17,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from lightning_parallel.checkpoint.data_position import rescale_loader_positions
 from lightning_parallel.checkpoint.files import (
     INFO_KEY,
     META_FILENAME,
+    CheckpointFormat,
     atomic_torch_save,
     checkpoint_format,
     partial_path,
@@ -64,8 +65,7 @@ from lightning_parallel.strategies.whole_state import unwrap_optimizer
 
 log = logging.getLogger(__name__)
 
-SaveFormat = Literal["sharded", "full"]
-SAVE_FORMATS: tuple[str, ...] = ("sharded", "full")
+SAVE_FORMATS: tuple[str, ...] = get_args(CheckpointFormat)
 
 
 @dataclass
@@ -244,7 +244,7 @@ class CheckpointFilesMixin:
                 self.checkpoint_io.data_parallel_size = self.layout.data_parallel_size
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         else:
-            checkpoint = read_meta(path)
+            checkpoint = read_meta(path, weights_only)
             optimizers = sorted(k.split(".", 1)[0] for k in stored_keys(path) if k.startswith("optimizer_"))
             count = len(set(optimizers))
             if count:
@@ -322,6 +322,9 @@ class CheckpointFilesMixin:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
+        if self._save_group is not None:
+            dist.destroy_process_group(self._save_group)
+            self._save_group = None
         super().teardown()
 
 

@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_parallel.checkpoint.files import CheckpointFormat
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.layout import (
     ParallelLayout,
@@ -74,7 +75,6 @@ from lightning_parallel.parallelize.tensor import (
 from lightning_parallel.strategies.checkpoint_files import (
     SAVE_FORMATS,
     CheckpointFilesMixin,
-    SaveFormat,
 )
 from lightning_parallel.strategies.collectives import GroupCollectivesMixin, whole
 from lightning_parallel.strategies.data_steps import DataParallelStepsMixin
@@ -148,7 +148,7 @@ class ParallelEngineStrategy(
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
-        save_format: SaveFormat = "sharded",
+        save_format: CheckpointFormat = "sharded",
         async_save: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,

@@ -28,16 +28,16 @@ SAVED_AT = 4
 
 #: Per-rank batch sizes keep the global batch at 4 samples per micro-batch.
 LAYOUTS = {
-    "single": dict(strategy="single", batch_size=4),
-    "dp2": dict(strategy="data", batch_size=2),
-    "dp4": dict(strategy="data", batch_size=1),
-    "tp2": dict(strategy="tensor", batch_size=4),
-    "pp2": dict(strategy="pipeline", batch_size=4),
-    "dp2xtp2": dict(strategy="hybrid", batch_size=2, strategy_kwargs={"data_parallel_size": 2, "tensor_parallel_size": 2}),
-    "dp2xpp2": dict(
-        strategy="hybrid", batch_size=2,
-        strategy_kwargs={"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2},
-    ),
+    "single": {"strategy": "single", "batch_size": 4},
+    "dp2": {"strategy": "data", "batch_size": 2},
+    "dp4": {"strategy": "data", "batch_size": 1},
+    "tp2": {"strategy": "tensor", "batch_size": 4},
+    "pp2": {"strategy": "pipeline", "batch_size": 4},
+    "dp2xtp2": {"strategy": "hybrid", "batch_size": 2, "strategy_kwargs": {"data_parallel_size": 2, "tensor_parallel_size": 2}},
+    "dp2xpp2": {
+        "strategy": "hybrid", "batch_size": 2,
+        "strategy_kwargs": {"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2},
+    },
 }
 
 #: Layouts that train and save at step 4 (how), per world size and accumulation.

@@ -80,7 +80,7 @@ def test_background_save_with_top_k_cleanup_keeps_a_complete_checkpoint(tmp_path
     """save_top_k=1 removes the previous checkpoint only once the background save of the next is complete."""
     import torch.distributed.checkpoint.filesystem as dcp_files
 
-    import lightning_parallel.strategies.checkpoint_files as checkpoint_files
+    from lightning_parallel.strategies import checkpoint_files
 
     slow_dcp = dcp_files._FileSystemWriter.write_data
     slow_full = checkpoint_files.atomic_torch_save
@@ -95,7 +95,7 @@ def test_background_save_with_top_k_cleanup_keeps_a_complete_checkpoint(tmp_path
     monkeypatch.setattr(checkpoint_files, "atomic_torch_save", slowly(slow_full))
     watcher = NeverWithoutCheckpoint(tmp_path)
     with training_job():
-        model, data, trainer, recorder = build(
+        model, data, trainer, _ = build(
             JobSpec(strategy="data", devices=1, steps=4, strategy_kwargs={"async_save": True, "save_format": save_format})
         )
         trainer.callbacks += [ModelCheckpoint(tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=1), watcher]

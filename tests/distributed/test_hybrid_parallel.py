@@ -140,7 +140,7 @@ def four_rank_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_each_pair_of_dimensions_matches_single_device(name, four_rank_results):
-    strategy, accumulate, fraction = PAIRS[name]
+    _, accumulate, fraction = PAIRS[name]
     ref = reference(accumulate=accumulate)
     result = four_rank_results[name]
     assert_same_training(ref, result)
