@@ -4,8 +4,8 @@
 original parameter names (``checkpoint/sharded.py``). ``"full"``: whole tensors in one ``torch.save`` file
 that loads into the plain module (``whole_state.py`` gathers them). Either is read by any layout.
 
-Checkpoints are restored after setup, into the module as it trains (its dtype, its shards; a pipeline is
-cut only on the first batch, so it is still whole then). Sharded checkpoints are read in place into this
+Model tensors are loaded at the end of setup, into the module as it trains (its dtype, its shards; a
+pipeline is cut only on the first batch, so it is still whole then). Sharded checkpoints are read in place into this
 rank's tensors: each rank reads only the chunks its shards cover.
 """
 
@@ -98,6 +98,8 @@ class CheckpointFilesMixin:
     _loaded_from: Path | None = None
     _save_group: dist.ProcessGroup | None = None
     _writer: ThreadPoolExecutor | None = None
+    _set_up = False  # setup has run since the last teardown: the module is as it trains
+    _deferred_model_state: tuple[dict[str, Any], bool] | None = None
 
     # ------------------------------------------------------------------ what a checkpoint holds
 
@@ -119,10 +121,9 @@ class CheckpointFilesMixin:
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        # After setup the module has its training dtype (the precision plugin converts it there; loading a
-        # float64 checkpoint into the float32 module Lightning gets would round it) and its final sharding.
-        # A pipeline is still whole then: it is cut on the first batch.
-        return True
+        # Lightning passes fit(weights_only=...) only to the restore that runs before setup. The model's
+        # tensors are loaded at the end of setup all the same (see load_model_state_dict).
+        return False
 
     # ------------------------------------------------------------------ saving
 
@@ -255,6 +256,23 @@ class CheckpointFilesMixin:
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if not self._set_up:
+            # Before setup the module has neither its training dtype (the precision plugin converts it in
+            # setup: a float64 checkpoint loaded into Lightning's float32 module would be rounded) nor its
+            # shards. The engine loads it at the end of setup (a pipeline is still whole then: it is cut on
+            # the first batch).
+            self._deferred_model_state = (checkpoint, strict)
+            return
+        self._load_model_state(checkpoint, strict)
+
+    def load_deferred_model_state(self) -> None:
+        """Called by the engine at the end of ``setup``: load a checkpoint's model state restored before it."""
+        self._set_up = True
+        if self._deferred_model_state is not None:
+            (checkpoint, strict), self._deferred_model_state = self._deferred_model_state, None
+            self._load_model_state(checkpoint, strict)
+
+    def _load_model_state(self, checkpoint: dict[str, Any], strict: bool) -> None:
         expected = self._whole_model_shapes()
         source = self._sharded_source
         if source is None:
@@ -312,6 +330,8 @@ class CheckpointFilesMixin:
         return {name: tuple(value.shape) for name, value in self.lightning_module.state_dict().items()}
 
     def teardown(self) -> None:
+        self._set_up = False
+        self._deferred_model_state = None
         failure = sys.exc_info()[1]
         try:
             self.finish_pending_save()

@@ -330,6 +330,7 @@ class ParallelEngineStrategy(
         self.model_to_device()
         if self._is_pipelined:
             self._setup_pipelined(trainer, fitting)
+            self.load_deferred_model_state()
             return
         self._apply_tensor_parallel()
         self._apply_activation_checkpointing()
@@ -351,6 +352,7 @@ class ParallelEngineStrategy(
             # Lightning clips through the precision plugin with torch's clip_grad_norm_, which refuses the
             # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
             self.precision_plugin.clip_grad_by_norm = clip_optimizer_grad_norm
+        self.load_deferred_model_state()
 
     def _apply_tensor_parallel(self) -> None:
         module = self.lightning_module
