@@ -78,7 +78,23 @@ def latest_checkpoint(directory: str | os.PathLike, pattern: str = "*.ckpt") -> 
     if not directory.is_dir():
         return None
     complete = [path for path in directory.glob(pattern) if is_complete(path)]
+    complete += _stranded_by_replacement(directory, pattern)
     return max(complete, key=_completed_at, default=None)
+
+
+def _stranded_by_replacement(directory: Path, pattern: str) -> list[Path]:
+    """Complete checkpoints left under their moved-aside name by a kill between the two renames of
+    :func:`publish` (the final name is missing then): still good, so still candidates."""
+    stranded = []
+    for aside in directory.glob(f".{pattern}{_REPLACED_SUFFIX}"):
+        final = aside.with_name(aside.name[1 : -len(_REPLACED_SUFFIX)])
+        if not final.exists() and _has_checkpoint_files(aside):
+            stranded.append(aside)
+    return stranded
+
+
+def _has_checkpoint_files(path: Path) -> bool:
+    return path.is_file() or all((path / name).is_file() for name in (DCP_METADATA_FILENAME, META_FILENAME))
 
 
 def _completed_at(path: Path) -> float:
@@ -97,22 +113,21 @@ def prepare_partial(final: str | os.PathLike) -> Path:
 def publish(partial: str | os.PathLike, final: str | os.PathLike) -> None:
     """Move a completed partial write to its final name.
 
-    A file replaces the previous one in one atomic rename. A directory cannot be renamed over another, so
-    the previous one is first moved aside under a hidden name and deleted only after the new one is in
-    place: at every instant a complete checkpoint exists under the final name or under that hidden name.
+    A file replaces a previous file in one atomic rename. A directory cannot be renamed over another (nor
+    a file over a directory, or back), so the previous one is first moved aside under a hidden name and deleted only after the new one is in
+    place: at every instant a complete checkpoint exists under the final name or under that hidden name
+    (which :func:`latest_checkpoint` still finds if a kill strands it there).
     """
     partial, final = Path(partial), Path(final)
     _sync_directory_entries(partial)
-    if partial.is_file() or not final.exists():
-        if final.is_dir():
-            shutil.rmtree(final)
-        os.replace(partial, final)
-    else:
-        aside = final.with_name(f".{final.name}{_REPLACED_SUFFIX}")
+    aside = final.with_name(f".{final.name}{_REPLACED_SUFFIX}")
+    if final.exists() and (final.is_dir() or partial.is_dir()):
         remove_path(aside)
         os.replace(final, aside)
         os.replace(partial, final)
-        remove_path(aside)
+    else:
+        os.replace(partial, final)
+    remove_path(aside)  # the previous checkpoint, or one a kill stranded between the two renames
     _fsync(final.parent)
 
 

@@ -65,6 +65,34 @@ def test_publish_replaces_a_directory_checkpoint_only_once_the_new_one_is_comple
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
 
 
+def test_a_checkpoint_stranded_between_the_two_renames_is_still_found(tmp_path):
+    """Killed after the old directory moved aside, before the new one took its name: the old one still counts."""
+    final = tmp_path / "last.ckpt"
+    write_whole(lightning_like_checkpoint(1), final)
+    aside = tmp_path / ".last.ckpt.replaced"
+    final.rename(aside)
+    write_whole(lightning_like_checkpoint(2), prepare_partial(final))  # complete, never published
+    assert latest_checkpoint(tmp_path) == aside
+    assert read_whole(aside)["global_step"] == 1
+    # The next save of that name completes and the stranded copy goes.
+    partial = prepare_partial(final)
+    write_whole(lightning_like_checkpoint(3), partial)
+    publish(partial, final)
+    assert latest_checkpoint(tmp_path) == final and not aside.exists()
+
+
+def test_switching_format_under_the_same_name_replaces_it(tmp_path):
+    final = tmp_path / "last.ckpt"
+    write_whole(lightning_like_checkpoint(1), final)  # sharded (a directory) ...
+    atomic_torch_save(lightning_like_checkpoint(2), final)  # ... replaced by a full file ...
+    assert checkpoint_format(final) == "full" and torch.load(final, weights_only=False)["global_step"] == 2
+    partial = prepare_partial(final)
+    write_whole(lightning_like_checkpoint(3), partial)
+    publish(partial, final)  # ... and back
+    assert read_whole(final)["global_step"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
 def test_cli_converts_both_ways_without_loss_and_inspects(tmp_path, capsys):
     original = lightning_like_checkpoint()
     atomic_torch_save(original, tmp_path / "a.ckpt")
