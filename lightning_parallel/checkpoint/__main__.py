@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from lightning_parallel.checkpoint.sharded import (
     read_meta,
     read_whole,
     reading,
+    stored_tensors,
     write_whole,
 )
 
@@ -38,8 +40,6 @@ def describe(path: Path) -> dict[str, Any]:
     """What a checkpoint holds: format, the layout that wrote it, progress, tensors (names, shapes, dtypes)."""
     fmt = checkpoint_format(path)
     if fmt == "sharded":
-        from lightning_parallel.checkpoint.sharded import stored_tensors
-
         meta = read_meta(path, weights_only=False)
         stored = stored_tensors(path)
         # Model tensors first, each part in the order it was written.
@@ -62,7 +62,7 @@ def describe(path: Path) -> dict[str, Any]:
         "epoch": meta.get("epoch"),
         "global_step": meta.get("global_step"),
         "model_tensors": len(model),
-        "model_elements": sum(_numel(v["shape"]) for v in model.values()),
+        "model_elements": sum(math.prod(v["shape"]) for v in model.values()),
         "optimizer_tensors": len(tensors) - len(model),
         "tensors": tensors,
     }
@@ -90,25 +90,16 @@ def _marked(checkpoint: dict[str, Any], fmt: str) -> dict[str, Any]:
 
 
 def _whole_tensors(checkpoint: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    found: dict[str, dict[str, Any]] = {}
-    for name, value in checkpoint.get("state_dict", {}).items():
-        if isinstance(value, torch.Tensor):
-            found[f"state_dict.{name}"] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."), "chunks": 1}
+    """A full checkpoint's tensors by the keys a sharded one would store them under (one chunk each)."""
+    named: dict[str, Any] = {f"state_dict.{name}": value for name, value in checkpoint.get("state_dict", {}).items()}
     for index, state in enumerate(checkpoint.get("optimizer_states", [])):
         for param, fields in state.get("state", {}).items():
-            for key, value in fields.items():
-                if isinstance(value, torch.Tensor):
-                    found[f"optimizer_{index}.state.{param}.{key}"] = {
-                        "shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."), "chunks": 1,
-                    }
-    return found
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+            named.update({f"optimizer_{index}.state.{param}.{key}": value for key, value in fields.items()})
+    return {
+        key: {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."), "chunks": 1}
+        for key, value in named.items()
+        if isinstance(value, torch.Tensor)
+    }
 
 
 def _print_summary(summary: dict[str, Any], tensors: bool) -> None:

@@ -32,7 +32,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_parallel.checkpoint.files import META_FILENAME, checkpoint_format
-from lightning_parallel.checkpoint.state import MISMATCH_HINT, describe_mismatch
+from lightning_parallel.checkpoint.state import (
+    MISMATCH_HINT,
+    describe_mismatch,
+    listing,
+)
 
 MODEL_KEY = "state_dict"
 
@@ -121,7 +125,7 @@ def check_optimizer_fits(directory: str | os.PathLike, key: str, target: Mapping
     if missing:
         raise RuntimeError(
             f"The optimizer state in {str(directory)!r} does not fit {optimizer_name} over this model: missing "
-            f"({len(missing)}) {missing[:8]}{' and more' if len(missing) > 8 else ''}. Resume with the optimizer "
+            f"{listing(missing)}. Resume with the optimizer "
             "it was saved with (configure_optimizers), or load the weights only."
         )
 

@@ -127,7 +127,12 @@ def describe_mismatch(expected: Mapping[str, tuple[int, ...]], found: Mapping[st
     mismatched = [f"{k}: {tuple(found[k])} in the checkpoint vs {tuple(expected[k])}" for k in expected if k in found and tuple(found[k]) != tuple(expected[k])]
     parts = [("missing", missing), ("unexpected", unexpected)] if strict else []
     parts.append(("shape mismatch", mismatched))
-    return "; ".join(f"{label} ({len(items)}) {items[:8]}{' and more' if len(items) > 8 else ''}" for label, items in parts if items)
+    return "; ".join(f"{label} {listing(items)}" for label, items in parts if items)
+
+
+def listing(items: list[str], shown: int = 8) -> str:
+    """``(count) [first few] and more``: names in an error message, however many there are."""
+    return f"({len(items)}) {items[:shown]}{' and more' if len(items) > shown else ''}"
 
 
 def local_named_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:

@@ -246,8 +246,7 @@ class CheckpointFilesMixin:
             checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         else:
             checkpoint = read_meta(path, weights_only)
-            optimizers = sorted(k.split(".", 1)[0] for k in stored_keys(path) if k.startswith("optimizer_"))
-            count = len(set(optimizers))
+            count = len({key.split(".", 1)[0] for key in stored_keys(path) if key.startswith("optimizer_")})
             if count:
                 checkpoint["optimizer_states"] = [_ShardedOptimizerState(optimizer_key(i)) for i in range(count)]
             self._sharded_source = path
