@@ -132,3 +132,17 @@ def test_loader_position_is_the_same_global_sample_under_another_dp_size(saved_d
 def test_loader_position_that_does_not_split_evenly_is_refused():
     with pytest.raises(RuntimeError, match="cannot split that evenly.*global batch size"):
         rescale_loader_positions(loader_state(3, 1), 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"save_format": "zip"}, ValueError, r"save_format='zip' is unknown; choose one of sharded, full"),
+        ({"async_save": "yes"}, TypeError, r"async_save must be True or False, got 'yes'"),
+    ],
+)
+def test_bad_checkpoint_options_fail_when_the_strategy_is_built(kwargs, error, pattern):
+    from lightning_parallel import DataParallelStrategy
+
+    with pytest.raises(error, match=pattern):
+        DataParallelStrategy(**kwargs)
