@@ -8,6 +8,7 @@ from lightning_parallel.checkpoint.files import latest_checkpoint
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.observe.comm import CommStats
+from lightning_parallel.observe.monitor import ScalingMonitor
 from lightning_parallel.observe.summary import TrainingSummary
 from lightning_parallel.parallelize.data import (
     COMM_HOOKS,
@@ -43,6 +44,7 @@ __all__ = [
     "PipelineConfig",
     "PipelineParallelStrategy",
     "RankCoordinates",
+    "ScalingMonitor",
     "TensorParallelConfig",
     "TensorParallelStrategy",
     "TrainingSummary",

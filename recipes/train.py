@@ -24,10 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
-from lightning.pytorch.utilities.rank_zero import rank_zero_info  # noqa: E402
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from lightning_parallel import latest_checkpoint, training_job  # noqa: E402  (importing the package registers the strategy names)
+from lightning_parallel import ScalingMonitor, latest_checkpoint, training_job  # noqa: E402  (importing the package registers the strategy names)
+from lightning_parallel.plan.config import (  # noqa: E402
+    configured_layout,
+    hardware_from_config,
+    preserved_random_state,
+    profile_from_config,
+)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -37,11 +43,28 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy)
     trainer = instantiate(cfg.trainer, strategy=strategy)
+    attach_prediction(cfg, trainer)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), Path(cfg.paths.output_dir) / "checkpoints")
     # Checkpoints of these recipes hold the Hydra config (OmegaConf objects) among the hyperparameters,
     # which torch's weights-only unpickler refuses: they are this project's own files, read in full.
     trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
     return {key: float(value) for key, value in trainer.callback_metrics.items()}
+
+
+def attach_prediction(cfg: DictConfig, trainer: L.Trainer) -> None:
+    """Give the ScalingMonitor (if on) the model's dry run and the hardware, so it can print predicted vs measured.
+
+    Only rank 0 reports, so only rank 0 profiles; the dry run leaves every random generator as it found it.
+    """
+    monitor = next((c for c in trainer.callbacks if isinstance(c, ScalingMonitor) and c.enabled), None)
+    if monitor is None or rank_zero_only.rank != 0:
+        return
+    try:
+        with preserved_random_state():
+            monitor.hardware = hardware_from_config(cfg)
+            monitor.profile = profile_from_config(cfg, {configured_layout(cfg).tp})
+    except Exception as error:  # a model the dry run cannot handle still trains; only the prediction is missing
+        rank_zero_warn(f"ScalingMonitor: no prediction ({type(error).__name__}: {error})")
 
 
 def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None:

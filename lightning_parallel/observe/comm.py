@@ -6,6 +6,7 @@ crosses the wire (and what accumulation skips) without patching torch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,15 @@ class CommStats:
         rounds: Backward passes that synchronized gradients (one per optimizer step when accumulation
             skips the sync on intermediate micro-batches).
         bytes: Bytes of uncompressed gradient buckets sent to the hook (compression hooks send fewer).
+        exposed_seconds: Time the training thread waited for gradient communication: from the moment the
+            last bucket of a backward pass was handed over (its gradients are the last ones computed) until
+            it was reduced, plus synchronizations issued outside DDP.
     """
 
     bucket_calls: int = 0
     rounds: int = 0
     bytes: int = 0
+    exposed_seconds: float = 0.0
 
     def record(self, bucket: dist.GradBucket) -> None:
         """Account for one bucket; the last bucket of a backward pass closes a round."""
@@ -39,19 +44,21 @@ class CommStats:
         if bucket.is_last():
             self.rounds += 1
 
-    def record_round(self, nbytes: int, buckets: int = 1) -> None:
+    def record_round(self, nbytes: int, buckets: int = 1, seconds: float = 0.0) -> None:
         """Account for a synchronization issued outside DDP (e.g. a pipeline's replicas at the optimizer step)."""
         self.bucket_calls += buckets
         self.bytes += nbytes
         self.rounds += 1
+        self.exposed_seconds += seconds
 
     def reset(self) -> None:
         """Zero all counters (e.g. after a warm-up)."""
         self.bucket_calls = self.rounds = self.bytes = 0
+        self.exposed_seconds = 0.0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         """Counters as a plain dict, for logging and JSON."""
-        return {"bucket_calls": self.bucket_calls, "rounds": self.rounds, "bytes": self.bytes}
+        return {"bucket_calls": self.bucket_calls, "rounds": self.rounds, "bytes": self.bytes, "exposed_seconds": self.exposed_seconds}
 
 
 def counting_comm_hook(
@@ -63,7 +70,16 @@ def counting_comm_hook(
     # are compared as objects (postponed string annotations would fail that check), so none are given.
     def counted_hook(state, bucket):
         stats.record(bucket)
-        return hook(state, bucket)
+        future = hook(state, bucket)
+        if not bucket.is_last():
+            return future
+        handed_over = time.perf_counter()
+
+        def reduced(done):
+            stats.exposed_seconds += time.perf_counter() - handed_over
+            return done.value()
+
+        return future.then(reduced)
 
     counted_hook.__name__ = f"counted_{getattr(hook, '__name__', 'hook')}"
     return counted_hook

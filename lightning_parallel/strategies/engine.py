@@ -56,6 +56,7 @@ from lightning_parallel.layout import (
     data_parallel_mesh,
 )
 from lightning_parallel.observe.comm import CommStats
+from lightning_parallel.plan.layouts import Layout
 from lightning_parallel.parallelize.batchnorm import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
@@ -257,6 +258,29 @@ class ParallelEngineStrategy(
     def tensor_parallel_group(self) -> dist.ProcessGroup | None:
         """Process group of the ranks that split each layer (``None`` before the mesh exists)."""
         return self._mesh["tp"].get_group() if self._mesh is not None else None
+
+    def planned_layout(self) -> Layout:
+        """This strategy's layout in the planner's terms (sizes, data-parallel mode, schedule, checkpointing)."""
+        layout = self.layout
+        pipelined = layout.pipeline_parallel_size > 1
+        mode = self._data_parallel.mode if layout.data_parallel_size > 1 else "replicate"
+        if mode == "replicate":
+            shard_size = 1
+        elif mode == "shard":
+            shard_size = layout.data_parallel_size
+        else:
+            shard_size = self._data_parallel_shard_size()
+        return Layout(
+            dp=layout.data_parallel_size,
+            tp=layout.tensor_parallel_size,
+            pp=layout.pipeline_parallel_size,
+            data_parallel_mode=mode,
+            shard_size=shard_size,
+            schedule=self._pipeline.schedule if pipelined else "none",
+            stages_per_rank=self._pipeline.stages_per_rank if pipelined else 1,
+            microbatches=self._pipeline.microbatches if pipelined else 1,
+            activation_checkpointing=bool(self._activation_checkpointing),
+        )
 
     @property
     def comm_stats(self) -> CommStats | None:

@@ -89,6 +89,43 @@ class _StepState:
     logs: dict[int, list[LogCall]] = field(default_factory=dict)
 
 
+def capture_model_call(
+    module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], root_name: str | None = None
+) -> _ForwardCaptured:
+    """Start ``module.<hook>(*args, **kwargs)`` and stop it where it calls the model; returns that call.
+
+    The model is the LightningModule itself or the first of its children with parameters that the step
+    calls (``root_name`` fixes which, once known). The result names it and holds the call's arguments.
+
+    Raises:
+        TypeError: The step never calls the model.
+    """
+    if root_name is not None:
+        candidates = [(root_name, module.get_submodule(root_name))]
+    else:
+        candidates = [("", module)] + [
+            (name, child) for name, child in module.named_children() if any(True for _ in child.parameters())
+        ]
+    handles = []
+    for name, candidate in candidates:
+
+        def pre_hook(_: nn.Module, f_args: tuple[Any, ...], f_kwargs: dict[str, Any], name: str = name) -> None:
+            raise _ForwardCaptured(name, f_args, f_kwargs)
+
+        handles.append(candidate.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    try:
+        getattr(module, hook)(*args, **kwargs)
+    except _ForwardCaptured as captured:
+        return captured
+    finally:
+        for handle in handles:
+            handle.remove()
+    raise TypeError(
+        f"{type(module).__name__}.{hook} did not call the model. Under pipeline parallelism the step must call "
+        f"the module's forward (self(...)) or one of its child modules once, with the batch's tensors."
+    )
+
+
 class PipelineRunner:
     """Owns this rank's stages and schedules, and runs the step hooks through them.
 
@@ -139,6 +176,11 @@ class PipelineRunner:
     @property
     def built(self) -> bool:
         return self.local is not None
+
+    @property
+    def train_schedule(self) -> Any:
+        """The torch schedule that runs training batches (``None`` until the first batch built the pipeline)."""
+        return self._train_schedule
 
     @property
     def holds_first_stage(self) -> bool:
@@ -204,30 +246,7 @@ class PipelineRunner:
     # ------------------------------------------------------------------ capture and build
 
     def _capture(self, module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ForwardCaptured:
-        if self.root_name is not None:
-            candidates = [(self.root_name, module.get_submodule(self.root_name))]
-        else:
-            candidates = [("", module)] + [
-                (name, child) for name, child in module.named_children() if any(True for _ in child.parameters())
-            ]
-        handles = []
-        for name, candidate in candidates:
-
-            def pre_hook(_: nn.Module, f_args: tuple[Any, ...], f_kwargs: dict[str, Any], name: str = name) -> None:
-                raise _ForwardCaptured(name, f_args, f_kwargs)
-
-            handles.append(candidate.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        try:
-            getattr(module, hook)(*args, **kwargs)
-        except _ForwardCaptured as captured:
-            return captured
-        finally:
-            for handle in handles:
-                handle.remove()
-        raise TypeError(
-            f"{type(module).__name__}.{hook} did not call the model. Under pipeline parallelism the step must call "
-            f"the module's forward (self(...)) or one of its child modules once, with the batch's tensors."
-        )
+        return capture_model_call(module, hook, args, kwargs, self.root_name)
 
     def _build(self, module: LightningModule, captured: _ForwardCaptured, on_build: Callable[[LocalPipeline], None] | None) -> None:
         rows = batch_rows(captured.args, captured.kwargs)

@@ -9,6 +9,8 @@ configs), ``_activation_checkpointing``, ``_sync_batchnorm``, ``_layer_sync``, `
 
 from __future__ import annotations
 
+import time
+
 from functools import partial
 from typing import Any
 
@@ -173,9 +175,10 @@ class PipelineStepsMixin:
         for param, group in runner.tied_parameters(module):
             sum_gradients([param], group)
         if self.layout.data_parallel_size > 1:
+            start = time.perf_counter()
             sent = average_gradients(module.parameters(), self.data_parallel_group)
             if self._comm_stats is not None:
-                self._comm_stats.record_round(sent)
+                self._comm_stats.record_round(sent, seconds=time.perf_counter() - start)
 
 
 def _take_gradients(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:

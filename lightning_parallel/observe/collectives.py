@@ -1,0 +1,101 @@
+"""Counting and timing the collectives DTensor issues (tensor parallelism, loss parallelism, DTensor math).
+
+DTensor reaches the network through ``torch.distributed._functional_collectives``: it calls that module's
+``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``, ... and later ``wait_tensor`` where a result
+is first used. :class:`DTensorCollectives` wraps those module functions while it is active, adding up the
+bytes each collective is given and the seconds the caller spends issuing and waiting for them (on the
+training thread, so this is *exposed* communication). Outside its ``with`` block nothing is wrapped.
+FSDP2 and DDP use c10d directly and are not seen here (DDP is counted by its communication hook).
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+#: The functional collectives DTensor uses; the first argument is the tensor sent.
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather_single",
+    "all_gather_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "broadcast",
+)
+
+
+@dataclass
+class CollectiveTally:
+    """Totals since the last :meth:`reset`: collectives issued, bytes handed to them, seconds spent in them."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def reset(self) -> None:
+        self.calls, self.bytes, self.seconds = 0, 0, 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"calls": self.calls, "bytes": self.bytes, "seconds": self.seconds}
+
+
+class DTensorCollectives:
+    """While active (``with counter.active(): ...``), tallies DTensor's functional collectives in :attr:`tally`.
+
+    Nested or concurrent activations are refused: the wrapped functions are process-wide.
+    """
+
+    _owner: DTensorCollectives | None = None
+
+    def __init__(self) -> None:
+        self.tally = CollectiveTally()
+
+    @contextmanager
+    def active(self) -> Iterator[CollectiveTally]:
+        if DTensorCollectives._owner is not None:
+            raise RuntimeError("Another DTensorCollectives is already counting in this process; use one at a time.")
+        originals = {name: getattr(funcol, name) for name in (*_COLLECTIVES, "wait_tensor") if hasattr(funcol, name)}
+        DTensorCollectives._owner = self
+        try:
+            for name, original in originals.items():
+                wrapper = self._timed_wait(original) if name == "wait_tensor" else self._counted(original)
+                setattr(funcol, name, wrapper)
+            yield self.tally
+        finally:
+            for name, original in originals.items():
+                setattr(funcol, name, original)
+            DTensorCollectives._owner = None
+
+    def _counted(self, collective: Callable[..., Any]) -> Callable[..., Any]:
+        tally = self.tally
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return collective(tensor, *args, **kwargs)
+            finally:
+                tally.seconds += time.perf_counter() - start
+                tally.calls += 1
+                tally.bytes += tensor.numel() * tensor.element_size()
+
+        return counted
+
+    def _timed_wait(self, wait: Callable[..., Any]) -> Callable[..., Any]:
+        tally = self.tally
+
+        def timed(tensor: torch.Tensor) -> Any:
+            start = time.perf_counter()
+            try:
+                return wait(tensor)
+            finally:
+                tally.seconds += time.perf_counter() - start
+
+        return timed

@@ -1,0 +1,267 @@
+"""ScalingMonitor: where each training step's time goes, against what the planner predicted for the layout.
+
+Every optimizer step's wall time (first batch start to last batch end) is split on each rank into
+
+- *data-parallel communication*: the time backward waited for DDP's last gradient bucket to be reduced,
+  plus the pipeline replicas' gradient averaging (counted by the strategy's :class:`CommStats`);
+- *tensor-parallel communication*: time spent issuing and waiting for DTensor's collectives
+  (:class:`~lightning_parallel.observe.collectives.DTensorCollectives`);
+- *pipeline bubble*: time inside the schedule not spent in a stage's forward/backward/loss — waiting for
+  other stages, and the transfers between them (:class:`~lightning_parallel.observe.pipeline_events.PipelineEvents`);
+- *compute*: the rest (forward, backward, optimizer, framework).
+
+FSDP2's collectives (sharded data parallelism) have no hook and count as compute. Steps after the warm-up
+are logged to the Trainer's loggers under ``scaling/``; when training ends a table compares the means with
+the planner's prediction for the same layout (given a model profile and hardware), the figures go to
+``scaling.json`` and, under pipeline parallelism, a timeline of one step to ``pipeline_timeline.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_parallel.observe.collectives import DTensorCollectives
+from lightning_parallel.observe.pipeline_events import PipelineEvents, StageEvent
+from lightning_parallel.plan.hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One optimizer step on one rank, in seconds (bytes handed to collectives alongside)."""
+
+    step_s: float
+    compute_s: float
+    dp_s: float
+    tp_s: float
+    bubble_s: float
+    pipeline_span_s: float
+    samples: int
+    dp_bytes: int
+    tp_bytes: int
+
+
+class ScalingMonitor(Callback):
+    """Measure compute, exposed communication and pipeline bubble per step, and compare with the prediction.
+
+    Args:
+        enabled: ``False`` turns every hook into a no-op (the recipes' ``scaling_monitor=false``).
+        hardware: Profile to predict for (a :class:`HardwareProfile` or its mapping, as in ``conf/hardware``).
+        profile: The model's dry run (:func:`~lightning_parallel.plan.profile.profile_model`); with
+            ``hardware`` it gives the prediction the end-of-training table compares with.
+        warmup_steps: First optimizer steps left out of the means (the first one builds pipelines and caches).
+        timeline_step: Optimizer step whose pipeline actions are drawn (default: the first after warm-up).
+        output_dir: Where ``scaling.json`` and the timeline go (default: the Trainer's log dir or root dir).
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        hardware: HardwareProfile | dict[str, Any] | None = None,
+        profile: Any = None,
+        warmup_steps: int = 1,
+        timeline_step: int | None = None,
+        output_dir: str | Path | None = None,
+    ) -> None:
+        if not isinstance(enabled, bool):
+            raise TypeError(f"ScalingMonitor(enabled=...) must be True or False, got {enabled!r}.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"ScalingMonitor(warmup_steps={warmup_steps!r}) must be a non-negative int.")
+        self.enabled = enabled
+        self.hardware = HardwareProfile.from_config(hardware) if isinstance(hardware, dict) else hardware
+        self.profile = profile
+        self.warmup_steps = warmup_steps
+        self.timeline_step = timeline_step if timeline_step is not None else warmup_steps
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+        self.steps: list[StepTiming] = []
+        self.summary: dict[str, Any] = {}
+        self._collectives = DTensorCollectives()
+        self._pipeline = PipelineEvents()
+        self._exit = ExitStack()
+        self._step_start: dict[str, float] = {}
+        self._samples = 0
+        self._batch_rows = 0
+
+    # ------------------------------------------------------------------ hooks
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.enabled:
+            return
+        self.steps, self.summary = [], {}
+        self._exit.enter_context(self._collectives.active())
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if not self.enabled:
+            return
+        runner = getattr(trainer.strategy, "pipeline_runner", None)
+        if runner is not None and runner.built and not self._pipeline.attached:
+            self._pipeline.attach(runner.train_schedule, runner.local.train_stages)
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            if trainer.global_step == self.timeline_step:
+                self._pipeline.record_next_step()
+            self._pipeline.take_totals()
+            self._step_start = self._counters(trainer)
+            self._samples = 0
+
+    @override
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.enabled or not self._step_start:
+            return
+        rows = extract_batch_size(batch)
+        self._samples += rows
+        self._batch_rows = max(self._batch_rows, rows)
+        if (batch_idx + 1) % trainer.accumulate_grad_batches:
+            return
+        now, start = self._counters(trainer), self._step_start
+        span, busy = self._pipeline.take_totals()
+        delta = {key: now[key] - start[key] for key in now}
+        bubble = max(0.0, span - busy)
+        timing = StepTiming(
+            step_s=delta["time"],
+            compute_s=max(0.0, delta["time"] - delta["dp_s"] - delta["tp_s"] - bubble),
+            dp_s=delta["dp_s"],
+            tp_s=delta["tp_s"],
+            bubble_s=bubble,
+            pipeline_span_s=span,
+            samples=self._samples,
+            dp_bytes=int(delta["dp_bytes"]),
+            tp_bytes=int(delta["tp_bytes"]),
+        )
+        self._step_start = {}
+        # global_step has advanced past the step just finished.
+        if trainer.global_step <= self.warmup_steps:
+            return
+        self.steps.append(timing)
+        if trainer.global_step % max(1, trainer.log_every_n_steps) == 0 and trainer.is_global_zero:
+            replicas = _replicas(trainer)
+            metrics = {f"scaling/{k}": v for k, v in asdict(timing).items() if k.endswith("_s")}
+            metrics["scaling/samples_per_s"] = timing.samples * replicas / timing.step_s
+            metrics["scaling/samples_per_s_per_replica"] = timing.samples / timing.step_s
+            metrics["scaling/efficiency"] = timing.compute_s / timing.step_s
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.enabled:
+            return
+        self._exit.close()
+        ranks = _gather(trainer, {"rank": trainer.global_rank, "steps": [asdict(s) for s in self.steps],
+                                  "events": [asdict(e) for e in self._pipeline.events]})
+        directory = self._directory(trainer)  # Trainer.log_dir is a collective: every rank asks
+        if not trainer.is_global_zero:
+            return
+        measured = _means(ranks[0]["steps"], _replicas(trainer))
+        prediction = self._predict(trainer)
+        self.summary = {
+            "layout": _describe(trainer),
+            "world_size": trainer.world_size,
+            "measured": measured,
+            "measured_by_rank": [_means(r["steps"], _replicas(trainer)) for r in ranks],
+            "predicted": prediction.as_dict() if prediction is not None else None,
+        }
+        directory.mkdir(parents=True, exist_ok=True)
+        timeline = self._draw_timeline(trainer, ranks, directory)
+        if timeline is not None:
+            self.summary["timeline"] = str(timeline)
+        (directory / "scaling.json").write_text(json.dumps(self.summary, indent=2, default=str))
+        if measured:
+            from lightning_parallel.observe.scaling_table import print_scaling_table
+
+            print_scaling_table(self.summary)
+        else:
+            rank_zero_info(f"ScalingMonitor: no steps after the {self.warmup_steps} warm-up step(s) to report.")
+
+    # ------------------------------------------------------------------ pieces
+
+    def _counters(self, trainer: Trainer) -> dict[str, float]:
+        comm = getattr(trainer.strategy, "comm_stats", None)
+        tally = self._collectives.tally
+        return {
+            "time": time.perf_counter(),
+            "dp_s": comm.exposed_seconds if comm is not None else 0.0,
+            "dp_bytes": comm.bytes if comm is not None else 0,
+            "tp_s": tally.seconds,
+            "tp_bytes": tally.bytes,
+        }
+
+    def _predict(self, trainer: Trainer) -> Any:
+        planned = getattr(trainer.strategy, "planned_layout", None)
+        if self.profile is None or self.hardware is None or planned is None or not self._batch_rows:
+            return None
+        from lightning_parallel.plan.cost import predict
+        from lightning_parallel.plan.layouts import Workload
+
+        layout = planned()
+        accumulate = trainer.accumulate_grad_batches
+        workload = Workload(trainer.num_devices, trainer.num_nodes, self._batch_rows * layout.dp * accumulate, accumulate)
+        try:
+            return predict(self.profile, layout, workload, self.hardware)
+        except ValueError as error:
+            rank_zero_warn(f"ScalingMonitor: no prediction for {layout.describe()}: {error}")
+            return None
+
+    def _directory(self, trainer: Trainer) -> Path:
+        if self.output_dir is not None:
+            return self.output_dir
+        return Path(trainer.log_dir or trainer.default_root_dir)
+
+    def _draw_timeline(self, trainer: Trainer, ranks: list[dict[str, Any]], directory: Path) -> Path | None:
+        runner = getattr(trainer.strategy, "pipeline_runner", None)
+        if runner is None:
+            return None
+        by_rank = {r["rank"]: [StageEvent(**e) for e in r["events"]] for r in ranks}
+        rows = {f"pp rank {i} (rank {g})": by_rank.get(g, []) for i, g in enumerate(runner.pp_global_ranks)}
+        if not any(rows.values()):
+            return None
+        from lightning_parallel.observe.plots import render_timeline
+
+        path = directory / "pipeline_timeline.png"
+        title = f"{_describe(trainer)} · optimizer step {self.timeline_step}"
+        render_timeline(rows, path, title)
+        return path
+
+
+def _replicas(trainer: Trainer) -> int:
+    if trainer.world_size == 1:
+        return 1
+    return int(trainer.strategy.distributed_sampler_kwargs.get("num_replicas", trainer.world_size))
+
+
+def _describe(trainer: Trainer) -> str:
+    layout = getattr(trainer.strategy, "planned_layout", None)
+    return layout().describe() if layout is not None else f"{type(trainer.strategy).__name__} × {trainer.world_size}"
+
+
+def _gather(trainer: Trainer, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    if trainer.world_size == 1 or not dist.is_initialized():
+        return [payload]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, payload)
+    return sorted(gathered, key=lambda r: r["rank"])
+
+
+def _means(steps: list[dict[str, Any]], replicas: int) -> dict[str, float]:
+    """Means over the recorded steps of one rank, with throughput and the compute share of the step."""
+    if not steps:
+        return {}
+    count = len(steps)
+    mean = {key: sum(s[key] for s in steps) / count for key in steps[0]}
+    mean["steps"] = count
+    mean["samples_per_s"] = mean["samples"] * replicas / mean["step_s"]
+    mean["samples_per_s_per_replica"] = mean["samples"] / mean["step_s"]
+    mean["efficiency"] = mean["compute_s"] / mean["step_s"]
+    mean["bubble_fraction"] = mean["bubble_s"] / mean["pipeline_span_s"] if mean["pipeline_span_s"] else 0.0
+    return mean

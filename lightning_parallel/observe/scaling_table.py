@@ -1,0 +1,48 @@
+"""The ScalingMonitor's end-of-training table: measured means next to the planner's prediction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def scaling_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float | None]]:
+    """(what, predicted, measured) for the figures both sides have."""
+    measured, predicted = summary["measured"], summary.get("predicted")
+    seconds = predicted["seconds"] if predicted else {}
+    comm = predicted["comm_bytes"] if predicted else {}
+
+    def pick(value: Any) -> float | None:
+        return None if predicted is None else value
+
+    return [
+        ("step time (s)", pick(seconds.get("step")), measured["step_s"]),
+        ("compute (s)", pick(seconds.get("compute")), measured["compute_s"]),
+        ("data-parallel comm, exposed (s)", pick(seconds.get("dp")), measured["dp_s"]),
+        ("tensor-parallel comm, exposed (s)", pick(seconds.get("tp")), measured["tp_s"]),
+        ("pipeline bubble (s)", pick(seconds.get("bubble", 0.0) + seconds.get("p2p", 0.0) if predicted else None), measured["bubble_s"]),
+        ("bubble fraction", pick(predicted and predicted["bubble_fraction"]), measured["bubble_fraction"]),
+        ("samples/s", pick(predicted and predicted["samples_per_s"]), measured["samples_per_s"]),
+        ("efficiency = compute / step", pick(predicted and predicted["compute_share"]), measured["efficiency"]),
+        ("data-parallel MiB per step", pick(comm.get("dp", 0) / 2**20 if predicted else None), measured["dp_bytes"] / 2**20),
+        ("tensor-parallel MiB per step", pick(comm.get("tp", 0) / 2**20 if predicted else None), measured["tp_bytes"] / 2**20),
+    ]
+
+
+def print_scaling_table(summary: dict[str, Any], console: Console | None = None) -> None:
+    """Print measured vs predicted, with how far the prediction is off."""
+    console = console or Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # logs: keep rows on one line
+    measured = summary["measured"]
+    table = Table(title=f"ScalingMonitor · {summary['layout']} · mean of {measured['steps']} steps (rank 0)")
+    for column in ("", "predicted", "measured", "predicted / measured"):
+        table.add_column(column, justify="left" if not column else "right")
+    for name, predicted, value in scaling_rows(summary):
+        ratio = f"{predicted / value:.2f}" if predicted is not None and value else "–"
+        table.add_row(name, "–" if predicted is None else f"{predicted:.4g}", f"{value:.4g}", ratio)
+    console.print(table)
+    if summary.get("timeline"):
+        console.print(f"pipeline timeline: {summary['timeline']}")

@@ -1,0 +1,122 @@
+"""From a Hydra config (the same one training uses) to the planner's inputs: model profile, workload, hardware.
+
+The model is instantiated from ``cfg.model`` on the meta device; one real batch of ``cfg.data`` gives the
+shapes. The configured layout is read from ``cfg.strategy`` as the strategies would resolve it.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.plan.hardware import HardwareProfile
+from lightning_parallel.plan.layouts import Layout, Workload
+from lightning_parallel.plan.profile import ModelProfile, profile_model
+
+#: Strategy classes by the sizes they fill with the remaining ranks.
+_FILLS = {
+    "DataParallelStrategy": "data_parallel_size",
+    "TensorParallelStrategy": "tensor_parallel_size",
+    "PipelineParallelStrategy": "pipeline_parallel_size",
+}
+
+
+def hardware_from_config(cfg: DictConfig) -> HardwareProfile:
+    if "hardware" not in cfg or cfg.hardware is None:
+        raise ValueError("The config has no hardware profile: add hardware=<name> (one of conf/hardware/*.yaml).")
+    return HardwareProfile.from_config(OmegaConf.to_container(cfg.hardware, resolve=True))  # type: ignore[arg-type]
+
+
+def world_of(cfg: DictConfig) -> tuple[int, int]:
+    """(processes per node, nodes) from ``cfg.trainer``."""
+    devices, nodes = cfg.trainer.get("devices", 1), cfg.trainer.get("num_nodes", 1)
+    for name, value in (("trainer.devices", devices), ("trainer.num_nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: the planner needs a positive count of processes (not 'auto' or a list).")
+    return devices, nodes
+
+
+def configured_layout(cfg: DictConfig) -> Layout:
+    """The layout ``cfg.strategy`` asks for, resolved over the configured ranks."""
+    devices, nodes = world_of(cfg)
+    strategy = cfg.strategy
+    target = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
+    fill = _FILLS.get(target, "data_parallel_size")  # hybrid and Lightning's own strategies: dp takes the rest
+    sizes = {name: strategy.get(name, -1 if name == fill else 1) for name in _FILLS.values()}
+    if fill != "data_parallel_size" and sizes["data_parallel_size"] == -1:
+        sizes["data_parallel_size"] = 1
+    layout = ParallelLayout(**sizes).resolve(devices * nodes, f"trainer.devices={devices} × trainer.num_nodes={nodes}")
+    pp = layout.pipeline_parallel_size
+    mode = strategy.get("data_parallel_mode", "replicate") if layout.data_parallel_size > 1 else "replicate"
+    shard = {"replicate": 1, "shard": layout.data_parallel_size}.get(mode, strategy.get("data_parallel_shard_size", -1))
+    if shard == -1:
+        shard = max(1, min(layout.data_parallel_size, devices // layout.tensor_parallel_size))
+    return Layout(
+        dp=layout.data_parallel_size,
+        tp=layout.tensor_parallel_size,
+        pp=pp,
+        data_parallel_mode=mode,
+        shard_size=shard,
+        schedule=strategy.get("schedule", "1f1b") if pp > 1 else "none",
+        stages_per_rank=strategy.get("stages_per_rank", 1) if pp > 1 else 1,
+        microbatches=strategy.get("microbatches", 1) if pp > 1 else 1,
+        activation_checkpointing=bool(strategy.get("activation_checkpointing")),
+    )
+
+
+def workload_from_config(cfg: DictConfig, global_batch: int | None = None) -> Workload:
+    """Ranks and batch: by default the global batch the configured layout trains (data.batch_size × dp × accumulation)."""
+    devices, nodes = world_of(cfg)
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    if global_batch is None:
+        global_batch = cfg.data.batch_size * configured_layout(cfg).dp * accumulate
+    return Workload(devices_per_node=devices, num_nodes=nodes, global_batch=global_batch, accumulate=accumulate)
+
+
+def tensor_parallel_config(cfg: DictConfig) -> TensorParallelConfig:
+    """The tensor-parallel plan the strategy would use (``auto`` unless ``strategy.plan`` names one)."""
+    strategy = cfg.strategy
+    plan: Any = strategy.get("plan", "auto")
+    if not isinstance(plan, str):
+        plan = OmegaConf.to_container(plan, resolve=True)
+    return TensorParallelConfig(plan=plan, sequence_parallel=bool(strategy.get("sequence_parallel", False)))
+
+
+def example_batch(cfg: DictConfig) -> Any:
+    """One training batch of ``cfg.data`` (its shapes drive the dry run)."""
+    datamodule = instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    return next(iter(datamodule.train_dataloader()))
+
+
+def profile_from_config(cfg: DictConfig, tensor_parallel_sizes: Iterable[int]) -> ModelProfile:
+    """Dry-run ``cfg.model`` on the meta device for each tensor-parallel degree."""
+    return profile_model(
+        lambda: instantiate(cfg.model),
+        example_batch(cfg),
+        tuple(sorted(set(tensor_parallel_sizes) | {1})),
+        tensor_parallel_config(cfg),
+    )
+
+
+@contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Leave Python's, NumPy's and torch's CPU generators as they were (a dry run must not shift training's draws)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)

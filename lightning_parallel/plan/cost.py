@@ -1,0 +1,385 @@
+"""What one layout costs: memory per rank, bytes communicated per step, pipeline bubble, step time, speedup.
+
+The step-time model is the seed document's S = T_compute / (T_compute/k + T_comm), extended to three
+dimensions. For the slowest rank, with b samples per micro-batch, m micro-batches, a accumulated batches:
+
+    T_micro    = F_rank · b / FLOP/s  +  T_tp(b)  +  T_p2p(b)        (TP and stage transfers sit on the critical path)
+    T_batch    = m · T_micro / (1 − bubble)                          (bubble = (p−1)/(m+p−1) for GPipe/1F1B)
+    T_step     = a · T_batch + T_dp                                   (one gradient synchronization per step)
+    S          = T_single / T_step,   efficiency = S / k              (T_single: one device, whole global batch)
+
+Communication is taken as exposed (not hidden behind compute): the synchronous case of the seed. A
+collective over ``n`` ranks moving ``B`` bytes costs ``latency + wire(B)/bandwidth`` with ring wire bytes
+``2(n−1)/n·B`` (all-reduce) or ``(n−1)/n·B`` (all-gather, reduce-scatter); groups that span nodes use the
+inter-node link. Memory per rank: its stages' parameters (split by TP, sharded by FSDP), gradients alike,
+optimizer state as the module's optimizer keeps it, and the activations of the micro-batches in flight.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from lightning_parallel.plan.hardware import HardwareProfile
+from lightning_parallel.plan.layouts import Layout, Workload, batch_per_forward
+from lightning_parallel.plan.profile import AFTER, BEFORE, ModelProfile, StepProfile
+
+#: DDP's default bucket size: one all-reduce (one latency) per bucket.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+#: Share of the warm-up/cool-down bubble a zero-bubble schedule still leaves (its B/W split fills the rest
+#: when forward, input-gradient and weight-gradient work take about equal time).
+ZERO_BUBBLE_REMAINDER = 1 / 3
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Predicted bytes held by one pipeline rank (every rank of one pipeline position holds the same)."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    transient: float = 0.0  # gathered FSDP parameters, recomputed layer under checkpointing
+
+    @property
+    def state(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "state": self.state, "total": self.total}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Everything predicted for one layout (times in seconds per optimizer step, bytes per rank per step).
+
+    ``comm_bytes`` are payload bytes handed to collectives by pipeline rank 0 (what the monitor counts):
+    ``dp`` the gradients synchronized, ``tp`` DTensor's collectives, ``pp`` activations and gradients sent
+    between stages. ``wire_bytes`` is what the ring algorithm moves for the same.
+    """
+
+    layout: Layout
+    batch_size: int  # data.batch_size: samples per replica per forward
+    memory: list[RankMemory]  # by pipeline rank
+    usable_memory: float
+    comm_bytes: dict[str, float]
+    wire_bytes: dict[str, float]
+    compute_s: float
+    tp_s: float
+    p2p_s: float
+    dp_s: float
+    bubble_fraction: float
+    step_s: float
+    single_device_step_s: float
+    world_size: int
+    accumulate: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory(self) -> float:
+        return max(m.total for m in self.memory)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory <= self.usable_memory
+
+    @property
+    def comm_s(self) -> float:
+        return self.tp_s + self.p2p_s + self.dp_s
+
+    @property
+    def bubble_s(self) -> float:
+        return max(0.0, self.step_s - self.compute_s - self.comm_s)
+
+    @property
+    def compute_share(self) -> float:
+        """compute / step: the seed's efficiency (T/k) / (T/k + T_comm), bubble counted as waiting."""
+        return self.compute_s / self.step_s
+
+    @property
+    def speedup(self) -> float:
+        return self.single_device_step_s / self.step_s
+
+    @property
+    def efficiency(self) -> float:
+        return self.speedup / self.world_size
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.layout.dp * self.batch_size * self.accumulate / self.step_s
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "layout": self.layout.as_dict(),
+            "describe": self.layout.describe(),
+            "batch_size": self.batch_size,
+            "fits": self.fits,
+            "peak_memory_bytes": self.peak_memory,
+            "usable_memory_bytes": self.usable_memory,
+            "memory_by_pipeline_rank": [m.as_dict() for m in self.memory],
+            "comm_bytes": self.comm_bytes,
+            "wire_bytes": self.wire_bytes,
+            "seconds": {"compute": self.compute_s, "tp": self.tp_s, "p2p": self.p2p_s, "dp": self.dp_s,
+                        "bubble": self.bubble_s, "step": self.step_s, "single_device": self.single_device_step_s},
+            "bubble_fraction": self.bubble_fraction,
+            "speedup": self.speedup,
+            "efficiency": self.efficiency,
+            "compute_share": self.compute_share,
+            "samples_per_s": self.samples_per_s,
+            "notes": self.notes,
+            "overrides": self.layout.overrides(self.batch_size),
+        }
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle share of a pipeline's batch: (p−1)/(m+p−1), with v virtual stages (p−1)/(v·m+p−1)."""
+    if pp <= 1:
+        return 0.0
+    idle = (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+    if "zero_bubble" in schedule or schedule == "dualpipev":
+        idle *= ZERO_BUBBLE_REMAINDER
+    return idle
+
+
+def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: int, stages_per_rank: int) -> float:
+    """Micro-batches whose activations one pipeline rank holds at its peak (in units of its whole stage set)."""
+    if pp <= 1:
+        return 1.0
+    if schedule in ("gpipe", "looped_bfs"):
+        return float(microbatches)
+    warmup = min(microbatches, pp - pp_rank)
+    if stages_per_rank > 1:  # interleaving warms up (p−1)/(p·v) more of the rank's work (Megatron's estimate)
+        return min(float(microbatches), warmup * (1 + (pp - 1) / (pp * stages_per_rank)))
+    return float(warmup)
+
+
+def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware: HardwareProfile) -> Prediction:
+    """Predict memory, communication and time of ``layout`` (see module doc).
+
+    Raises:
+        ValueError: The layout does not fit the workload (batch, ranks) or the model.
+    """
+    world = layout.dp * layout.tp * layout.pp
+    if world != workload.world_size:
+        raise ValueError(f"{layout.describe()} uses {world} ranks but the job has {workload.world_size}.")
+    batch = batch_per_forward(layout, workload)
+    if batch is None or batch % layout.microbatches:
+        raise ValueError(
+            f"{layout.describe()}: the global batch {workload.global_batch} does not split into dp={layout.dp} × "
+            f"{workload.accumulate} accumulated batches × {layout.microbatches} micro-batches."
+        )
+    step = profile.step(layout.tp)
+    micro = batch / layout.microbatches
+    rank_stages = _stages_by_pipeline_rank(profile, layout)
+    flops_per_s = hardware.flops_per_device(min(workload.devices_per_node, workload.world_size))
+    shards = layout.shard_size if layout.data_parallel_mode != "replicate" else 1
+
+    memory, micro_times, compute, tp_bytes, tp_seconds, p2p_bytes, p2p_seconds, grad_bytes = [], [], [], [], [], [], [], []
+    for pp_rank, stages in enumerate(rank_stages):
+        segments = [segment for stage in stages for segment in stage]
+        names = _parameters_of(step, segments)
+        params = sum(step.parameter_bytes[n] for n in names)
+        optimizer = sum(step.optimizer_bytes.get(n, 0) for n in names)
+        flops = sum(step.flops[s] for s in segments) + (
+            sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
+        )
+        seconds = flops * micro / flops_per_s
+        share = _trunk_share(profile, segments)
+        tp_b = step.tp_bytes * micro * share
+        tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce")
+        p2p_b = _boundary_bytes(profile, stages) * micro
+        p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
+        in_flight = in_flight_microbatches(layout.schedule, layout.pp, pp_rank, layout.microbatches, layout.stages_per_rank)
+        memory.append(
+            RankMemory(
+                parameters=params / shards,
+                gradients=params / shards,
+                optimizer=optimizer / shards,
+                activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight,
+                transient=_transient_bytes(profile, step, segments, layout, micro, shards),
+            )
+        )
+        micro_times.append(seconds + tp_t + p2p_t)
+        compute.append(seconds)
+        tp_bytes.append(tp_b)
+        tp_seconds.append(tp_t)
+        p2p_bytes.append(p2p_b)
+        p2p_seconds.append(p2p_t)
+        grad_bytes.append(params)
+
+    slowest = max(range(len(micro_times)), key=micro_times.__getitem__)
+    bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
+    batches = workload.accumulate * layout.microbatches
+    batch_seconds = layout.microbatches * micro_times[slowest] / (1 - bubble)
+    dp_seconds, dp_payload, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
+    step_seconds = workload.accumulate * batch_seconds + dp_seconds
+    single = workload.global_batch * sum(profile.step(1).flops.values()) / hardware.flops_per_device(1)
+    notes = _notes(layout, workload, hardware)
+    return Prediction(
+        layout=layout,
+        batch_size=batch,
+        memory=memory,
+        usable_memory=hardware.usable_memory_bytes,
+        comm_bytes={"dp": dp_payload_rank0(layout, grad_bytes[0], workload), "tp": tp_bytes[0] * batches, "pp": p2p_bytes[0] * batches},
+        wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches, "pp": p2p_bytes[0] * batches},
+        compute_s=batches * compute[slowest],
+        tp_s=batches * tp_seconds[slowest],
+        p2p_s=batches * p2p_seconds[slowest],
+        dp_s=dp_seconds,
+        bubble_fraction=bubble,
+        step_s=step_seconds,
+        single_device_step_s=single,
+        world_size=world,
+        accumulate=workload.accumulate,
+        notes=notes,
+    )
+
+
+def dp_payload_rank0(layout: Layout, gradient_bytes: float, workload: Workload) -> float:
+    """Gradient bytes pipeline rank 0 hands to data-parallel collectives per optimizer step."""
+    if layout.dp == 1:
+        return 0.0
+    if layout.data_parallel_mode == "replicate":
+        return gradient_bytes
+    # Sharded: every batch gathers the parameters (twice when resharded after forward), one reduce-scatter per step.
+    return gradient_bytes * (2 * workload.accumulate + 1)
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def _stages_by_pipeline_rank(profile: ModelProfile, layout: Layout) -> list[list[list[str]]]:
+    """Each pipeline rank's stages, as lists of segments (placed as the schedule places them)."""
+    layers = list(profile.trunk_layers)
+    if layout.pp == 1:
+        return [[list(profile.segments)]]
+    from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES, stage_ranks
+
+    num_stages = layout.pp * layout.stages_per_rank
+    bounds = [0, *profile.split_points(num_stages), len(layers)]
+    stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+    stages[0] = [BEFORE, *stages[0]]
+    stages[-1] = [*stages[-1], AFTER]
+    owners = stage_ranks(SCHEDULES[layout.schedule], layout.pp, num_stages)
+    by_rank: list[list[list[str]]] = [[] for _ in range(layout.pp)]
+    for stage, rank in zip(stages, owners):
+        by_rank[rank].append(stage)
+    return by_rank
+
+
+def _parameters_of(step: StepProfile, segments: list[str]) -> set[str]:
+    return {name for segment in segments for name in step.segment_parameters.get(segment, ())} | _unused_owned(step, segments)
+
+
+def _unused_owned(step: StepProfile, segments: list[str]) -> set[str]:
+    """Parameters no segment used in the step (frozen branches): held where their module sits."""
+    used = {name for names in step.segment_parameters.values() for name in names}
+    unused = set(step.parameter_bytes) - used
+    layers = [s for s in segments if s not in (BEFORE, AFTER)]
+    owned = {n for n in unused if any(n.startswith(layer + ".") for layer in layers)}
+    if BEFORE in segments:
+        owned |= {n for n in unused if not any(n.startswith(f"{s}.") for s in step.segment_parameters if s not in (BEFORE, AFTER))}
+    return owned
+
+
+def _trunk_share(profile: ModelProfile, segments: list[str]) -> float:
+    layers = [s for s in segments if s not in (BEFORE, AFTER)]
+    return len(layers) / max(len(profile.trunk_layers), 1)
+
+
+def _activation_bytes(profile: ModelProfile, step: StepProfile, segments: list[str], checkpointing: bool) -> float:
+    """Bytes per sample saved for backward by one micro-batch on these segments."""
+    if not checkpointing:
+        return sum(step.activation_bytes[s] for s in segments)
+    layers = [s for s in segments if s not in (BEFORE, AFTER)]
+    kept = sum(profile.layer_input_bytes[s] for s in layers)
+    outside = sum(step.activation_bytes[s] for s in segments if s in (BEFORE, AFTER))
+    return kept + outside
+
+
+def _transient_bytes(profile: ModelProfile, step: StepProfile, segments: list[str], layout: Layout, micro: float, shards: int) -> float:
+    layers = [s for s in segments if s not in (BEFORE, AFTER)]
+    extra = 0.0
+    if layout.activation_checkpointing and layers:  # one layer's activations rebuilt during its backward
+        extra += max(step.activation_bytes[s] for s in layers) * micro
+    if shards > 1 and layers:  # FSDP: one layer gathered, the next prefetched
+        largest = max(sum(step.parameter_bytes[n] for n in step.segment_parameters.get(s, ())) for s in layers)
+        extra += 2 * largest * (shards - 1) / shards
+    return extra
+
+
+def _boundary_bytes(profile: ModelProfile, stages: list[list[str]]) -> float:
+    """Bytes per sample a rank sends per micro-batch: each stage's output forward, its input's gradient back."""
+    layers = list(profile.trunk_layers)
+    sent = 0.0
+    for stage in stages:
+        trunk = [s for s in stage if s not in (BEFORE, AFTER)]
+        first, last = layers.index(trunk[0]), layers.index(trunk[-1])
+        if last + 1 < len(layers):
+            sent += profile.layer_input_bytes[layers[last + 1]]  # activations to the next stage
+        if first > 0:
+            sent += profile.layer_input_bytes[trunk[0]]  # their gradient back to the previous one
+    return sent
+
+
+def _ring_factor(ranks: int, kind: str) -> float:
+    if ranks <= 1:
+        return 0.0
+    return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
+
+
+def _collective_seconds(hardware: HardwareProfile, ranks: int, payload: float, calls: float, crosses: bool, kind: str) -> float:
+    if ranks <= 1 or payload <= 0:
+        return 0.0
+    bandwidth, latency = hardware.link(crosses)
+    return calls * latency + _ring_factor(ranks, kind) * payload / bandwidth
+
+
+def _transfer_seconds(hardware: HardwareProfile, payload: float, crosses: bool) -> float:
+    bandwidth, latency = hardware.link(crosses)
+    return 2 * latency + payload / bandwidth
+
+
+def _data_parallel_seconds(hardware: HardwareProfile, layout: Layout, workload: Workload, gradient_bytes: float) -> tuple[float, float, float]:
+    """(seconds, payload, wire bytes) of one optimizer step's data-parallel communication on the busiest rank."""
+    if layout.dp == 1:
+        return 0.0, 0.0, 0.0
+    crosses = _dp_crosses(layout, workload)
+    if layout.data_parallel_mode == "replicate":
+        buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
+        seconds = _collective_seconds(hardware, layout.dp, gradient_bytes, buckets, crosses, "all_reduce")
+        return seconds, gradient_bytes, _ring_factor(layout.dp, "all_reduce") * gradient_bytes
+    shards = layout.shard_size
+    gathers = 2 * workload.accumulate  # forward, and again in backward after resharding
+    shard_crosses = crosses if layout.data_parallel_mode == "shard" else False
+    gather_s = gathers * _collective_seconds(hardware, shards, gradient_bytes, 1, shard_crosses, "all_gather")
+    scatter_s = _collective_seconds(hardware, shards, gradient_bytes, 1, shard_crosses, "reduce_scatter")
+    replicas = layout.dp // shards
+    replicate_s = _collective_seconds(hardware, replicas, gradient_bytes / shards, 1, crosses, "all_reduce")
+    wire = (gathers + 1) * _ring_factor(shards, "all_gather") * gradient_bytes + _ring_factor(replicas, "all_reduce") * gradient_bytes / shards
+    return gather_s + scatter_s + replicate_s, gradient_bytes * (gathers + 1), wire
+
+
+def _tp_crosses(layout: Layout, workload: Workload) -> bool:
+    return layout.tp > workload.devices_per_node
+
+
+def _dp_crosses(layout: Layout, workload: Workload) -> bool:
+    return layout.dp * layout.tp > workload.devices_per_node
+
+
+def _pp_crosses(layout: Layout, workload: Workload) -> bool:
+    return layout.pp > 1 and layout.dp * layout.tp * layout.pp > workload.devices_per_node
+
+
+def _notes(layout: Layout, workload: Workload, hardware: HardwareProfile) -> list[str]:
+    notes = []
+    if layout.tp > 1 and _tp_crosses(layout, workload):
+        notes.append(f"tp={layout.tp} spans nodes: its all-reduces run at {hardware.inter_node_gbps:g} GB/s instead of {hardware.intra_node_gbps:g}")
+    return notes

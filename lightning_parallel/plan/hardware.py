@@ -1,0 +1,96 @@
+"""Hardware profiles: what one device can hold and compute, and how fast its links are.
+
+A profile is a YAML file in ``conf/hardware/`` (selected with ``hardware=<name>``, like any Hydra group).
+Bandwidths are per device, in the direction data flows (an all-reduce's wire bytes divide by them).
+No torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One kind of device and the network between devices.
+
+    Args:
+        name: Short name (the YAML file's name).
+        device_memory_gib: Memory of one device usable for training.
+        peak_tflops: Dense peak of one device in the training dtype, TFLOP/s.
+        achievable_fraction: Share of the peak real training reaches (model FLOPs utilization, 0–1].
+        devices_per_node: Devices in one node (tensor parallelism should stay inside one).
+        intra_node_gbps: Per-device bandwidth between devices of one node, GB/s (NVLink, or shared memory).
+        inter_node_gbps: Per-device bandwidth between nodes, GB/s (InfiniBand, Ethernet).
+        intra_node_latency_us: Fixed cost of one collective inside a node, microseconds.
+        inter_node_latency_us: Fixed cost of one collective across nodes, microseconds.
+        memory_reserve_fraction: Device memory held back for allocator fragmentation, workspaces and buffers.
+        node_tflops: Compute of a whole node shared by its processes (CPU cores); ``None`` when every device
+            computes on its own (GPUs). Each process then gets ``node_tflops / processes on the node``, at most
+            ``peak_tflops``.
+        description: Free text (where the numbers come from).
+    """
+
+    name: str
+    device_memory_gib: float
+    peak_tflops: float
+    achievable_fraction: float
+    devices_per_node: int
+    intra_node_gbps: float
+    inter_node_gbps: float
+    intra_node_latency_us: float = 5.0
+    inter_node_latency_us: float = 20.0
+    memory_reserve_fraction: float = 0.1
+    node_tflops: float | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        positive = ("device_memory_gib", "peak_tflops", "achievable_fraction", "intra_node_gbps", "inter_node_gbps")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"hardware.{name}={value!r} must be a positive number.")
+        if self.achievable_fraction > 1:
+            raise ValueError(f"hardware.achievable_fraction={self.achievable_fraction} must be at most 1 (a share of the peak).")
+        if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ValueError(f"hardware.devices_per_node={self.devices_per_node!r} must be a positive int.")
+        if not 0 <= self.memory_reserve_fraction < 1:
+            raise ValueError(f"hardware.memory_reserve_fraction={self.memory_reserve_fraction} must be in [0, 1).")
+        if self.node_tflops is not None and self.node_tflops <= 0:
+            raise ValueError(f"hardware.node_tflops={self.node_tflops} must be positive (or null for independent devices).")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> HardwareProfile:
+        """Build from a mapping (a Hydra node); unknown keys are refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(config) - known - {"_target_"})
+        if unknown:
+            raise ValueError(f"hardware profile has unknown key(s) {unknown}; known keys: {sorted(known)}.")
+        required = {"name", "device_memory_gib", "peak_tflops", "achievable_fraction", "devices_per_node",
+                    "intra_node_gbps", "inter_node_gbps"}
+        missing = sorted(required - set(config))
+        if missing:
+            raise ValueError(f"hardware profile lacks {missing}; see conf/hardware/*.yaml for complete profiles.")
+        return cls(**{key: value for key, value in config.items() if key != "_target_"})
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        """Bytes of one device a layout may plan to fill."""
+        return self.device_memory_gib * GIB * (1 - self.memory_reserve_fraction)
+
+    def flops_per_device(self, processes_on_node: int) -> float:
+        """Achievable FLOP/s of one process when ``processes_on_node`` share a node."""
+        peak = self.peak_tflops
+        if self.node_tflops is not None:
+            peak = min(peak, self.node_tflops / max(1, processes_on_node))
+        return peak * 1e12 * self.achievable_fraction
+
+    def link(self, crosses_nodes: bool) -> tuple[float, float]:
+        """(bytes per second, seconds of latency) of the links a group uses."""
+        if crosses_nodes:
+            return self.inter_node_gbps * 1e9, self.inter_node_latency_us * 1e-6
+        return self.intra_node_gbps * 1e9, self.intra_node_latency_us * 1e-6

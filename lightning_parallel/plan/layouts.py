@@ -1,0 +1,206 @@
+"""The layouts a job could use: every way to split its ranks into dp × tp × pp, with the settings that go with it.
+
+A :class:`Layout` is one full choice (sizes, data-parallel mode, pipeline schedule and micro-batches,
+activation checkpointing); :class:`Workload` is what stays fixed while layouts are compared (ranks, nodes,
+samples per optimizer step). :func:`enumerate_layouts` lists the valid ones and why the others are not.
+No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES, check_schedule
+
+#: Pipeline schedules the planner compares (one stage per rank, and the common virtual-stage ones).
+PLANNED_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zbv_zero_bubble")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a plan keeps fixed.
+
+    Args:
+        devices_per_node: Processes per node (``trainer.devices``).
+        num_nodes: Nodes (``trainer.num_nodes``).
+        global_batch: Samples per optimizer step, over all replicas and accumulated batches.
+        accumulate: Batches accumulated per optimizer step (``trainer.accumulate_grad_batches``).
+    """
+
+    devices_per_node: int
+    num_nodes: int
+    global_batch: int
+    accumulate: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("devices_per_node", "num_nodes", "global_batch", "accumulate"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int.")
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One complete parallel layout.
+
+    Attributes:
+        dp, tp, pp: Data-, tensor- and pipeline-parallel sizes (mesh order ``(pp, dp, tp)``).
+        data_parallel_mode: ``replicate`` (DDP), ``shard`` (FSDP2 over all of dp), ``hybrid_shard``.
+        shard_size: Ranks that shard one replica (``shard``: dp; ``hybrid_shard``: the dp ranks of a node).
+        schedule: Pipeline schedule (``none`` without pipeline parallelism).
+        stages_per_rank: Virtual stages per pipeline rank.
+        microbatches: Micro-batches per batch (1 without pipeline parallelism).
+        activation_checkpointing: Each trunk layer recomputed in backward.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    data_parallel_mode: str = "replicate"
+    shard_size: int = 1
+    schedule: str = "none"
+    stages_per_rank: int = 1
+    microbatches: int = 1
+    activation_checkpointing: bool = False
+
+    def describe(self) -> str:
+        """E.g. ``dp=2 × tp=4 × pp=2 · 1f1b m=8 · shard · ckpt``."""
+        parts = [f"dp={self.dp} × tp={self.tp} × pp={self.pp}"]
+        if self.pp > 1:
+            virtual = f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+            parts.append(f"{self.schedule}{virtual} m={self.microbatches}")
+        if self.data_parallel_mode != "replicate":
+            parts.append(self.data_parallel_mode + (f"({self.shard_size})" if self.data_parallel_mode == "hybrid_shard" else ""))
+        if self.activation_checkpointing:
+            parts.append("ckpt")
+        return " · ".join(parts)
+
+    def overrides(self, batch_size: int) -> list[str]:
+        """Hydra overrides that run this layout with the recipes (``strategy=hybrid``)."""
+        result = [
+            "strategy=hybrid",
+            f"strategy.data_parallel_size={self.dp}",
+            f"strategy.tensor_parallel_size={self.tp}",
+            f"strategy.pipeline_parallel_size={self.pp}",
+            f"data.batch_size={batch_size}",
+        ]
+        if self.pp > 1:
+            result += [f"strategy.schedule={self.schedule}", f"strategy.microbatches={self.microbatches}",
+                       f"strategy.stages_per_rank={self.stages_per_rank}"]
+        if self.data_parallel_mode != "replicate":
+            result.append(f"strategy.data_parallel_mode={self.data_parallel_mode}")
+            if self.data_parallel_mode == "hybrid_shard":
+                result.append(f"strategy.data_parallel_shard_size={self.shard_size}")
+        if self.activation_checkpointing:
+            result.append("strategy.activation_checkpointing=auto")
+        return result
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def batch_per_forward(layout: Layout, workload: Workload) -> int | None:
+    """Samples one replica feeds through one forward (``data.batch_size``), or ``None`` if it does not divide."""
+    replicas_and_batches = layout.dp * workload.accumulate
+    if workload.global_batch % replicas_and_batches:
+        return None
+    return workload.global_batch // replicas_and_batches
+
+
+def enumerate_layouts(
+    workload: Workload,
+    trunk_layers: int,
+    tensor_parallel_sizes: set[int],
+    devices_per_node: int,
+    fixed: dict[str, int] | None = None,
+) -> tuple[list[Layout], dict[str, str]]:
+    """Every valid layout, and for each (dp, tp, pp) left out, why.
+
+    Args:
+        workload: Ranks, nodes and batch.
+        trunk_layers: Layers a pipeline can split between.
+        tensor_parallel_sizes: Degrees the model's tensor-parallel plan can split by.
+        devices_per_node: Devices of one node in the hardware (where hybrid sharding shards).
+        fixed: Sizes the user pinned, e.g. ``{"tp": 4}``.
+    """
+    fixed = fixed or {}
+    world = workload.world_size
+    layouts: list[Layout] = []
+    rejected: dict[str, str] = {}
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            sizes = {"dp": dp, "tp": tp, "pp": pp}
+            key = f"dp={dp} × tp={tp} × pp={pp}"
+            if any(sizes[dim] != size for dim, size in fixed.items()):
+                continue
+            if tp > 1 and tp not in tensor_parallel_sizes:
+                rejected[key] = f"the tensor-parallel plan cannot split the model {tp} ways"
+                continue
+            if pp > trunk_layers:
+                rejected[key] = f"pp={pp} needs more stages than the model's {trunk_layers} trunk layers"
+                continue
+            batch = batch_per_forward(Layout(dp, tp, pp), workload)
+            if batch is None:
+                rejected[key] = (
+                    f"the global batch {workload.global_batch} does not divide into dp={dp} replicas × "
+                    f"{workload.accumulate} accumulated batches"
+                )
+                continue
+            found = list(_variants(dp, tp, pp, batch, trunk_layers, devices_per_node))
+            if not found:
+                rejected[key] = f"no pipeline schedule fits {batch} samples per batch into enough micro-batches for pp={pp}"
+            layouts.extend(found)
+    return layouts, rejected
+
+
+def _variants(dp: int, tp: int, pp: int, batch: int, trunk_layers: int, devices_per_node: int):
+    for mode, shard_size in _data_parallel_modes(dp, tp, pp, devices_per_node):
+        for schedule, virtual, microbatches in _pipelines(pp, batch, trunk_layers):
+            for checkpointing in (False, True):
+                yield Layout(dp, tp, pp, mode, shard_size, schedule, virtual, microbatches, checkpointing)
+
+
+def _data_parallel_modes(dp: int, tp: int, pp: int, devices_per_node: int):
+    yield "replicate", 1
+    if dp > 1 and pp == 1:  # the engine shards only without pipeline parallelism
+        yield "shard", dp
+        per_node = max(1, devices_per_node // tp)
+        if 1 < per_node < dp and dp % per_node == 0:
+            yield "hybrid_shard", per_node
+
+
+def _pipelines(pp: int, batch: int, trunk_layers: int):
+    if pp == 1:
+        yield "none", 1, 1
+        return
+    for schedule in PLANNED_SCHEDULES:
+        spec = SCHEDULES[schedule]
+        virtual = spec.exact_stages_per_rank or (2 if spec.multi_stage else 1)
+        if pp * virtual > trunk_layers:
+            continue
+        for microbatches in _microbatch_choices(pp, batch):
+            try:
+                check_schedule(schedule, pp, virtual, microbatches)
+            except ValueError:
+                continue
+            yield schedule, virtual, microbatches
+
+
+def _microbatch_choices(pp: int, batch: int) -> list[int]:
+    """Micro-batch counts worth comparing: divisors of the batch from pp up, doubling, and the whole batch."""
+    divisors = [d for d in _divisors(batch) if d >= pp]
+    chosen = [d for d in divisors if d in {pp, 2 * pp, 4 * pp, 8 * pp}]
+    if divisors and divisors[-1] not in chosen:
+        chosen.append(divisors[-1])
+    if divisors and not chosen:
+        chosen.append(divisors[0])
+    return chosen
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

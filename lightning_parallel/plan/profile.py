@@ -1,0 +1,420 @@
+"""A dry run of one training step on the meta device: what the model holds, computes and saves, per layer.
+
+The LightningModule is built on the meta device (no memory is allocated, nothing is computed) and its
+own ``training_step`` runs once on a meta copy of a real batch, then backward and one optimizer step:
+
+- parameter and optimizer-state bytes per parameter (the optimizer the module configures, stepped on meta);
+- FLOPs of forward + backward (``torch.utils.flop_counter``), shared out over the model's *segments*: what
+  runs before the trunk (embeddings), each trunk layer, what runs after it (head, loss);
+- activation bytes saved for backward per segment (autograd's saved-tensor hooks; parameters excluded);
+- the bytes of each trunk layer's input (what activation checkpointing keeps, what a pipeline sends).
+
+For each tensor-parallel degree the same step runs again with the strategy's tensor-parallel plan applied
+over a fake process group of that size (``torch.testing``'s ``fake`` backend: collectives return at once),
+so per-rank shards, per-rank FLOPs and the bytes DTensor's collectives move are those of the real plan.
+Figures are per sample of the batch. No Lightning Trainer here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_parallel.observe.collectives import DTensorCollectives
+from lightning_parallel.observe.memory import local_bytes
+from lightning_parallel.parallelize.pipeline_split import find_trunk, layer_costs, partition, trunk_layer_names
+from lightning_parallel.parallelize.tensor import TensorParallelConfig, apply_tensor_parallel, check_plan
+from lightning_parallel.strategies.pipeline_runner import capture_model_call
+
+BEFORE, AFTER = "(before trunk)", "(after trunk)"
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One rank's share of a training step at one tensor-parallel degree (figures per sample)."""
+
+    tp: int
+    parameter_bytes: dict[str, int]  # canonical parameter name -> bytes on this rank
+    optimizer_bytes: dict[str, int]  # canonical parameter name -> optimizer-state bytes on this rank
+    flops: dict[str, float]  # segment -> forward + backward FLOPs per sample on this rank
+    forward_flops: dict[str, float]  # segment -> forward FLOPs per sample (recomputed under checkpointing)
+    activation_bytes: dict[str, float]  # segment -> bytes saved for backward per sample
+    tp_bytes: float  # bytes handed to DTensor collectives per sample (forward + backward)
+    tp_collectives: int  # DTensor collectives per forward + backward (of any batch size)
+    segment_parameters: dict[str, tuple[str, ...]]  # segment -> canonical names of the parameters it uses
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What a planner needs to know about a model, from dry runs on the meta device.
+
+    Attributes:
+        name: The LightningModule's class name.
+        root_name: The module ``training_step`` calls (the one a pipeline cuts), relative to the LightningModule.
+        segments: ``(before trunk)``, each trunk layer's name (relative to the LightningModule), ``(after trunk)``.
+        parameter_segments: Canonical parameter name -> the segments that use it (a tied weight may be used twice).
+        layer_input_bytes: Trunk layer -> bytes per sample of its input (kept by activation checkpointing,
+            sent between pipeline stages).
+        layer_costs: Parameter counts the pipeline's ``balance="params"`` split weighs the trunk layers by.
+        tp_invalid: Tensor-parallel degree -> why the plan cannot use it.
+        attention_heads: Head counts found on attention modules (limit tensor parallelism).
+        dtype_bytes: Bytes per element of the parameters.
+        steps: Per tensor-parallel degree, the step's share per rank.
+    """
+
+    name: str
+    root_name: str
+    segments: tuple[str, ...]
+    parameter_segments: dict[str, tuple[str, ...]]
+    layer_input_bytes: dict[str, float]
+    layer_costs: tuple[float, ...]
+    dtype_bytes: int
+    steps: dict[int, StepProfile] = field(default_factory=dict)
+    tp_invalid: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def trunk_layers(self) -> tuple[str, ...]:
+        return self.segments[1:-1]
+
+    @property
+    def parameter_count(self) -> int:
+        whole = self.steps[1].parameter_bytes
+        return sum(whole.values()) // self.dtype_bytes
+
+    def step(self, tp: int) -> StepProfile:
+        if tp not in self.steps:
+            reason = self.tp_invalid.get(tp, "it was not profiled")
+            raise ValueError(f"tensor_parallel_size={tp} cannot be planned for {self.name}: {reason}.")
+        return self.steps[tp]
+
+    def split_points(self, num_stages: int) -> list[int]:
+        """Index of the first trunk layer of stages 1.. for ``num_stages`` (what ``split_points=auto`` picks)."""
+        return partition(self.layer_costs, num_stages)
+
+
+def profile_model(
+    build_module: Callable[[], LightningModule],
+    batch: Any,
+    tensor_parallel_sizes: tuple[int, ...] = (1,),
+    tensor_parallel: TensorParallelConfig | None = None,
+) -> ModelProfile:
+    """Dry-run ``training_step`` on the meta device for each tensor-parallel degree.
+
+    Args:
+        build_module: Returns a fresh LightningModule; called under ``torch.device("meta")``.
+        batch: One real training batch (moved to the meta device here).
+        tensor_parallel_sizes: Degrees to profile; degrees the plan cannot split by land in ``tp_invalid``.
+        tensor_parallel: The tensor-parallel plan (default: inferred, as the strategies do).
+
+    Raises:
+        RuntimeError: A process group already exists in this process (profiling needs its own fake ones).
+    """
+    if dist.is_initialized() and any(tp > 1 for tp in tensor_parallel_sizes):
+        raise RuntimeError(
+            "profile_model needs a fake process group per tensor-parallel degree, but this process already has one. "
+            "Profile before training starts (or with tensor_parallel_sizes=(1,))."
+        )
+    config = tensor_parallel if tensor_parallel is not None else TensorParallelConfig()
+    meta_batch = tree_map(lambda t: t.to("meta") if isinstance(t, Tensor) else t, batch)
+    rows = _batch_rows(meta_batch)
+    with _quiet(), torch.device("meta"):
+        module = build_module()
+    whole = _dry_run(module, meta_batch, rows, tp=1)
+    root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
+    profile = ModelProfile(
+        name=type(module).__name__,
+        root_name=root_name,
+        segments=segments,
+        parameter_segments=parameter_segments,
+        layer_input_bytes=layer_inputs,
+        layer_costs=costs,
+        dtype_bytes=next(module.parameters()).element_size(),
+        steps={1: whole},
+    )
+    for tp in sorted(set(tensor_parallel_sizes) - {1}):
+        with _quiet(), torch.device("meta"):
+            module = build_module()
+        try:
+            resolved = config.resolve(module, warn=lambda _: None)
+            check_plan(module, resolved, tp)
+        except (ValueError, TypeError) as error:
+            profile.tp_invalid[tp] = str(error)
+            continue
+        if not any(style != "replicate" for style in resolved.styles.values()):
+            profile.tp_invalid[tp] = "the tensor-parallel plan splits nothing in this model"
+            continue
+        with _fake_process_group(tp) as mesh:
+            apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
+            loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
+            profile.steps[tp] = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)
+    return profile
+
+
+# ---------------------------------------------------------------------------------------------- dry runs
+
+
+def _dry_run(
+    module: LightningModule, batch: Any, rows: int, tp: int, loss_parallel: bool = False, whole: StepProfile | None = None
+) -> StepProfile:
+    names = _canonical_names(module)
+    tracker = _SegmentTracker(module, batch)
+    collectives = DTensorCollectives()
+    parallel_loss: Any = nullcontext()
+    if loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel as parallel_loss_context
+
+        parallel_loss = parallel_loss_context()
+    with _quiet(), FlopCounterMode(display=False) as counter, collectives.active(), parallel_loss:
+        tracker.flop_counter = counter
+        with tracker.tracking():
+            loss = _loss(module.training_step(batch, 0))
+        forward = tracker.forward_flops(counter.get_flop_counts(), counter.get_total_flops())
+        loss.backward()
+    backward_factor = counter.get_total_flops() / max(sum(forward.values()), 1)
+    parameter_bytes = {names[id(p)]: local_bytes(p) for p in module.parameters()}
+    if whole is not None:
+        # FlopCounterMode counts a DTensor op at its global shape: a rank's share of a segment's FLOPs is
+        # taken to be its share of the segment's parameters (matmuls and attention heads split with them).
+        forward = {k: v * _local_share(k, whole, parameter_bytes) for k, v in whole.forward_flops.items()}
+        forward = {k: v * rows for k, v in forward.items()}
+        backward_factor = sum(whole.flops.values()) / max(sum(whole.forward_flops.values()), 1e-30)
+    # Backward shares out as forward does (about twice each segment's forward).
+    flops = {segment: value * backward_factor for segment, value in forward.items()}
+    optimizer_bytes = _optimizer_bytes(module, names) if whole is None else _scaled_optimizer_bytes(whole, parameter_bytes)
+    return StepProfile(
+        tp=tp,
+        parameter_bytes=parameter_bytes,
+        optimizer_bytes=optimizer_bytes,
+        flops={k: v / rows for k, v in flops.items()},
+        forward_flops={k: v / rows for k, v in forward.items()},
+        activation_bytes={k: v / rows for k, v in tracker.saved_bytes.items()},
+        tp_bytes=collectives.tally.bytes / rows,
+        tp_collectives=collectives.tally.calls,
+        segment_parameters=tracker.segment_parameters(names),
+    )
+
+
+def _structure(
+    module: LightningModule, batch: Any, rows: int
+) -> tuple[str, tuple[str, ...], dict[str, tuple[str, ...]], dict[str, float], tuple[float, ...]]:
+    """The pipelined module, the segments, which segments use each parameter, layer input sizes, split costs."""
+    with _quiet():
+        captured = capture_model_call(module, "training_step", (batch, 0), {})
+    root = module.get_submodule(captured.name)
+    tracker = _SegmentTracker(module, batch)
+    with _quiet(), tracker.tracking(), torch.no_grad():
+        module.training_step(batch, 0)
+    trunk_name, trunk = find_trunk(root)
+    costs = layer_costs(root, list(trunk.children()), captured.args, captured.kwargs, "params")
+    names = _canonical_names(module)
+    used = {names[pid]: tuple(segments) for pid, segments in tracker.parameter_segments.items() if pid in names}
+    for name in names.values():  # never used in the step: held by the stage whose module owns it
+        used.setdefault(name, (tracker.owner_segment(name),))
+    inputs = {layer: nbytes / rows for layer, nbytes in tracker.layer_input_bytes.items()}
+    return captured.name, tracker.segments, used, inputs, tuple(costs)
+
+
+class _SegmentTracker:
+    """Forward hooks that know which segment (before the trunk, trunk layer i, after it) is running."""
+
+    def __init__(self, module: LightningModule, batch: Any) -> None:
+        self.module = module
+        with _quiet():
+            captured = capture_model_call(module, "training_step", (batch, 0), {})
+        prefix = f"{captured.name}." if captured.name else ""
+        trunk_name, trunk = find_trunk(module.get_submodule(captured.name))
+        self.layer_names = [prefix + name for name in trunk_layer_names(trunk_name, trunk)]
+        self.layers = [module.get_submodule(name) for name in self.layer_names]
+        self.segments = (BEFORE, *self.layer_names, AFTER)
+        self.current = BEFORE
+        self.saved_bytes: dict[str, float] = dict.fromkeys(self.segments, 0.0)
+        self.parameter_segments: dict[int, list[str]] = {}
+        self.layer_input_bytes: dict[str, float] = {}
+        self._flops_before_trunk: float | None = None
+        #: Set while FLOPs are counted, to read how many ran before the trunk.
+        self.flop_counter: FlopCounterMode | None = None
+        self._seen_storages: set[int] = set()
+        self._parameter_storages = {_storage_id(p) for p in module.parameters()}
+
+    def owner_segment(self, parameter_name: str) -> str:
+        for layer in self.layer_names:
+            if parameter_name.startswith(layer + "."):
+                return layer
+        return BEFORE
+
+    @contextmanager
+    def tracking(self) -> Iterator[None]:
+        handles = []
+        for name, layer in zip(self.layer_names, self.layers):
+            handles.append(layer.register_forward_pre_hook(self._enter(name)))
+            handles.append(layer.register_forward_hook(self._leave(name)))
+        for sub in self.module.modules():
+            if sub._parameters:
+                handles.append(sub.register_forward_pre_hook(self._uses_parameters))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def segment_parameters(self, names: dict[int, str]) -> dict[str, tuple[str, ...]]:
+        """Segment -> canonical names of the parameters it used (after a tracked step)."""
+        result: dict[str, list[str]] = {segment: [] for segment in self.segments}
+        for pid, segments in self.parameter_segments.items():
+            for segment in segments:
+                result[segment].append(names[pid])
+        return {segment: tuple(found) for segment, found in result.items()}
+
+    def forward_flops(self, counts: Mapping[str, Mapping[Any, int]], forward_total: float) -> dict[str, float]:
+        """Forward FLOPs per segment from a FlopCounterMode's per-module counts (taken right after forward)."""
+        top = type(self.module).__name__
+        per_layer = {name: float(sum(counts.get(f"{top}.{name}", {}).values())) for name in self.layer_names}
+        before = self._flops_before_trunk or 0.0
+        result = {BEFORE: before, **per_layer}
+        result[AFTER] = max(0.0, forward_total - before - sum(per_layer.values()))
+        return result
+
+    def _enter(self, name: str) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
+            if name == self.layer_names[0] and self._flops_before_trunk is None:
+                self._flops_before_trunk = float(self.flop_counter.get_total_flops()) if self.flop_counter else 0.0
+            self.current = name
+            if name not in self.layer_input_bytes:
+                self.layer_input_bytes[name] = float(sum(_local(t).numel() * _local(t).element_size() for t in _tensors(args)))
+
+        return hook
+
+    def _leave(self, name: str) -> Callable[..., None]:
+        def hook(_: nn.Module, __: Any, ___: Any) -> None:
+            if name == self.layer_names[-1]:
+                self.current = AFTER
+
+        return hook
+
+    def _uses_parameters(self, sub: nn.Module, _: Any) -> None:
+        for param in sub._parameters.values():
+            if param is not None:
+                segments = self.parameter_segments.setdefault(id(param), [])
+                if self.current not in segments:
+                    segments.append(self.current)
+
+    def _pack(self, saved: Tensor) -> Tensor:
+        storage = _storage_id(saved)
+        if storage not in self._parameter_storages and storage not in self._seen_storages:
+            self._seen_storages.add(storage)
+            self.saved_bytes[self.current] += _local(saved).untyped_storage().nbytes()
+        return saved
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _optimizer_bytes(module: LightningModule, names: dict[int, str]) -> dict[str, int]:
+    """Optimizer-state bytes per parameter after one step of the optimizer(s) the module configures, on meta."""
+    optimizers = _optimizers(module.configure_optimizers())
+    for param in module.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    with _quiet():
+        for optimizer in optimizers:
+            optimizer.step()
+    result = dict.fromkeys(names.values(), 0)
+    for optimizer in optimizers:
+        for param, state in optimizer.state.items():
+            result[names[id(param)]] += sum(local_bytes(v) for v in state.values() if isinstance(v, Tensor))
+    module.zero_grad(set_to_none=True)
+    return result
+
+
+def _local_share(segment: str, whole: StepProfile, local_parameter_bytes: dict[str, int]) -> float:
+    """This rank's share of the parameters a segment uses (1 where nothing is split)."""
+    names = whole.segment_parameters.get(segment, ())
+    total = sum(whole.parameter_bytes[n] for n in names)
+    return sum(local_parameter_bytes[n] for n in names) / total if total else 1.0
+
+
+def _scaled_optimizer_bytes(whole: StepProfile, local_parameter_bytes: dict[str, int]) -> dict[str, int]:
+    """Optimizer state of a split parameter: the whole parameter's, in proportion to the local share."""
+    return {
+        name: round(whole.optimizer_bytes.get(name, 0) * local / max(whole.parameter_bytes[name], 1))
+        for name, local in local_parameter_bytes.items()
+    }
+
+
+def _optimizers(configured: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in whatever ``configure_optimizers`` returned (Lightning's accepted forms)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return [configured]
+    if isinstance(configured, Mapping):
+        return _optimizers(configured["optimizer"])
+    if isinstance(configured, (list, tuple)):
+        if len(configured) == 2 and isinstance(configured[0], (list, tuple)):
+            return _optimizers(configured[0])
+        return [o for item in configured for o in _optimizers(item)]
+    return []
+
+
+def _canonical_names(module: nn.Module) -> dict[int, str]:
+    """Parameter id -> its first name (a tied weight answers to its first owner, as ``named_parameters`` does)."""
+    return {id(param): name for name, param in module.named_parameters()}
+
+
+def _loss(output: Any) -> Tensor:
+    loss = output["loss"] if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"training_step returned {type(output).__name__}; the planner needs a loss tensor (or a dict with 'loss').")
+    return loss
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _storage_id(tensor: Tensor) -> int:
+    return _local(tensor).untyped_storage()._cdata
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, Tensor)]
+
+
+def _batch_rows(batch: Any) -> int:
+    tensors = _tensors(batch)
+    if not tensors or tensors[0].dim() == 0:
+        raise TypeError("The planner needs a batch of tensors with the samples along dimension 0.")
+    return tensors[0].shape[0]
+
+
+@contextmanager
+def _fake_process_group(size: int) -> Iterator[Any]:
+    """A default process group of ``size`` ranks whose collectives do nothing, and a 1-D mesh over it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=size)
+    try:
+        yield init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence what a LightningModule says when run without a Trainer (``self.log`` warnings)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
