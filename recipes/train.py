@@ -21,14 +21,18 @@ from typing import Any
 # `_target_`s when this file is run as a script (what rootutils does in lightning-hydra-template).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hydra  # noqa: E402
-import lightning as L  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+import hydra
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.utilities.rank_zero import (
+    rank_zero_info,
+    rank_zero_only,
+    rank_zero_warn,
+)
+from omegaconf import DictConfig
 
-from lightning_parallel import ScalingMonitor, latest_checkpoint, training_job  # noqa: E402  (importing the package registers the strategy names)
-from lightning_parallel.plan.config import (  # noqa: E402
+from lightning_parallel import ScalingMonitor, latest_checkpoint, training_job
+from lightning_parallel.plan.config import (
     configured_layout,
     hardware_from_config,
     preserved_random_state,
@@ -63,7 +67,7 @@ def attach_prediction(cfg: DictConfig, trainer: L.Trainer) -> None:
         with preserved_random_state():
             monitor.hardware = hardware_from_config(cfg)
             monitor.profile = profile_from_config(cfg, {configured_layout(cfg).tp})
-    except Exception as error:  # a model the dry run cannot handle still trains; only the prediction is missing
+    except Exception as error:  # noqa: BLE001 — a model the dry run cannot handle still trains; only the prediction is missing
         rank_zero_warn(f"ScalingMonitor: no prediction ({type(error).__name__}: {error})")
 
 

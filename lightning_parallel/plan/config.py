@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 
 from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout, Workload, batch_per_forward
@@ -217,7 +218,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
     batches = workload.accumulate * layout.microbatches
     batch_seconds = layout.microbatches * micro_times[slowest] / (1 - bubble)
-    dp_seconds, dp_payload, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
+    dp_seconds, _, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
     step_seconds = workload.accumulate * batch_seconds + dp_seconds
     single = workload.global_batch * sum(profile.step(1).flops.values()) / hardware.flops_per_device(1)
     notes = _notes(layout, workload, hardware)
@@ -263,7 +264,7 @@ def _stages_by_pipeline_rank(profile: ModelProfile, layout: Layout) -> list[list
 
     num_stages = layout.pp * layout.stages_per_rank
     bounds = [0, *profile.split_points(num_stages), len(layers)]
-    stages = [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+    stages = [layers[a:b] for a, b in pairwise(bounds)]
     stages[0] = [BEFORE, *stages[0]]
     stages[-1] = [*stages[-1], AFTER]
     owners = stage_ranks(SCHEDULES[layout.schedule], layout.pp, num_stages)

@@ -98,9 +98,12 @@ def explain(result: Plan) -> list[str]:
     """Why the recommended layout: memory, each dimension's cost and placement, the runner-up."""
     best, hardware, workload = result.recommended, result.hardware, result.workload
     layout = best.layout
+    fullest = max(best.memory, key=lambda m: m.total)
     reasons = [
-        f"fits: {best.peak_memory / GIB:.2f} GiB on the fullest rank of {hardware.usable_memory_bytes / GIB:.2f} GiB usable "
-        f"({_share(best.memory[0].state, best.peak_memory)} parameters, gradients and optimizer state)"
+        (
+            f"fits: {best.peak_memory / GIB:.2f} GiB on the fullest rank of {hardware.usable_memory_bytes / GIB:.2f} GiB usable "
+            f"({_share(fullest.state, fullest.total)} of it parameters, gradients and optimizer state)"
+        )
     ]
     if layout.tp > 1:
         where = "inside a node" if layout.tp <= workload.devices_per_node else "across nodes"

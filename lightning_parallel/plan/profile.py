@@ -33,8 +33,17 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.observe.collectives import DTensorCollectives
 from lightning_parallel.observe.memory import local_bytes
-from lightning_parallel.parallelize.pipeline_split import find_trunk, layer_costs, partition, trunk_layer_names
-from lightning_parallel.parallelize.tensor import TensorParallelConfig, apply_tensor_parallel, check_plan
+from lightning_parallel.parallelize.pipeline_split import (
+    find_trunk,
+    layer_costs,
+    partition,
+    trunk_layer_names,
+)
+from lightning_parallel.parallelize.tensor import (
+    TensorParallelConfig,
+    apply_tensor_parallel,
+    check_plan,
+)
 from lightning_parallel.strategies.pipeline_runner import capture_model_call
 
 BEFORE, AFTER = "(before trunk)", "(after trunk)"
@@ -172,7 +181,9 @@ def _dry_run(
     collectives = DTensorCollectives()
     parallel_loss: Any = nullcontext()
     if loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel as parallel_loss_context
+        from torch.distributed.tensor.parallel import (
+            loss_parallel as parallel_loss_context,
+        )
 
         parallel_loss = parallel_loss_context()
     with _quiet(), FlopCounterMode(display=False) as counter, collectives.active(), parallel_loss:
@@ -215,7 +226,7 @@ def _structure(
     tracker = _SegmentTracker(module, batch)
     with _quiet(), tracker.tracking(), torch.no_grad():
         module.training_step(batch, 0)
-    trunk_name, trunk = find_trunk(root)
+    _, trunk = find_trunk(root)
     costs = layer_costs(root, list(trunk.children()), captured.args, captured.kwargs, "params")
     names = _canonical_names(module)
     used = {names[pid]: tuple(segments) for pid, segments in tracker.parameter_segments.items() if pid in names}

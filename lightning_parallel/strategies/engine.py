@@ -56,7 +56,6 @@ from lightning_parallel.layout import (
     data_parallel_mesh,
 )
 from lightning_parallel.observe.comm import CommStats
-from lightning_parallel.plan.layouts import Layout
 from lightning_parallel.parallelize.batchnorm import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
@@ -73,6 +72,7 @@ from lightning_parallel.parallelize.tensor import (
     apply_tensor_parallel,
     check_plan,
 )
+from lightning_parallel.plan.layouts import Layout
 from lightning_parallel.strategies.checkpoint_files import (
     SAVE_FORMATS,
     CheckpointFilesMixin,

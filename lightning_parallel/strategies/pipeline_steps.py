@@ -10,7 +10,6 @@ configs), ``_activation_checkpointing``, ``_sync_batchnorm``, ``_layer_sync``, `
 from __future__ import annotations
 
 import time
-
 from functools import partial
 from typing import Any
 

@@ -49,7 +49,7 @@ class SyntheticImagesDataModule(L.LightningDataModule):
         hp = self.hparams
         generator = torch.Generator().manual_seed(hp.seed)
         templates = torch.randn(hp.num_classes, hp.channels, hp.image_size, hp.image_size, generator=generator)
-        make = lambda count: make_images(count, hp.num_classes, hp.channels, hp.image_size, hp.noise, generator, templates)  # noqa: E731
+        make = lambda count: make_images(count, hp.num_classes, hp.channels, hp.image_size, hp.noise, generator, templates)
         self.train_set, self.val_set = make(hp.num_train), make(hp.num_val)
 
     def train_dataloader(self) -> DataLoader:
