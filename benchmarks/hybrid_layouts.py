@@ -30,7 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies, scratch_dir
+from benchmarks.common import (
+    RESULTS,
+    StepTimer,
+    median_step,
+    run_worker_copies,
+    scratch_dir,
+)
 
 MODEL = {"vocab_size": 128, "block_size": 32, "n_layer": 8, "n_head": 8, "n_embd": 704}
 GLOBAL_BATCH = 8

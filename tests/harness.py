@@ -7,6 +7,7 @@ the script per rank) is what gets tested. Rank 0 saves a :class:`Recorder`'s fin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import lightning_parallel
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.observe.memory import state_bytes
+from lightning_parallel.observe.monitor import ScalingMonitor
 from lightning_parallel.strategies.whole_state import unwrap_optimizer
 from recipes.data.chars import CharCorpusDataModule
 from recipes.data.images import SyntheticImagesDataModule
@@ -61,6 +63,7 @@ class JobSpec:
     perturb_other_ranks: bool = False
     precision: str = "64-true"  # Lightning's precision setting
     seed: int = 1234
+    monitor: bool = False  # add a ScalingMonitor (its per-step figures land in the result's "scaling_steps")
 
 
 class FailingStep(RuntimeError):
@@ -157,8 +160,9 @@ class Recorder(Callback):
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         # Before the step: gradients exist, and the optimizer state of the previous steps.
         self.state_bytes = state_bytes(pl_module, [unwrap_optimizer(o) for o in trainer.optimizers]).as_dict()
-        grads = {n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-        self.grads.append(_whole_across_stages(trainer, grads))
+        with _not_counted(trainer):  # the monitor measures the training's collectives, not these gathers
+            grads = {n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+            self.grads.append(_whole_across_stages(trainer, grads))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Lightning hands back the loss divided by the accumulation factor.
@@ -195,10 +199,20 @@ class Recorder(Callback):
             "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
             "state_bytes": self.state_bytes,
+            "scaling_steps": [asdict(step) for step in _monitor(trainer).steps] if _monitor(trainer) else None,
         }
         # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.
         if self.save_path is not None and trainer.is_global_zero:
             torch.save(self.result, self.save_path)
+
+
+def _monitor(trainer: L.Trainer) -> ScalingMonitor | None:
+    return next((c for c in trainer.callbacks if isinstance(c, ScalingMonitor)), None)
+
+
+def _not_counted(trainer: L.Trainer) -> Any:
+    monitor = _monitor(trainer)
+    return monitor.not_counted() if monitor is not None else contextlib.nullcontext()
 
 
 def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -211,23 +225,35 @@ def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> 
     return gather_pipeline_parts({k: v.cpu() for k, v in named.items()}, runner.pp_group)
 
 
-def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModule, L.LightningDataModule, L.Trainer, Recorder]:
-    """Module, data, and Trainer for ``spec`` (float64, no shuffling, no dropout)."""
-    L.seed_everything(spec.seed, workers=True)
+def make_data(spec: JobSpec) -> L.LightningDataModule:
+    """The job's data module (no shuffling)."""
     if spec.model == "gpt":
-        data: L.LightningDataModule = CharCorpusDataModule(block_size=8, batch_size=spec.batch_size, max_chars=20_000, shuffle=False)
-        model: L.LightningModule = RecordingGPT(
+        return CharCorpusDataModule(block_size=8, batch_size=spec.batch_size, max_chars=20_000, shuffle=False)
+    if spec.model in ("regressor", "regressor_loop"):
+        return RegressionData(batch_size=spec.batch_size)
+    if spec.model == "convnet":
+        return SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
+    raise ValueError(f"unknown model {spec.model!r}")
+
+
+def make_model(spec: JobSpec) -> L.LightningModule:
+    """The job's LightningModule (as built before Lightning converts it to the job's precision)."""
+    if spec.model == "gpt":
+        return RecordingGPT(
             vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=spec.n_embd, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step,
         )
-    elif spec.model in ("regressor", "regressor_loop"):
-        data = RegressionData(batch_size=spec.batch_size)
-        model = Regressor(sequential=spec.model == "regressor")
-    elif spec.model == "convnet":
-        data = SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
-        model = ConvNetLightningModule(width=4, lr=0.1)
-    else:
-        raise ValueError(f"unknown model {spec.model!r}")
+    if spec.model in ("regressor", "regressor_loop"):
+        return Regressor(sequential=spec.model == "regressor")
+    if spec.model == "convnet":
+        return ConvNetLightningModule(width=4, lr=0.1)
+    raise ValueError(f"unknown model {spec.model!r}")
+
+
+def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModule, L.LightningDataModule, L.Trainer, Recorder]:
+    """Module, data, and Trainer for ``spec`` (float64, no shuffling, no dropout)."""
+    L.seed_everything(spec.seed, workers=True)
+    data, model = make_data(spec), make_model(spec)
     if spec.perturb_other_ranks and int(os.environ.get("LOCAL_RANK", "0")) > 0:
         with torch.no_grad():
             for param in model.parameters():
@@ -246,6 +272,9 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     else:
         raise ValueError(f"unknown strategy {spec.strategy!r}")
     recorder = Recorder(save_path)
+    callbacks: list[Callback] = [recorder]
+    if spec.monitor:  # first, so that its step ends before the recorder gathers the state
+        callbacks.insert(0, ScalingMonitor(warmup_steps=0, output_dir=(save_path.parent if save_path else Path.cwd()) / "scaling"))
     # Lightning's own strategy with our checkpoint I/O: atomic files, and it reads sharded checkpoints.
     plugins = [ParallelCheckpointIO()] if spec.strategy == "single" else None
     trainer = L.Trainer(
@@ -263,7 +292,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         num_sanity_val_steps=spec.sanity_val_steps,
         val_check_interval=None,
         check_val_every_n_epoch=None,
-        callbacks=[recorder],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

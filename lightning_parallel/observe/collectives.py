@@ -57,6 +57,16 @@ class DTensorCollectives:
 
     def __init__(self) -> None:
         self.tally = CollectiveTally()
+        self._paused = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leave out collectives issued inside (e.g. gathering DTensors for a metric or a debug check)."""
+        previous, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = previous
 
     @contextmanager
     def active(self) -> Iterator[CollectiveTally]:
@@ -78,6 +88,8 @@ class DTensorCollectives:
         tally = self.tally
 
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self._paused:
+                return collective(tensor, *args, **kwargs)
             start = time.perf_counter()
             try:
                 return collective(tensor, *args, **kwargs)
@@ -92,6 +104,8 @@ class DTensorCollectives:
         tally = self.tally
 
         def timed(tensor: torch.Tensor) -> Any:
+            if self._paused:
+                return wait(tensor)
             start = time.perf_counter()
             try:
                 return wait(tensor)

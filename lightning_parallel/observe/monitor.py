@@ -92,6 +92,10 @@ class ScalingMonitor(Callback):
         self._samples = 0
         self._batch_rows = 0
 
+    def not_counted(self) -> Any:
+        """Context manager: DTensor collectives issued inside are left out (your own metrics, debugging gathers)."""
+        return self._collectives.paused()
+
     # ------------------------------------------------------------------ hooks
 
     @override

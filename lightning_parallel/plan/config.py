@@ -99,13 +99,23 @@ def example_batch(cfg: DictConfig) -> Any:
     return next(iter(datamodule.train_dataloader()))
 
 
+#: Parameter dtype of Lightning's "-true" precisions (mixed precisions keep float32 parameters).
+_TRUE_PRECISIONS = {"64": torch.float64, "64-true": torch.float64, "bf16-true": torch.bfloat16, "16-true": torch.float16}
+
+
+def parameter_dtype(precision: Any) -> torch.dtype | None:
+    """The dtype the Trainer's ``precision`` trains parameters in (``None``: the module's own, float32)."""
+    return _TRUE_PRECISIONS.get(str(precision))
+
+
 def profile_from_config(cfg: DictConfig, tensor_parallel_sizes: Iterable[int]) -> ModelProfile:
-    """Dry-run ``cfg.model`` on the meta device for each tensor-parallel degree."""
+    """Dry-run ``cfg.model`` on the meta device for each tensor-parallel degree, in the trainer's precision."""
     return profile_model(
         lambda: instantiate(cfg.model),
         example_batch(cfg),
         tuple(sorted(set(tensor_parallel_sizes) | {1})),
         tensor_parallel_config(cfg),
+        dtype=parameter_dtype(cfg.trainer.get("precision", "32-true")),
     )
 
 

@@ -117,6 +117,7 @@ def profile_model(
     batch: Any,
     tensor_parallel_sizes: tuple[int, ...] = (1,),
     tensor_parallel: TensorParallelConfig | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ModelProfile:
     """Dry-run ``training_step`` on the meta device for each tensor-parallel degree.
 
@@ -125,6 +126,8 @@ def profile_model(
         batch: One real training batch (moved to the meta device here).
         tensor_parallel_sizes: Degrees to profile; degrees the plan cannot split by land in ``tp_invalid``.
         tensor_parallel: The tensor-parallel plan (default: inferred, as the strategies do).
+        dtype: Floating-point type the Trainer trains the parameters in (``precision="64-true"``: float64);
+            ``None`` keeps the module's own.
 
     Raises:
         RuntimeError: A process group already exists in this process (profiling needs its own fake ones).
@@ -135,10 +138,15 @@ def profile_model(
             "Profile before training starts (or with tensor_parallel_sizes=(1,))."
         )
     config = tensor_parallel if tensor_parallel is not None else TensorParallelConfig()
-    meta_batch = tree_map(lambda t: t.to("meta") if isinstance(t, Tensor) else t, batch)
+    meta_batch = tree_map(lambda t: _to_meta(t, dtype) if isinstance(t, Tensor) else t, batch)
     rows = _batch_rows(meta_batch)
-    with _quiet(), torch.device("meta"):
-        module = build_module()
+
+    def build() -> LightningModule:
+        with _quiet(), torch.device("meta"):
+            module = build_module()
+        return module.to(dtype) if dtype is not None else module
+
+    module = build()
     whole = _dry_run(module, meta_batch, rows, tp=1)
     root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
     profile = ModelProfile(
@@ -152,8 +160,7 @@ def profile_model(
         steps={1: whole},
     )
     for tp in sorted(set(tensor_parallel_sizes) - {1}):
-        with _quiet(), torch.device("meta"):
-            module = build_module()
+        module = build()
         try:
             resolved = config.resolve(module, warn=lambda _: None)
             check_plan(module, resolved, tp)
@@ -387,6 +394,13 @@ def _loss(output: Any) -> Tensor:
     if not isinstance(loss, Tensor):
         raise TypeError(f"training_step returned {type(output).__name__}; the planner needs a loss tensor (or a dict with 'loss').")
     return loss
+
+
+def _to_meta(tensor: Tensor, dtype: torch.dtype | None) -> Tensor:
+    """The batch tensor on meta; floating inputs in the training dtype, as Lightning's precision plugin casts them."""
+    if dtype is not None and tensor.is_floating_point():
+        return tensor.to("meta", dtype=dtype)
+    return tensor.to("meta")
 
 
 def _local(tensor: Tensor) -> Tensor:

@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from tests.harness import JobSpec, run_distributed, run_distributed_jobs, run_job
+from tests.planner_check import (
+    assert_planner_predicts_communication,
+    assert_planner_predicts_state,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -54,7 +58,7 @@ VARIANTS = {
 def variant_spec(devices: int, accumulate: int, options: dict) -> JobSpec:
     return JobSpec(
         strategy="data", devices=devices, batch_size=PER_RANK_BATCH, accumulate=accumulate, steps=STEPS,
-        validate=devices == 2 and accumulate == 1, strategy_kwargs=options,
+        validate=devices == 2 and accumulate == 1, strategy_kwargs=options, monitor=devices == 2,
     )
 
 
@@ -78,6 +82,11 @@ def test_gpt_matches_single_device_with_the_global_batch(variant, request, tmp_p
     assert_same_training(reference, result)
     # Accumulation skips the all-reduce on the k-1 intermediate micro-batches.
     assert_one_allreduce_round_per_step(result)
+    # The planner's memory model: every replica holds the whole state; the monitor counts what DDP sends.
+    spec = variant_spec(devices, accumulate, options)
+    assert_planner_predicts_state(spec, result)
+    if spec.monitor:
+        assert_planner_predicts_communication(spec, result, ("dp",))
     if options is BUCKET_OPTIONS:
         # DDP's first step uses one 1 MB bucket, then rebuilds buckets of bucket_cap_mb.
         assert result["comm"]["bucket_calls"] > 2 * STEPS, "small buckets should split each round"

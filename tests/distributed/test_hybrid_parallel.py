@@ -16,6 +16,7 @@ import torch
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
 from tests.harness import JobSpec, run_distributed, run_distributed_jobs, run_job
+from tests.planner_check import assert_planner_predicts_state
 
 pytestmark = pytest.mark.distributed
 
@@ -75,15 +76,13 @@ STAGE_0 = ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.1.
 def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(tmp_path):
     """The issue's 8-rank layout: 2 replicas of a 2-stage pipeline whose stages are split over 2 ranks."""
     ref = reference(accumulate=2, clip=0.05)
-    result = run_distributed(
-        hybrid_job(
-            8, accumulate=2, clip=0.05, round_trip=True, data_parallel_size=2, tensor_parallel_size=2,
-            pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"],
-        ),
-        tmp_path,
-        timeout=420,
+    spec = hybrid_job(
+        8, accumulate=2, clip=0.05, round_trip=True, data_parallel_size=2, tensor_parallel_size=2,
+        pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"],
     )
+    result = run_distributed(spec, tmp_path, timeout=420)
     assert_same_training(ref, result)
+    assert_planner_predicts_state(spec, result)
     for key in ("val/loss", "val/accuracy"):
         assert result["validation"][key] == pytest.approx(ref["validation"][key], abs=TOL), key
     whole = ref["states"][0]
@@ -140,10 +139,11 @@ def four_rank_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_each_pair_of_dimensions_matches_single_device(name, four_rank_results):
-    _, accumulate, fraction = PAIRS[name]
+    strategy, accumulate, fraction = PAIRS[name]
     ref = reference(accumulate=accumulate)
     result = four_rank_results[name]
     assert_same_training(ref, result)
+    assert_planner_predicts_state(hybrid_job(4, accumulate=accumulate, **strategy), result)
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], **fraction))
 
@@ -158,6 +158,7 @@ def test_sharded_data_parallel_matches_single_device(name, request, tmp_path):
         result = run_distributed(hybrid_job(devices, accumulate=2, **strategy), tmp_path, timeout=300)
     assert_same_training(ref, result)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], dp_shards=shards))
+    assert_planner_predicts_state(hybrid_job(devices, accumulate=2, **strategy), result)
 
 
 PRECISION_CASES = [

@@ -14,6 +14,7 @@ from tests.harness import (
     run_distributed_jobs,
     run_job,
 )
+from tests.planner_check import assert_planner_predicts_state
 
 pytestmark = pytest.mark.distributed
 
@@ -49,16 +50,19 @@ def schedule_results(tmp_path_factory):
             strategy="pipeline", devices=2, batch_size=BATCH, steps=STEPS, n_layer=LAYERS, validate=True,
             checkpoint_round_trip=round_trip, predict=round_trip, sanity_val_steps=sanity,
             strategy_kwargs={"pipeline_parallel_size": 2, "schedule": schedule, "stages_per_rank": stages_per_rank, "microbatches": 4},
+            monitor=schedule == "1f1b",
         )
     root = tmp_path_factory.mktemp("schedules")
-    return root, run_distributed_jobs(specs, root)
+    return root, specs, run_distributed_jobs(specs, root)
 
 
 @pytest.mark.parametrize("schedule", [schedule for schedule, _ in SCHEDULES])
 def test_every_schedule_matches_single_device(schedule, reference, schedule_results):
-    root, results = schedule_results
+    root, specs, results = schedule_results
     result, round_trip = results[schedule], schedule == "1f1b"
     assert_same_training(reference, result)
+    # The planner puts the same layers on stage 0 as the split does.
+    assert_planner_predicts_state(specs[schedule], result)
     # The module's own self.log calls (micro-batch values combined) and validation equal single device.
     assert result["synced_logs"] == pytest.approx(reference["synced_logs"], abs=TOL)
     for key in ("val/loss", "val/accuracy"):

@@ -7,6 +7,10 @@ import torch
 
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.harness import JobSpec, run_distributed, run_job
+from tests.planner_check import (
+    assert_planner_predicts_communication,
+    assert_planner_predicts_state,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -19,14 +23,15 @@ STEPS = 5
 def test_auto_plan_matches_single_device(accumulate, clip, tmp_path):
     # TP peers read the same batches: the global batch is the per-rank batch.
     reference = run_job(JobSpec(batch_size=4 * accumulate, steps=STEPS, validate=accumulate == 1, gradient_clip_val=clip))
-    result = run_distributed(
-        JobSpec(
-            strategy="tensor", devices=2, batch_size=4, accumulate=accumulate, steps=STEPS, validate=accumulate == 1,
-            gradient_clip_val=clip, checkpoint_round_trip=accumulate == 1,
-        ),
-        tmp_path,
+    spec = JobSpec(
+        strategy="tensor", devices=2, batch_size=4, accumulate=accumulate, steps=STEPS, validate=accumulate == 1,
+        gradient_clip_val=clip, checkpoint_round_trip=accumulate == 1, monitor=True,
     )
+    result = run_distributed(spec, tmp_path)
     assert_same_training(reference, result)
+    # The planner's dry run on a fake process group predicts each rank's shards and DTensor's traffic.
+    assert_planner_predicts_state(spec, result)
+    assert_planner_predicts_communication(spec, result, ("tp",))
     # Split layers hold 1/TP of their weights per rank (row-wise biases stay whole); the rest stays whole.
     full_numel = {name: value.numel() for name, value in reference["grads"][0].items()}
     for name, local in result["local_numel"].items():

@@ -1,0 +1,88 @@
+"""A 2-stage pipeline whose stages take a known time: ``python -m tests.bubble_worker OUT_DIR`` under torchrun.
+
+Each stage is one layer that sleeps ``FORWARD_S`` in forward and ``BACKWARD_S`` in backward per
+micro-batch, so the schedule's idle time is known: (p−1)/(m+p−1) of each batch for GPipe and 1F1B. A
+data-dependent guard keeps torch.export from tracing the layers (a trace would drop the sleeps): the
+pipeline slices the ``nn.Sequential`` instead. Rank 0 writes each schedule's ScalingMonitor summary to
+``OUT_DIR/<schedule>.json`` and the monitor draws ``OUT_DIR/<schedule>/pipeline_timeline.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lightning_parallel
+from tests.regressor import RegressionData
+
+FORWARD_S = 0.06
+BACKWARD_S = 0.12
+MICROBATCHES = 4
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(FORWARD_S)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(BACKWARD_S)
+        return grad
+
+
+class SleepyLayer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if bool((h.abs() > 1e6).any()):  # never taken; torch.export cannot capture it
+            h = h.clamp(-1e6, 1e6)
+        return _Sleep.apply(h)
+
+
+class SleepyPipeline(L.LightningModule):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(SleepyLayer(width), SleepyLayer(width))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self.net(x).sum(dim=1, keepdim=True), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def run(schedule: str, out: Path) -> dict[str, Any]:
+    L.seed_everything(0)
+    monitor = lightning_parallel.ScalingMonitor(warmup_steps=1, output_dir=out / schedule)
+    strategy = lightning_parallel.PipelineParallelStrategy(
+        pipeline_parallel_size=2, schedule=schedule, microbatches=MICROBATCHES, timeout=60
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=4, callbacks=[monitor],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(SleepyPipeline(), datamodule=RegressionData(batch_size=8))
+    return monitor.summary
+
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[1])
+    for name in SCHEDULES:
+        summary = run(name, out_dir)
+        if summary:  # rank 0
+            (out_dir / f"{name}.json").write_text(json.dumps(summary, default=str))

@@ -1,0 +1,176 @@
+"""The planner: dry-run figures against the real module, layout enumeration, the cost model, refusals, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+
+from lightning_parallel.observe.memory import state_bytes
+from lightning_parallel.plan.config import configured_layout, parameter_dtype
+from lightning_parallel.plan.cost import (
+    bubble_fraction,
+    in_flight_microbatches,
+    predict,
+)
+from lightning_parallel.plan.hardware import HardwareProfile
+from lightning_parallel.plan.layouts import Layout, Workload, enumerate_layouts
+from lightning_parallel.plan.planner import PlanError, plan
+from tests.harness import JobSpec, make_data, make_model
+from tests.planner_check import ANY_HARDWARE, _profile
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = JobSpec(batch_size=8, n_layer=4)
+
+
+def profile(tp: int = 2):
+    return _profile("gpt", SPEC.n_layer, SPEC.n_embd, SPEC.tie_weights, SPEC.batch_size, SPEC.precision, tp)
+
+
+def first_batch(spec: JobSpec):
+    data = make_data(spec)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def test_dry_run_counts_what_the_real_module_holds_after_a_step():
+    module = make_model(SPEC).double()
+    optimizer = module.configure_optimizers()
+    module.training_step(first_batch(SPEC), 0).backward()
+    optimizer.step()
+    real = state_bytes(module, [optimizer])
+    step = profile().step(1)
+    assert sum(step.parameter_bytes.values()) == real.parameters
+    assert sum(step.optimizer_bytes.values()) == real.optimizer
+    # The tied embedding is used before the trunk and by the head after it.
+    assert profile().parameter_segments["model.tok_emb.weight"] == ("(before trunk)", "(after trunk)")
+
+
+def test_tensor_parallel_dry_run_splits_what_the_plan_splits():
+    whole, split = profile().step(1), profile().step(2)
+    assert split.parameter_bytes["model.blocks.0.attn.q_proj.weight"] * 2 == whole.parameter_bytes["model.blocks.0.attn.q_proj.weight"]
+    assert split.parameter_bytes["model.tok_emb.weight"] == whole.parameter_bytes["model.tok_emb.weight"]
+    # Megatron's pattern: per block one all-reduce after attention and one after the MLP, each way.
+    assert split.tp_collectives == 4 * SPEC.n_layer
+    assert split.activation_bytes["model.blocks.0"] < whole.activation_bytes["model.blocks.0"]
+    # n_head=2 cannot be split 4 ways: refused with the reason, not profiled.
+    four = _profile("gpt", SPEC.n_layer, SPEC.n_embd, SPEC.tie_weights, SPEC.batch_size, SPEC.precision, 4)
+    assert 4 not in four.steps and "n_head=2" in four.tp_invalid[4]
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 cannot be planned"):
+        four.step(4)
+
+
+def test_precision_sets_the_parameter_dtype():
+    assert parameter_dtype("64-true") is torch.float64
+    assert parameter_dtype("bf16-true") is torch.bfloat16
+    assert parameter_dtype("bf16-mixed") is None  # float32 master weights
+
+
+def test_bubble_and_in_flight_micro_batches():
+    assert bubble_fraction("1f1b", 2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction("gpipe", 4, 12) == pytest.approx(3 / 15)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, stages_per_rank=2) == pytest.approx(3 / 19)
+    assert bubble_fraction("none", 1, 1) == 0.0
+    assert in_flight_microbatches("gpipe", 4, 0, 16, 1) == 16
+    assert [in_flight_microbatches("1f1b", 4, r, 16, 1) for r in range(4)] == [4, 3, 2, 1]
+
+
+def test_enumeration_covers_every_valid_split_and_says_why_not():
+    workload = Workload(devices_per_node=8, num_nodes=1, global_batch=32)
+    layouts, rejected = enumerate_layouts(workload, trunk_layers=4, tensor_parallel_sizes={1, 2}, devices_per_node=8)
+    assert all(l.dp * l.tp * l.pp == 8 for l in layouts)
+    sizes = {(l.dp, l.tp, l.pp) for l in layouts}
+    assert {(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (2, 1, 4)} <= sizes
+    assert "pp=8" in rejected["dp=1 × tp=1 × pp=8"]
+    assert "4 ways" in rejected["dp=2 × tp=4 × pp=1"]
+    assert all(l.microbatches >= l.pp and (32 // l.dp) % l.microbatches == 0 for l in layouts)
+    pinned, _ = enumerate_layouts(workload, 4, {1, 2}, 8, fixed={"tp": 2})
+    assert pinned and {l.tp for l in pinned} == {2}
+
+
+def test_prediction_of_the_data_parallel_layout_is_the_seed_formula():
+    """dp=k, no TP/PP: T_step = T_compute/k + T_comm, as in the seed document."""
+    hardware = replace(ANY_HARDWARE, intra_node_latency_us=0.0)
+    workload = Workload(devices_per_node=4, num_nodes=1, global_batch=32)
+    single = predict(profile(), Layout(1, 1, 1), Workload(1, 1, 32), hardware)
+    four = predict(profile(), Layout(4, 1, 1), workload, hardware)
+    t_compute = single.step_s
+    t_comm = 2 * 3 / 4 * four.comm_bytes["dp"] / (hardware.intra_node_gbps * 1e9)
+    assert four.step_s == pytest.approx(t_compute / 4 + t_comm)
+    assert four.speedup == pytest.approx(t_compute / (t_compute / 4 + t_comm))
+    assert four.efficiency == pytest.approx(four.speedup / 4)
+
+
+def test_plan_refuses_what_cannot_run():
+    workload = Workload(devices_per_node=4, num_nodes=1, global_batch=32)
+    tiny = replace(ANY_HARDWARE, device_memory_gib=1e-5)
+    with pytest.raises(PlanError, match="does not fit on 4 × any in any layout"):
+        plan(profile(), workload, tiny)
+    with pytest.raises(PlanError, match="tp=3 does not divide the world size 4"):
+        plan(profile(), workload, ANY_HARDWARE, fixed={"tp": 3})
+    with pytest.raises(PlanError, match="trainer.devices=16 processes per node"):
+        plan(profile(), Workload(16, 1, 32), ANY_HARDWARE)
+    with pytest.raises(PlanError, match="does not divide into dp=4"):
+        plan(profile(), Workload(4, 1, 6), ANY_HARDWARE, fixed={"dp": 4})
+
+
+def test_plan_never_recommends_a_layout_that_does_not_fit():
+    workload = Workload(devices_per_node=4, num_nodes=1, global_batch=32)
+    everything = plan(profile(), workload, ANY_HARDWARE).predictions
+    fastest = min(everything, key=lambda p: p.step_s)
+    # Memory just under what the fastest layout needs: it must be passed over for a slower one that fits.
+    hardware = replace(ANY_HARDWARE, device_memory_gib=fastest.peak_memory * 0.99 / 2**30, memory_reserve_fraction=0.0)
+    result = plan(profile(), workload, hardware)
+    assert result.recommended.fits and result.recommended.layout != fastest.layout
+    assert any("out of memory" in reason for reason in result.reasons)
+    fits = [p.fits for p in result.predictions]
+    assert fits == sorted(fits, reverse=True)
+
+
+def test_hardware_profiles_load_and_bad_ones_are_refused():
+    for path in sorted((ROOT / "conf" / "hardware").glob("*.yaml")):
+        profile_ = HardwareProfile.from_config(yaml.safe_load(path.read_text()))
+        assert profile_.name == path.stem and profile_.usable_memory_bytes > 0
+    good = yaml.safe_load((ROOT / "conf" / "hardware" / "h100_ib.yaml").read_text())
+    with pytest.raises(ValueError, match="unknown key"):
+        HardwareProfile.from_config({**good, "nvlink": True})
+    with pytest.raises(ValueError, match=r"hardware.intra_node_gbps=0"):
+        HardwareProfile.from_config({**good, "intra_node_gbps": 0})
+
+
+def test_configured_layout_reads_the_strategy_config():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        hybrid = compose("config", overrides=["strategy=hybrid", "trainer.devices=8", "strategy.tensor_parallel_size=2",
+                                              "strategy.pipeline_parallel_size=2", "strategy.schedule=gpipe"])
+        data = compose("config", overrides=["strategy=data", "trainer.devices=4"])
+        tensor = compose("config", overrides=["strategy=tensor", "trainer.devices=2"])
+    assert configured_layout(hybrid) == Layout(2, 2, 2, schedule="gpipe", microbatches=4)
+    assert configured_layout(data) == Layout(4, 1, 1)
+    assert configured_layout(tensor) == Layout(1, 2, 1)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_parallel.plan", *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_prints_json_with_a_recommendation_that_fits():
+    proc = run_cli("trainer.devices=4", "model.n_layer=2", "--json", "-")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    best = result["recommended"]
+    assert best["fits"] and best["layout"]["dp"] * best["layout"]["tp"] * best["layout"]["pp"] == 4
+    assert result["candidates"][0]["describe"] == best["describe"] and result["reasons"]
+    assert "strategy=hybrid" in best["overrides"]
+
+
+def test_cli_refuses_an_impossible_request_clearly():
+    proc = run_cli("trainer.devices=4", "--tp", "3")
+    assert proc.returncode == 2
+    assert "tp=3 does not divide the world size 4" in proc.stdout + proc.stderr
