@@ -33,6 +33,7 @@ benchmark: venv
 	$(PY) benchmarks/pp_efficiency.py
 	$(PY) benchmarks/hybrid_layouts.py
 	$(PY) benchmarks/checkpoint_io.py
+	$(PY) benchmarks/planner_accuracy.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs

@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_parallel.observe.collectives import DTensorCollectives
 from lightning_parallel.observe.pipeline_events import PipelineEvents, StageEvent
 from lightning_parallel.plan.hardware import HardwareProfile
+from lightning_parallel.plan.layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -202,13 +203,12 @@ class ScalingMonitor(Callback):
         }
 
     def _predict(self, trainer: Trainer) -> Any:
-        planned = getattr(trainer.strategy, "planned_layout", None)
-        if self.profile is None or self.hardware is None or planned is None or not self._batch_rows:
+        if self.profile is None or self.hardware is None or not self._batch_rows:
             return None
         from lightning_parallel.plan.cost import predict
         from lightning_parallel.plan.layouts import Workload
 
-        layout = planned()
+        layout = _planned_layout(trainer)
         accumulate = trainer.accumulate_grad_batches
         workload = Workload(trainer.num_devices, trainer.num_nodes, self._batch_rows * layout.dp * accumulate, accumulate)
         try:
@@ -244,9 +244,14 @@ def _replicas(trainer: Trainer) -> int:
     return int(trainer.strategy.distributed_sampler_kwargs.get("num_replicas", trainer.world_size))
 
 
+def _planned_layout(trainer: Trainer) -> Layout:
+    """The running layout in the planner's terms; Lightning's own strategies: every process a replica."""
+    planned = getattr(trainer.strategy, "planned_layout", None)
+    return planned() if planned is not None else Layout(dp=trainer.world_size, tp=1, pp=1)
+
+
 def _describe(trainer: Trainer) -> str:
-    layout = getattr(trainer.strategy, "planned_layout", None)
-    return layout().describe() if layout is not None else f"{type(trainer.strategy).__name__} × {trainer.world_size}"
+    return _planned_layout(trainer).describe()
 
 
 def _gather(trainer: Trainer, payload: dict[str, Any]) -> list[dict[str, Any]]:
