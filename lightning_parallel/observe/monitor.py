@@ -189,6 +189,10 @@ class ScalingMonitor(Callback):
         else:
             rank_zero_info(f"ScalingMonitor: no steps after the {self.warmup_steps} warm-up step(s) to report.")
 
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._exit.close()  # never leave torch's collectives wrapped after a failed fit
+
     # ------------------------------------------------------------------ pieces
 
     def _counters(self, trainer: Trainer) -> dict[str, float]:

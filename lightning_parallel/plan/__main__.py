@@ -26,7 +26,7 @@ from lightning_parallel.plan.config import (
     workload_from_config,
     world_of,
 )
-from lightning_parallel.plan.planner import PlanError, plan
+from lightning_parallel.plan.planner import PlanError, check_request, plan
 from lightning_parallel.plan.report import print_plan
 
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         hardware = hardware_from_config(cfg)
         workload = workload_from_config(cfg, args.global_batch)
+        check_request(workload, hardware, fixed)  # before the dry run: cheap refusals first
         devices, nodes = world_of(cfg)
         world = devices * nodes
         sizes = [d for d in range(1, world + 1) if world % d == 0 and ("tp" not in fixed or d in (1, fixed["tp"]))]

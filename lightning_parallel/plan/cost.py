@@ -186,6 +186,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         segments = [segment for stage in stages for segment in stage]
         names = _parameters_of(step, segments)
         params = sum(step.parameter_bytes[n] for n in names)
+        gradients = sum(step.parameter_bytes[n] for n in names - step.frozen)
         optimizer = sum(step.optimizer_bytes.get(n, 0) for n in names)
         flops = sum(step.flops[s] for s in segments) + (
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
@@ -200,7 +201,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         memory.append(
             RankMemory(
                 parameters=params / shards,
-                gradients=params / shards,
+                gradients=gradients / shards,
                 optimizer=optimizer / shards,
                 activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
@@ -212,7 +213,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         tp_seconds.append(tp_t)
         p2p_bytes.append(p2p_b)
         p2p_seconds.append(p2p_t)
-        grad_bytes.append(params)
+        grad_bytes.append(gradients)
 
     slowest = max(range(len(micro_times)), key=micro_times.__getitem__)
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)

@@ -68,7 +68,7 @@ def plan(
         PlanError: The pinned sizes do not divide the ranks, no layout is valid, or none fits in memory.
     """
     fixed = dict(fixed or {})
-    _check_request(workload, hardware, fixed)
+    check_request(workload, hardware, fixed)
     layouts, rejected = enumerate_layouts(workload, len(profile.trunk_layers), set(profile.steps), hardware.devices_per_node, fixed)
     if not layouts:
         reasons = "\n".join(f"  {key}: {why}" for key, why in rejected.items()) or "  (no split of the ranks matches the pinned sizes)"
@@ -139,7 +139,12 @@ def explain(result: Plan) -> list[str]:
     return reasons
 
 
-def _check_request(workload: Workload, hardware: HardwareProfile, fixed: Mapping[str, int]) -> None:
+def check_request(workload: Workload, hardware: HardwareProfile, fixed: Mapping[str, int]) -> None:
+    """Refuse what no dry run can fix: pinned sizes that do not divide the ranks, more processes than a node has.
+
+    Raises:
+        PlanError: Naming the setting and what to change.
+    """
     world = workload.world_size
     where = f"trainer.devices={workload.devices_per_node} × trainer.num_nodes={workload.num_nodes}"
     for dim, size in fixed.items():

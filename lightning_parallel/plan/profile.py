@@ -62,6 +62,7 @@ class StepProfile:
     tp_bytes: float  # bytes handed to DTensor collectives per sample (forward + backward)
     tp_collectives: int  # DTensor collectives per forward + backward (of any batch size)
     segment_parameters: dict[str, tuple[str, ...]]  # segment -> canonical names of the parameters it uses
+    frozen: frozenset[str] = frozenset()  # parameters without gradients (requires_grad=False)
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,7 @@ def _dry_run(
         tp_bytes=collectives.tally.bytes / rows,
         tp_collectives=collectives.tally.calls,
         segment_parameters=tracker.segment_parameters(names),
+        frozen=frozenset(names[id(p)] for p in module.parameters() if not p.requires_grad),
     )
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -156,21 +154,26 @@ def test_configured_layout_reads_the_strategy_config():
     assert configured_layout(tensor) == Layout(1, 2, 1)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_parallel.plan", *args], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
+def run_cli(capsys, *args: str) -> tuple[int, str]:
+    """``python -m lightning_parallel.plan ARGS`` in this process (from the project root); exit status and output."""
+    from lightning_parallel.plan.__main__ import main
+
+    status = main([*args, "--config-dir", str(ROOT / "conf")])
+    captured = capsys.readouterr()
+    return status, captured.out + captured.err
 
 
-def test_cli_prints_json_with_a_recommendation_that_fits():
-    proc = run_cli("trainer.devices=4", "model.n_layer=2", "--json", "-")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout)
+def test_cli_prints_json_with_a_recommendation_that_fits(capsys):
+    status, output = run_cli(capsys, "trainer.devices=4", "model.n_layer=2", "--json", "-")
+    assert status == 0, output[-3000:]
+    result = json.loads(output[output.index("{"):])
     best = result["recommended"]
     assert best["fits"] and best["layout"]["dp"] * best["layout"]["tp"] * best["layout"]["pp"] == 4
     assert result["candidates"][0]["describe"] == best["describe"] and result["reasons"]
     assert "strategy=hybrid" in best["overrides"]
 
 
-def test_cli_refuses_an_impossible_request_clearly():
-    proc = run_cli("trainer.devices=4", "--tp", "3")
-    assert proc.returncode == 2
-    assert "tp=3 does not divide the world size 4" in proc.stdout + proc.stderr
+def test_cli_refuses_an_impossible_request_clearly(capsys):
+    status, output = run_cli(capsys, "trainer.devices=4", "--tp", "3")
+    assert status == 2
+    assert "tp=3 does not divide the world size 4" in " ".join(output.split())
