@@ -73,7 +73,7 @@ def run(schedule: str, out: Path) -> dict[str, Any]:
         pipeline_parallel_size=2, schedule=schedule, microbatches=MICROBATCHES, timeout=60
     )
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=4, callbacks=[monitor],
+        accelerator="cpu", devices=2, strategy=strategy, precision="64-true", max_steps=3, callbacks=[monitor],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     trainer.fit(SleepyPipeline(), datamodule=RegressionData(batch_size=8))

@@ -192,10 +192,10 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
         seconds = flops * micro / flops_per_s
-        share = _trunk_share(profile, segments)
+        share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
         tp_b = step.tp_bytes * micro * share
         tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce")
-        p2p_b = _boundary_bytes(profile, stages) * micro
+        p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
         p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
         in_flight = in_flight_microbatches(layout.schedule, layout.pp, pp_rank, layout.microbatches, layout.stages_per_rank)
         memory.append(

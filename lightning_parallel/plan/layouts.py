@@ -141,7 +141,7 @@ def enumerate_layouts(
             if tp > 1 and tp not in tensor_parallel_sizes:
                 rejected[key] = f"the tensor-parallel plan cannot split the model {tp} ways"
                 continue
-            if pp > trunk_layers:
+            if pp > 1 and pp > trunk_layers:
                 rejected[key] = f"pp={pp} needs more stages than the model's {trunk_layers} trunk layers"
                 continue
             batch = batch_per_forward(Layout(dp, tp, pp), workload)
@@ -161,7 +161,7 @@ def enumerate_layouts(
 def _variants(dp: int, tp: int, pp: int, batch: int, trunk_layers: int, devices_per_node: int):
     for mode, shard_size in _data_parallel_modes(dp, tp, pp, devices_per_node):
         for schedule, virtual, microbatches in _pipelines(pp, batch, trunk_layers):
-            for checkpointing in (False, True):
+            for checkpointing in (False, True) if trunk_layers else (False,):  # "auto" checkpoints trunk layers
                 yield Layout(dp, tp, pp, mode, shard_size, schedule, virtual, microbatches, checkpointing)
 
 

@@ -235,8 +235,8 @@ def _structure(
     tracker = _SegmentTracker(module, batch)
     with _quiet(), tracker.tracking(), torch.no_grad():
         module.training_step(batch, 0)
-    _, trunk = find_trunk(root)
-    costs = layer_costs(root, list(trunk.children()), captured.args, captured.kwargs, "params")
+    found = _trunk_of(root)
+    costs = layer_costs(root, list(found[1].children()), captured.args, captured.kwargs, "params") if found else []
     names = _canonical_names(module)
     used = {names[pid]: tuple(segments) for pid, segments in tracker.parameter_segments.items() if pid in names}
     for name in names.values():  # never used in the step: held by the stage whose module owns it
@@ -253,8 +253,9 @@ class _SegmentTracker:
         with _quiet():
             captured = capture_model_call(module, "training_step", (batch, 0), {})
         prefix = f"{captured.name}." if captured.name else ""
-        trunk_name, trunk = find_trunk(module.get_submodule(captured.name))
-        self.layer_names = [prefix + name for name in trunk_layer_names(trunk_name, trunk)]
+        found = _trunk_of(module.get_submodule(captured.name))
+        # Without a trunk (no layer list to pipeline) the whole step is one segment, "before the trunk".
+        self.layer_names = [prefix + name for name in trunk_layer_names(*found)] if found else []
         self.layers = [module.get_submodule(name) for name in self.layer_names]
         self.segments = (BEFORE, *self.layer_names, AFTER)
         self.current = BEFORE
@@ -299,6 +300,8 @@ class _SegmentTracker:
 
     def forward_flops(self, counts: Mapping[str, Mapping[Any, int]], forward_total: float) -> dict[str, float]:
         """Forward FLOPs per segment from a FlopCounterMode's per-module counts (taken right after forward)."""
+        if not self.layer_names:
+            return {BEFORE: float(forward_total), AFTER: 0.0}
         top = type(self.module).__name__
         per_layer = {name: float(sum(counts.get(f"{top}.{name}", {}).values())) for name in self.layer_names}
         before = self._flops_before_trunk or 0.0
@@ -339,6 +342,14 @@ class _SegmentTracker:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def _trunk_of(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The module's trunk (its longest layer list), or ``None`` if it has none (then no pipeline split exists)."""
+    try:
+        return find_trunk(module)
+    except ValueError:
+        return None
 
 
 def _optimizer_bytes(module: LightningModule, names: dict[int, str]) -> dict[str, int]:

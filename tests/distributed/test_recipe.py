@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -54,6 +55,10 @@ def test_train_recipe_with_data_parallel_strategy(tmp_path):
     assert (tmp_path / "train_rank1.log").exists()
     assert (tmp_path / ".hydra" / "config.yaml").exists()
     assert (tmp_path / "checkpoints" / "last.ckpt" / "meta.pt").exists()  # sharded, written at the last step
+    # The ScalingMonitor is on by default: measured next to the planner's prediction for dp=2 on cpu_local.
+    assert "ScalingMonitor · dp=2 × tp=1 × pp=1" in output
+    scaling = json.loads((tmp_path / "scaling.json").read_text())
+    assert scaling["measured"]["steps"] == 2 and scaling["predicted"]["layout"]["dp"] == 2
 
     # The same run, resumed under another layout from its newest checkpoint, trains on to step 5.
     resumed = run_recipe(
@@ -83,6 +88,8 @@ def test_train_recipe_with_pipeline_experiment(tmp_path):
     assert "layout dp=1 × tp=1 × pp=2 on gloo" in output
     assert "pipeline of GPTLightningModule in 4 stages over pp=2" in output and "schedule=interleaved_1f1b" in output
     assert "lightning_parallel summary: 3 steps" in output
+    # The monitor drew one step of the pipeline.
+    assert (tmp_path / "pipeline_timeline.png").read_bytes().startswith(b"\x89PNG")
     # The loss is computed on the last stage (rank 1) but logged by rank 0, which writes the metrics.
     rows = metric_rows(tmp_path)
     assert any(row.get("train/loss") for row in rows)
@@ -135,7 +142,7 @@ def test_hybrid_sim_experiment_runs_here(tmp_path):
     small = [arg for arg in SMALL if not arg.startswith(("model.", "data.batch_size", "trainer.max_steps", "checkpoint."))]
     proc = run_recipe(
         ["experiment=hybrid_sim", *small, "trainer.max_steps=2", "trainer.limit_val_batches=0",
-         "checkpoint.every_n_train_steps=1000", f"hydra.run.dir={tmp_path}"],
+         "checkpoint.every_n_train_steps=1000", "scaling_monitor=false", f"hydra.run.dir={tmp_path}"],
         timeout=400,
     )
     output = proc.stdout + proc.stderr
