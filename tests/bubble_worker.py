@@ -1,9 +1,8 @@
 """A 2-stage pipeline whose stages take a known time: ``python -m tests.bubble_worker OUT_DIR`` under torchrun.
 
 Each stage is one layer that sleeps ``FORWARD_S`` in forward and ``BACKWARD_S`` in backward per
-micro-batch, so the schedule's idle time is known: (p−1)/(m+p−1) of each batch for GPipe and 1F1B. A
-data-dependent guard keeps torch.export from tracing the layers (a trace would drop the sleeps): the
-pipeline slices the ``nn.Sequential`` instead. Rank 0 writes each schedule's ScalingMonitor summary to
+micro-batch, so the schedule's idle time is known: (p−1)/(m+p−1) of each batch for GPipe and 1F1B. The
+layers cannot be traced (a trace would drop the sleeps): the pipeline slices the ``nn.Sequential`` instead. Rank 0 writes each schedule's ScalingMonitor summary to
 ``OUT_DIR/<schedule>.json`` and the monitor draws ``OUT_DIR/<schedule>/pipeline_timeline.png``.
 """
 
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_parallel
-from tests.regressor import RegressionData
+from tests.regressor import GuardedLayer, RegressionData
 
 FORWARD_S = 0.06
 BACKWARD_S = 0.12
@@ -41,16 +40,11 @@ class _Sleep(torch.autograd.Function):
         return grad
 
 
-class SleepyLayer(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
+class SleepyLayer(GuardedLayer):
+    """The regressor's untraceable layer (torch.export would drop the sleeps), taking a known time."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear(x)
-        if bool((h.abs() > 1e6).any()):  # never taken; torch.export cannot capture it
-            h = h.clamp(-1e6, 1e6)
-        return _Sleep.apply(h)
+        return _Sleep.apply(super().forward(x))
 
 
 class SleepyPipeline(L.LightningModule):
