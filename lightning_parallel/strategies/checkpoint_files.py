@@ -130,6 +130,14 @@ class CheckpointFilesMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options; remove the argument.")
+        if getattr(self, "_periodic_sync", None) is not None:
+            # Replicas differ between synchronizations: a checkpoint of rank 0's state alone would resume
+            # something else. Per-replica state (and DiLoCo's outer state) is not written yet: refuse.
+            raise RuntimeError(
+                f"Checkpoints under sync={self._sync.method!r} are not supported yet: replicas hold different "
+                f"weights between synchronizations. Train with sync='every_step' to checkpoint, or disable "
+                f"checkpointing (enable_checkpointing=False)."
+            )
         path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
         self.finish_pending_save()
         checkpoint = {**checkpoint, INFO_KEY: self._checkpoint_info()}

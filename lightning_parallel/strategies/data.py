@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.data import DataParallelConfig
+from lightning_parallel.parallelize.periodic_sync import SyncConfig
 from lightning_parallel.strategies.engine import (
     DEFAULT_TIMEOUT_S,
     ParallelEngineStrategy,
@@ -39,6 +40,11 @@ class DataParallelStrategy(ParallelEngineStrategy):
         comm_hook: ``"allreduce"`` (exact), ``"fp16"``, ``"bf16"`` (NCCL) or ``"powersgd"`` (lossy compression).
         powersgd_rank: Low-rank approximation rank for PowerSGD.
         powersgd_start_iter: Exact steps before PowerSGD compression starts.
+        sync: ``"every_step"`` (exact), ``"local_sgd"`` or ``"diloco"`` (replicas step on local gradients and
+            synchronize every ``sync_every`` steps; see :mod:`lightning_parallel.parallelize.periodic_sync`).
+        sync_every: Optimizer steps between synchronizations (``local_sgd``, ``diloco``).
+        sync_warmup_steps: ``local_sgd``: synchronous steps first (post-local SGD).
+        outer_lr, outer_momentum, outer_nesterov: ``diloco``'s outer SGD.
         sync_batchnorm: BatchNorm statistics over the global batch instead of each replica's slice.
         track_communication: Count gradient buckets and bytes in :attr:`comm_stats`.
         start_method: ``"popen"`` (scripts, Hydra), ``"spawn"`` or ``"fork"`` (notebooks, tests).
@@ -65,6 +71,12 @@ class DataParallelStrategy(ParallelEngineStrategy):
         comm_hook: str = "allreduce",
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 1000,
+        sync: str = "every_step",
+        sync_every: int = 1,
+        sync_warmup_steps: int = 0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
         start_method: StartMethod = "popen",
@@ -85,6 +97,14 @@ class DataParallelStrategy(ParallelEngineStrategy):
                 comm_hook=comm_hook,
                 powersgd_rank=powersgd_rank,
                 powersgd_start_iter=powersgd_start_iter,
+            ),
+            periodic_sync=SyncConfig(
+                method=sync,
+                sync_every=sync_every,
+                warmup_steps=sync_warmup_steps,
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+                outer_nesterov=outer_nesterov,
             ),
             activation_checkpointing=activation_checkpointing,
             sync_batchnorm=sync_batchnorm,

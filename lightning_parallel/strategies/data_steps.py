@@ -3,14 +3,16 @@
 Mixed into :class:`~lightning_parallel.strategies.engine.ParallelEngineStrategy`, which provides ``layout``,
 ``device_mesh``, ``root_device``, ``model``, ``lightning_module``, ``precision_plugin``, ``num_processes``,
 ``num_nodes``, ``world_size``, ``data_parallel_group``, ``_data_parallel`` (the config),
-``_activation_checkpointing``, ``_checkpointed``, ``_sharded_units``, ``_accumulating``, ``_loss_parallel``
-and ``_comm_stats``.
+``_activation_checkpointing``, ``_checkpointed``, ``_sharded_units``, ``_accumulating``, ``_loss_parallel``,
+``_sync`` (periodic synchronization config), ``_periodic_sync`` and ``_comm_stats``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import time
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from typing import Any
 
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -23,6 +25,8 @@ from lightning_parallel.parallelize.checkpointing import (
     checkpoint_targets,
 )
 from lightning_parallel.parallelize.data import apply_ddp
+from lightning_parallel.parallelize.grad_sync import average_gradients
+from lightning_parallel.parallelize.periodic_sync import PeriodicSync
 from lightning_parallel.parallelize.sharded import (
     set_gradient_sync,
     shard_over_data_parallel,
@@ -52,6 +56,16 @@ class DataParallelStepsMixin:
         """Refuse, before any process starts, data-parallel settings the layout cannot run; warn about slow ones."""
         if layout.data_parallel_size > 1:
             self._data_parallel_shard_size()
+        if self._sync.is_periodic:
+            unsupported = [f"{name}={size}" for name, size in (("tensor_parallel_size", layout.tensor_parallel_size),
+                           ("pipeline_parallel_size", layout.pipeline_parallel_size)) if size > 1]
+            if self._data_parallel.is_sharded:
+                unsupported.append(f"data_parallel_mode={self._data_parallel.mode!r}")
+            if unsupported:
+                raise ValueError(
+                    f"sync={self._sync.method!r} averages whole replicated models and does not combine with "
+                    f"{', '.join(unsupported)} yet. Use sync='every_step', or plain replicated data parallelism."
+                )
         if layout.pipeline_parallel_size > 1 and self._shards_data_parallel:
             raise ValueError(
                 f"data_parallel_mode={self._data_parallel.mode!r} is not supported with pipeline_parallel_size="
@@ -90,8 +104,40 @@ class DataParallelStepsMixin:
                     mp_policy=fsdp_mixed_precision(self.precision_plugin),
                 )
             return
+        if self._sync.is_periodic:
+            # Replicas step on their own gradients: no DDP. They start from rank 0's weights.
+            _sync_module_states(self.lightning_module)
+            self._periodic_sync = PeriodicSync(self._sync, list(self.lightning_module.parameters()), self.data_parallel_group)
+            return
         device_ids = None if self.root_device.type == "cpu" else [self.root_device.index]
         self.model = apply_ddp(self.model, self.data_parallel_group, self._data_parallel, device_ids, self._comm_stats)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        sync = self._periodic_sync
+        if sync is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        step = self.lightning_module.trainer.global_step  # optimizer steps done before this one
+        parameters = sync.parameters
+
+        def closure_then_average() -> Any:
+            result = closure()  # the last micro-batch's backward: gradients are complete
+            if sync.averages_gradients(step):
+                start = time.perf_counter()
+                sent = average_gradients(parameters, self.data_parallel_group)
+                self._record_sync(sent, time.perf_counter() - start)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        start = time.perf_counter()
+        sent = sync.after_optimizer_step(step + 1)
+        if sent:
+            self._record_sync(sent, time.perf_counter() - start)
+        return output
+
+    def _record_sync(self, sent: int, seconds: float) -> None:
+        if self._comm_stats is not None:
+            self._comm_stats.record_round(sent, seconds=seconds)
 
     def _reduce_metrics_over_data_parallel(self) -> None:
         # torchmetrics sync over the whole world by default; TP/PP peers hold the same samples, so

@@ -65,6 +65,7 @@ from lightning_parallel.parallelize.checkpointing import (
 )
 from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
+from lightning_parallel.parallelize.periodic_sync import PeriodicSync, SyncConfig
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
 from lightning_parallel.parallelize.tensor import (
@@ -119,6 +120,8 @@ class ParallelEngineStrategy(
         pipeline: Schedule, micro-batches and split (used when ``pipeline_parallel_size > 1``).
         activation_checkpointing: ``"auto"`` (each layer of the model's trunk), module-name glob patterns
             (relative to the LightningModule), or ``None``/``[]`` (off).
+        periodic_sync: How often replicas synchronize (default every step, exact); local SGD and DiLoCo
+            need replicated data parallelism without tp or pp.
         sync_batchnorm: Compute BatchNorm statistics over the whole data-parallel batch (as
             ``Trainer(sync_batchnorm=True)`` does; either switch turns it on).
         track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
@@ -144,6 +147,7 @@ class ParallelEngineStrategy(
         tensor_parallel: TensorParallelConfig | None = None,
         pipeline: PipelineConfig | None = None,
         activation_checkpointing: str | Sequence[str] | None = None,
+        periodic_sync: SyncConfig | None = None,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
         start_method: StartMethod = "popen",
@@ -185,6 +189,10 @@ class ParallelEngineStrategy(
         self._tensor_parallel_module: nn.Module | None = None
         self._pipeline = pipeline if pipeline is not None else PipelineConfig()
         self._activation_checkpointing = normalize_patterns(activation_checkpointing)
+        self._sync = periodic_sync if periodic_sync is not None else SyncConfig()
+        if not isinstance(self._sync, SyncConfig):
+            raise TypeError(f"periodic_sync must be a SyncConfig, got {type(self._sync).__name__}.")
+        self._periodic_sync: PeriodicSync | None = None
         self._checkpointed: list[str] | None = None
         self._pipeline_runner: PipelineRunner | None = None
         self._pending_gradients: list[tuple[nn.Parameter, Tensor]] = []

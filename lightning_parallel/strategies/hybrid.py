@@ -8,6 +8,7 @@ from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.data import DataParallelConfig
+from lightning_parallel.parallelize.periodic_sync import SyncConfig
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.tensor import HEAD_ATTRIBUTES, TensorParallelConfig
 from lightning_parallel.strategies.engine import (
@@ -84,6 +85,12 @@ class HybridParallelStrategy(ParallelEngineStrategy):
         comm_hook: str = "allreduce",
         powersgd_rank: int = 1,
         powersgd_start_iter: int = 1000,
+        sync: str = "every_step",
+        sync_every: int = 1,
+        sync_warmup_steps: int = 0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
         start_method: StartMethod = "popen",
@@ -118,6 +125,14 @@ class HybridParallelStrategy(ParallelEngineStrategy):
                 stages_per_rank=stages_per_rank,
                 split_points=split_points,
                 balance=balance,
+            ),
+            periodic_sync=SyncConfig(
+                method=sync,
+                sync_every=sync_every,
+                warmup_steps=sync_warmup_steps,
+                outer_lr=outer_lr,
+                outer_momentum=outer_momentum,
+                outer_nesterov=outer_nesterov,
             ),
             activation_checkpointing=activation_checkpointing,
             sync_batchnorm=sync_batchnorm,

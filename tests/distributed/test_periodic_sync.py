@@ -1,0 +1,83 @@
+"""Local SGD and DiLoCo: the exact special cases, replicas between and at synchronizations, collective counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_parallel
+from tests.distributed.test_data_parallel import TOL
+from tests.harness import JobSpec, run_distributed_jobs
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 6
+
+
+def job(steps: int = STEPS, accumulate: int = 1, **sync) -> JobSpec:
+    # The regressor trains with plain SGD: averaging parameters after local SGD steps equals averaging gradients.
+    return JobSpec(model="regressor", strategy="data", devices=2, batch_size=8, steps=steps, accumulate=accumulate, strategy_kwargs=sync)
+
+
+JOBS = {
+    "every_step": job(),
+    "local_sgd_h1": job(sync="local_sgd", sync_every=1),
+    "diloco_h1": job(sync="diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False),
+    "local_sgd_h3_at_sync": job(sync="local_sgd", sync_every=3),
+    "local_sgd_h3_between": job(steps=STEPS - 1, sync="local_sgd", sync_every=3),
+    "local_sgd_h2_warmup2": job(sync="local_sgd", sync_every=2, sync_warmup_steps=2),
+    "diloco_h3": job(sync="diloco", sync_every=3),
+    "every_step_accumulate2": job(steps=4, accumulate=2),
+    "diloco_h1_accumulate2": job(steps=4, accumulate=2, sync="diloco", sync_every=1, outer_lr=1.0, outer_momentum=0.0, outer_nesterov=False),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed_jobs(JOBS, tmp_path_factory.mktemp("sync"))
+
+
+def assert_same_states(result: dict, reference: dict) -> None:
+    for actual, expected in zip(result["states"], reference["states"], strict=True):
+        for name in expected:
+            torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize(("name", "reference"), [("local_sgd_h1", "every_step"), ("diloco_h1", "every_step"),
+                                                 ("diloco_h1_accumulate2", "every_step_accumulate2")])
+def test_exact_special_cases_equal_synchronous_data_parallelism(name, reference, results):
+    assert_same_states(results[name], results[reference])
+    assert results[name]["replica_spread"] <= 1e-12
+
+
+def test_replicas_agree_right_after_a_sync_and_differ_between(results):
+    assert results["local_sgd_h3_at_sync"]["replica_spread"] <= 1e-12  # step 6: a sync step
+    assert results["local_sgd_h3_between"]["replica_spread"] > 1e-6  # step 5: two local steps since the sync
+    assert results["diloco_h3"]["replica_spread"] <= 1e-12
+
+
+def test_collectives_per_period(results):
+    # Every step: one gradient all-reduce per step. Local SGD: one parameter all-reduce per period, after the
+    # synchronous warm-up steps (each one gradient all-reduce).
+    assert results["every_step"]["comm"]["rounds"] == STEPS
+    assert results["local_sgd_h3_at_sync"]["comm"]["rounds"] == STEPS // 3
+    assert results["local_sgd_h2_warmup2"]["comm"]["rounds"] == 2 + (STEPS - 2) // 2
+    assert results["diloco_h3"]["comm"]["rounds"] == STEPS // 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sync": "local_sgd", "sync_every": 0}, ValueError, "sync_every=0 must be an int >= 1"),
+        ({"sync": "gossip"}, ValueError, "sync='gossip' is unknown"),
+        ({"sync": "every_step", "sync_every": 4}, ValueError, "apply to sync='local_sgd' or 'diloco'"),
+        ({"sync": "diloco", "outer_momentum": 0.0}, ValueError, "outer_nesterov=True needs outer_momentum > 0"),
+        ({"sync": "diloco", "sync_every": 4, "data_parallel_mode": "shard"}, ValueError, "does not combine with data_parallel_mode='shard'"),
+        ({"sync": "local_sgd", "sync_every": 4, "tensor_parallel_size": 2}, ValueError, "does not combine with tensor_parallel_size=2"),
+    ],
+)
+def test_bad_sync_settings_fail_early(kwargs, error, match):
+    import lightning as L
+
+    with pytest.raises(error, match=match):
+        L.Trainer(accelerator="cpu", devices=4, strategy=lightning_parallel.HybridParallelStrategy(**kwargs), logger=False)
