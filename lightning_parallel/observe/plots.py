@@ -96,3 +96,26 @@ def render_scaling(
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def render_lines(series: Mapping[str, Sequence[tuple[float, float]]], path: str | Path, xlabel: str, ylabel: str, title: str = "") -> Path:
+    """One line per series of ``(x, y)`` points (e.g. loss against wall time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(9, 5))
+    for name, points in series.items():
+        if points:
+            xs, ys = zip(*points)
+            axes.plot(xs, ys, linewidth=1, label=name)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    axes.legend(fontsize=7, ncol=2)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
