@@ -34,6 +34,7 @@ benchmark: venv
 	$(PY) benchmarks/hybrid_layouts.py
 	$(PY) benchmarks/checkpoint_io.py
 	$(PY) benchmarks/planner_accuracy.py
+	$(PY) benchmarks/sync_stragglers.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs

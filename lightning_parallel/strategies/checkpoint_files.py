@@ -130,13 +130,11 @@ class CheckpointFilesMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options; remove the argument.")
-        if getattr(self, "_periodic_sync", None) is not None:
-            # Replicas differ between synchronizations: a checkpoint of rank 0's state alone would resume
-            # something else. Per-replica state (and DiLoCo's outer state) is not written yet: refuse.
-            raise RuntimeError(
-                f"Checkpoints under sync={self._sync.method!r} are not supported yet: replicas hold different "
-                f"weights between synchronizations. Train with sync='every_step' to checkpoint, or disable "
-                f"checkpointing (enable_checkpointing=False)."
+        periodic = getattr(self, "_periodic_sync", None)
+        if periodic is not None and (self._save_format != "sharded" or self._async_save):
+            raise ValueError(
+                f"Under sync={self._sync.method!r} replicas hold different weights between synchronizations, and each "
+                f"replica's state is written beside the sharded checkpoint: use save_format='sharded' and async_save=False."
             )
         path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
         self.finish_pending_save()
@@ -160,8 +158,37 @@ class CheckpointFilesMixin:
             self._pending_save = _PendingSave(path, partial, future, meta)
         else:
             save_states(states, partial)
+            if periodic is not None:
+                # The main state is replica 0's; each replica also keeps its own (model, optimizer, outer state).
+                atomic_torch_save(self._replica_state(periodic), partial / replica_file_name(self.global_rank))
+                self.barrier("lightning_parallel.replica_states")
             if self.is_global_zero:
                 _publish_sharded(partial, path, meta)
+
+    def _replica_state(self, periodic: Any) -> dict[str, Any]:
+        return {
+            "model": self.lightning_module.state_dict(),
+            "optimizers": [unwrap_optimizer(o).state_dict() for o in self.optimizers],
+            "sync": periodic.state_dict(),
+            "data_parallel_size": self.layout.data_parallel_size,
+        }
+
+    def _restore_replica_state(self) -> None:
+        """Under periodic sync, put this replica's own weights, optimizer and outer state back (if saved)."""
+        periodic = getattr(self, "_periodic_sync", None)
+        source = self._sharded_source
+        if periodic is None or source is None or not (source / replica_file_name(self.global_rank)).is_file():
+            return
+        state = torch.load(source / replica_file_name(self.global_rank), map_location=self.root_device, weights_only=False)
+        if state["data_parallel_size"] != self.layout.data_parallel_size:
+            raise ValueError(
+                f"The checkpoint {str(source)!r} holds {state['data_parallel_size']} replicas' own states (sync="
+                f"{self._sync.method!r}); resume it with data_parallel_size={state['data_parallel_size']}."
+            )
+        self.lightning_module.load_state_dict(state["model"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            unwrap_optimizer(optimizer).load_state_dict(saved)
+        periodic.load_state_dict(state["sync"])
 
     def _in_background(self) -> bool:
         """Write in the background only while fitting: a save outside a run completes before it returns."""
@@ -312,6 +339,8 @@ class CheckpointFilesMixin:
                 names = {name for name, _ in self.lightning_module.named_parameters()}
                 target = local_named_optimizer_state(target, names)
             set_optimizer_state_dict(self.lightning_module, optimizer, target)
+        # Optimizers are restored after the model (and after setup): the last moment to put each replica's own back.
+        self._restore_replica_state()
 
     def _restore_rng_states(self, info: dict[str, Any]) -> None:
         states = info.get("rng_states")
@@ -353,6 +382,11 @@ class CheckpointFilesMixin:
             dist.destroy_process_group(self._save_group)
             self._save_group = None
         super().teardown()
+
+
+def replica_file_name(rank: int) -> str:
+    """The file in a sharded checkpoint holding one replica's own state under periodic sync."""
+    return f"replica_{rank}.pt"
 
 
 def _publish_sharded(partial: Path, final: Path, meta: dict[str, Any]) -> None:
