@@ -100,6 +100,7 @@ class CheckpointFilesMixin:
     _writer: ThreadPoolExecutor | None = None
     _set_up = False  # setup has run since the last teardown: the module is as it trains
     _deferred_model_state: tuple[dict[str, Any], bool] | None = None
+    _pending_rng_state: bytes | None = None  # a checkpoint's random streams, put back when training resumes
 
     # ------------------------------------------------------------------ what a checkpoint holds
 
@@ -235,7 +236,18 @@ class CheckpointFilesMixin:
         elif self.is_global_zero:
             remove_path(filepath)
 
+    def on_train_start(self) -> None:
+        # A checkpoint taken at the end of an epoch resumes with a new epoch, whose loader iterator (built
+        # after this hook) draws from the random streams as it did in the run that saved it.
+        self._restore_pending_rng_state()
+        super().on_train_start()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx > 0:
+            # Mid-epoch: the saving run's loader iterator existed already; the resumed one was just built
+            # (drawing its seed): put the streams back right before the first step.
+            self._restore_pending_rng_state()
+        self._pending_rng_state = None
         pending = self._pending_save
         if pending is not None and pending.future.done():
             self.finish_pending_save()
@@ -343,12 +355,24 @@ class CheckpointFilesMixin:
         self._restore_replica_state()
 
     def _restore_rng_states(self, info: dict[str, Any]) -> None:
+        """Keep this rank's random streams from ``info`` until training resumes (``_restore_pending_rng_state``).
+
+        Restoring them here, while the checkpoint is read, would let everything Lightning builds before the
+        first step (the loaders, their iterators) draw from them: the resumed steps' dropout masks would
+        then be those of later steps.
+        """
         states = info.get("rng_states")
         if not states:
             return
         # The same layout continues each rank's random streams; another layout continues rank 0's everywhere.
         same_ranks = len(states) == self.world_size
-        _restore_portable_rng_states(states[self.global_rank if same_ranks else 0])
+        state = states[self.global_rank if same_ranks else 0]
+        _restore_portable_rng_states(state)  # for validate/test/predict from a checkpoint
+        self._pending_rng_state = state
+
+    def _restore_pending_rng_state(self) -> None:
+        if self._pending_rng_state is not None:
+            _restore_portable_rng_states(self._pending_rng_state)
 
     # ------------------------------------------------------------------ this rank's tensors
 
@@ -368,6 +392,7 @@ class CheckpointFilesMixin:
     def teardown(self) -> None:
         self._set_up = False
         self._deferred_model_state = None
+        self._pending_rng_state = None
         failure = sys.exc_info()[1]
         try:
             self.finish_pending_save()

@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from lightning_parallel.checkpoint.files import CheckpointFormat
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
+from lightning_parallel.checkpoint.replica_sampler import split_custom_sampler
 from lightning_parallel.layout import (
     ParallelLayout,
     RankCoordinates,
@@ -300,6 +301,12 @@ class ParallelEngineStrategy(
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Replicas see different data; tensor- and pipeline-parallel peers must see the same batch.
         return {"num_replicas": self.layout.data_parallel_size, "rank": self.coordinates.dp}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        # Lightning's wrapper around a custom sampler hides that sampler's state: split it in lockstep
+        # instead, so that a checkpoint resumes the same order (under any data-parallel size).
+        return split_custom_sampler(dataloader)
 
     # ------------------------------------------------------------------ launch and process groups
 

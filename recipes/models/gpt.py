@@ -141,7 +141,8 @@ class GPTLightningModule(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _, _ = self._loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
+        # Synced: the loss of the global batch (one replica's alone would differ with the data-parallel size).
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
