@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,6 +251,12 @@ def make_model(spec: JobSpec) -> L.LightningModule:
     raise ValueError(f"unknown model {spec.model!r}")
 
 
+def job_dir(save_path: Path | None) -> Path:
+    """Where a job writes its files: beside its result, or a fresh temporary directory (never the working
+    directory: an in-process reference job would leave its files in the repository)."""
+    return save_path.parent if save_path is not None else Path(tempfile.mkdtemp(prefix="lightning-parallel-job-"))
+
+
 def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModule, L.LightningDataModule, L.Trainer, Recorder]:
     """Module, data, and Trainer for ``spec`` (float64, no shuffling, no dropout)."""
     L.seed_everything(spec.seed, workers=True)
@@ -274,7 +281,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     recorder = Recorder(save_path)
     callbacks: list[Callback] = [recorder]
     if spec.monitor:  # first, so that its step ends before the recorder gathers the state
-        callbacks.insert(0, ScalingMonitor(warmup_steps=0, output_dir=(save_path.parent if save_path else Path.cwd()) / "scaling"))
+        callbacks.insert(0, ScalingMonitor(warmup_steps=0, output_dir=job_dir(save_path) / "scaling"))
     # Lightning's own strategy with our checkpoint I/O: atomic files, and it reads sharded checkpoints.
     plugins = [ParallelCheckpointIO()] if spec.strategy == "single" else None
     trainer = L.Trainer(
@@ -308,7 +315,7 @@ def run_job(spec: JobSpec, save_path: Path | None = None) -> dict[str, Any]:
     result = dict(recorder.result)
     ckpt_path = None
     if spec.checkpoint_round_trip:
-        ckpt_path = (save_path.parent if save_path is not None else Path.cwd()) / "final.ckpt"
+        ckpt_path = job_dir(save_path) / "final.ckpt"
         trainer.save_checkpoint(ckpt_path)
         with torch.no_grad():
             for param in model.parameters():

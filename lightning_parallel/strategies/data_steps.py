@@ -3,7 +3,7 @@
 Mixed into :class:`~lightning_parallel.strategies.engine.ParallelEngineStrategy`, which provides ``layout``,
 ``device_mesh``, ``root_device``, ``model``, ``lightning_module``, ``precision_plugin``, ``num_processes``,
 ``num_nodes``, ``world_size``, ``data_parallel_group``, ``_data_parallel`` (the config),
-``_activation_checkpointing``, ``_checkpointed``, ``_sharded_units``, ``_accumulating``, ``_loss_parallel``,
+``_activation_checkpointing``, ``_checkpointed``, ``_sharded_units``, ``_accumulating``,
 ``_sync`` (periodic synchronization config), ``_periodic_sync`` and ``_comm_stats``.
 """
 
@@ -165,4 +165,3 @@ class DataParallelStepsMixin:
                     yield
         finally:
             self._accumulating = False
-        self._loss_parallel = False
