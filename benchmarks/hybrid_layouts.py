@@ -9,7 +9,7 @@ DDPStrategy on 2 ranks (Lightning's FSDPStrategy refuses CPU, and its ModelParal
 hand-written ``configure_model``). Reported per layout:
 
 - per-rank training state (parameters + gradients + AdamW state, counted from each rank's local shards
-  with ``lightning_parallel.observe.memory.state_bytes``; the largest rank), as a fraction of single device;
+  with ``lightning_parallel.measure.memory.state_bytes``; the largest rank), as a fraction of single device;
 - peak resident memory growth of the largest rank during ``fit`` (includes activations, communication
   buffers and, before the model is cut, the whole model built on every rank);
 - median step time relative to single device. Every process gets one thread, so 2-rank layouts use both
@@ -68,7 +68,7 @@ def worker(name: str, steps: int, warmup: int, out: Path) -> None:
     import torch.distributed as dist
 
     from lightning_parallel import HybridParallelStrategy
-    from lightning_parallel.observe.memory import state_bytes
+    from lightning_parallel.measure.memory import state_bytes
     from lightning_parallel.strategies.whole_state import unwrap_optimizer
     from recipes.data.chars import CharCorpusDataModule
     from recipes.models.gpt import GPTLightningModule

@@ -4,10 +4,10 @@ Importing the package registers the strategy names with Lightning, so
 ``Trainer(strategy="data_parallel")`` works after ``import lightning_parallel``.
 """
 
-from lightning_parallel.checkpoint.files import latest_checkpoint
+from lightning_parallel.checkpoint.files import latest_checkpoint, package_version
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.layout import ParallelLayout, RankCoordinates
-from lightning_parallel.observe.comm import CommStats
+from lightning_parallel.measure.comm import CommStats
 from lightning_parallel.observe.monitor import ScalingMonitor
 from lightning_parallel.observe.summary import TrainingSummary
 from lightning_parallel.parallelize.data import (
@@ -17,7 +17,8 @@ from lightning_parallel.parallelize.data import (
 )
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES
-from lightning_parallel.parallelize.tensor import STYLES, TensorParallelConfig
+from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.parallelize.tensor_plan import STYLES
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     HybridParallelStrategy,
@@ -27,7 +28,8 @@ from lightning_parallel.strategies import (
 )
 from lightning_parallel.strategies.launch import training_job
 
-__version__ = "0.1.0"
+# From the installed metadata, so pyproject.toml is the one place the version is written.
+__version__ = package_version()
 
 __all__ = [
     "COMM_HOOKS",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,18 @@ PARTIAL_SUFFIX = ".partial"
 _REPLACED_SUFFIX = ".replaced"
 
 CheckpointFormat = Literal["sharded", "full"]
+
+
+def package_version() -> str:
+    """The installed lightning_parallel's version (recorded in every checkpoint), ``"unknown"`` if not installed.
+
+    Read from the package metadata rather than ``lightning_parallel.__version__``: importing the package
+    from here would import everything above this module (strategies included) and close an import cycle.
+    """
+    try:
+        return version("lightning_parallel")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 def partial_path(path: str | os.PathLike) -> Path:

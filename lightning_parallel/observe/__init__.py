@@ -1,1 +1,5 @@
-"""Observing what a layout costs: communication counters and training summaries."""
+"""Observing what a layout costs while it trains: Lightning callbacks (summary, ScalingMonitor) and plots.
+
+The counters they read (gradient communication, DTensor collectives, state bytes) live in
+:mod:`lightning_parallel.measure`.
+"""

@@ -5,7 +5,7 @@ Every optimizer step's wall time (first batch start to last batch end) is split 
 - *data-parallel communication*: the time backward waited for DDP's last gradient bucket to be reduced,
   plus the pipeline replicas' gradient averaging (counted by the strategy's :class:`CommStats`);
 - *tensor-parallel communication*: time spent issuing and waiting for DTensor's collectives
-  (:class:`~lightning_parallel.observe.collectives.DTensorCollectives`);
+  (:class:`~lightning_parallel.measure.collectives.DTensorCollectives`);
 - *pipeline bubble*: time inside the schedule not spent in a stage's forward/backward/loss — waiting for
   other stages, and the transfers between them (:class:`~lightning_parallel.observe.pipeline_events.PipelineEvents`);
 - *compute*: the rest (forward, backward, optimizer, framework).
@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_parallel.observe.collectives import DTensorCollectives
+from lightning_parallel.measure.collectives import DTensorCollectives
 from lightning_parallel.observe.pipeline_events import PipelineEvents, StageEvent
 from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout

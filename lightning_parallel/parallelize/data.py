@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_parallel.observe.comm import CommStats, counting_comm_hook
+from lightning_parallel.measure.comm import CommStats, counting_comm_hook
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,9 @@ class DataParallelConfig:
             PowerSGD's error feedback needs a warm start).
     """
 
-    mode: str = "replicate"
-    shard_size: int = -1
+    # The presets' flat keywords name the dimension (strategies/options.py).
+    mode: str = field(default="replicate", metadata={"option": "data_parallel_mode"})
+    shard_size: int = field(default=-1, metadata={"option": "data_parallel_shard_size"})
     reshard_after_forward: bool = True
     bucket_cap_mb: float = 25.0
     find_unused_parameters: bool = False
@@ -100,6 +101,12 @@ class DataParallelConfig:
     def is_sharded(self) -> bool:
         """Whether replicas shard the model state (FSDP2) rather than each holding all of it."""
         return self.mode != "replicate"
+
+    def shard_size_for(self, data_parallel_size: int, tensor_parallel_size: int, devices_per_node: int) -> int:
+        """:meth:`resolve_shard_size` on a mesh whose tensor-parallel peers are adjacent, then the dp ranks:
+        a node of ``devices_per_node`` devices holds ``devices_per_node // tensor_parallel_size`` dp ranks."""
+        per_node = max(1, min(data_parallel_size, devices_per_node // tensor_parallel_size))
+        return self.resolve_shard_size(data_parallel_size, per_node)
 
     def resolve_shard_size(self, data_parallel_size: int, data_parallel_per_node: int) -> int:
         """Ranks each replica's state is sharded over: 1 (replicate), all (shard), or a node's (hybrid_shard).

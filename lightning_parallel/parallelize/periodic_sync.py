@@ -15,7 +15,7 @@ Parameter averaging uses torch's ``model_averaging.utils.average_parameters`` (o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -43,9 +43,10 @@ class SyncConfig:
         outer_nesterov: ``diloco``: Nesterov momentum (needs ``outer_momentum > 0``).
     """
 
-    method: str = "every_step"
+    # The presets' flat keywords (strategies/options.py).
+    method: str = field(default="every_step", metadata={"option": "sync"})
     sync_every: int = 1
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata={"option": "sync_warmup_steps"})
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     outer_nesterov: bool = True

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.tensor import ResolvedPlan
+from lightning_parallel.parallelize.tensor_plan import ResolvedPlan, parallel_style
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
 
@@ -31,11 +31,9 @@ def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: i
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
         PrepareModuleInputOutput,
         PrepareModuleOutput,
-        RowwiseParallel,
         SequenceParallel,
     )
 
@@ -44,16 +42,11 @@ def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: i
     sharded, replicated = Shard(sequence_dim), Replicate()
     plan: dict = {}
     for fqn, style in resolved.styles.items():
-        if style == "colwise":
-            plan[fqn] = ColwiseParallel()
-        elif style == "rowwise":
-            inside = any(fqn.startswith(f"{block}.") for block in blocks)
-            # Inside the trunk, row-wise outputs are reduce-scattered into sequence shards.
-            plan[fqn] = RowwiseParallel(output_layouts=sharded) if inside else RowwiseParallel()
-        elif style == "loss_parallel":
-            plan[fqn] = ColwiseParallel(use_local_output=False)
-        elif style == "embedding_rowwise":
-            plan[fqn] = RowwiseParallel(input_layouts=replicated, output_layouts=replicated)
+        if style == "replicate":
+            continue
+        inside = any(fqn.startswith(f"{block}.") for block in blocks)
+        # Inside the trunk, row-wise outputs are reduce-scattered into sequence shards (only "rowwise" reads it).
+        plan[fqn] = parallel_style(style, rowwise_output=sharded if inside else None)
     for block in blocks:
         regions = {fqn.rpartition(".")[0] for fqn, style in resolved.styles.items() if style == "colwise" and fqn.startswith(f"{block}.")}
         if block in regions:

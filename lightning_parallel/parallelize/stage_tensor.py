@@ -30,7 +30,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map
 
 import lightning_parallel.parallelize.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
-from lightning_parallel.parallelize.tensor import ResolvedPlan
+from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
 
 #: Placement of each parameter of a module, by style; anything not listed is replicated.
 _PLACEMENTS: dict[str, dict[str, Placement]] = {

@@ -4,7 +4,9 @@ A plan is a mapping ``{glob pattern: style name}``, writable in YAML. :func:`res
 ``{module FQN: style}`` for one concrete module (every pattern must match), :func:`infer_plan` builds one
 from the module tree (Megatron-style: attention q/k/v and MLP input projections column-wise, output
 projections row-wise), :func:`check_plan` validates sizes against the TP degree, and
-:func:`apply_tensor_parallel` hands the plan to torch's ``parallelize_module``. No Lightning here.
+:func:`apply_tensor_parallel` hands the plan to torch's ``parallelize_module``. The style names, the
+resolved plan and each style's torch form are in :mod:`~lightning_parallel.parallelize.tensor_plan`.
+No Lightning here.
 """
 
 from __future__ import annotations
@@ -17,19 +19,18 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-log = logging.getLogger(__name__)
+from lightning_parallel.parallelize.sequence import sequence_parallel_plan
+from lightning_parallel.parallelize.tensor_plan import (
+    STYLE_ALIASES,
+    STYLES,
+    ResolvedPlan,
+    parallel_style,
+)
 
-#: Style names a plan may use, with what they do.
-STYLES: dict[str, str] = {
-    "colwise": "Linear split along output features (input replicated, output sharded)",
-    "rowwise": "Linear split along input features (input sharded, output all-reduced)",
-    "embedding_rowwise": "Embedding split over the vocabulary (output all-reduced)",
-    "vocab_parallel": "another name for embedding_rowwise",
-    "loss_parallel": "output head split over the vocabulary; training_step gets vocabulary-sharded logits for "
-    "F.cross_entropy, computed without gathering them (torch loss_parallel); evaluation gets whole logits",
-    "replicate": "kept whole on every rank (explicit no-op)",
-}
-_ALIASES = {"vocab_parallel": "embedding_rowwise"}
+# STYLES and ResolvedPlan live in tensor_plan, so that sequence.py and stage_tensor.py use them without
+# importing this module; they stay importable from here too (tests and callers do).
+
+log = logging.getLogger(__name__)
 
 #: Attribute names under which attention modules commonly keep their head counts.
 HEAD_ATTRIBUTES: tuple[str, ...] = (
@@ -85,20 +86,6 @@ class TensorParallelConfig:
         return resolve_plan(module, plan, self.head_attributes)
 
 
-@dataclass(frozen=True)
-class ResolvedPlan:
-    """A plan bound to one module: FQN -> style, plus the attention modules whose head counts shrink."""
-
-    styles: dict[str, str]
-    head_attributes: dict[str, tuple[str, ...]]
-
-    def describe(self) -> str:
-        """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise``."""
-        lines = [f"{fqn} → {style}" for fqn, style in self.styles.items() if style != "replicate"]
-        lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
-        return "\n".join(lines) if lines else "(nothing split)"
-
-
 def resolve_plan(module: nn.Module, plan: Mapping[str, str], head_attributes: tuple[str, ...] = HEAD_ATTRIBUTES) -> ResolvedPlan:
     """Bind a ``{pattern: style}`` plan to ``module``'s submodule names.
 
@@ -116,7 +103,7 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, str], head_attributes: tu
             near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
             hint = f" Near matches: {', '.join(near)}." if near else ""
             raise ValueError(f"Plan pattern {pattern!r} matches no submodule of {type(module).__name__}.{hint}")
-        style = _ALIASES.get(style, style)
+        style = STYLE_ALIASES.get(style, style)
         for name in matched:
             if styles.get(name, style) != style:
                 raise ValueError(f"Module {name!r} is matched with two styles: {styles[name]!r} and {style!r} (from {pattern!r}).")
@@ -187,25 +174,15 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     """
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
-        RowwiseParallel,
         parallelize_module,
     )
-
-    from lightning_parallel.parallelize.sequence import sequence_parallel_plan
 
     tp_size = tp_mesh.size()
     if sequence_parallel:
         torch_plan = sequence_parallel_plan(module, resolved, tp_size)
     else:
-        factories = {
-            "loss_parallel": lambda: ColwiseParallel(use_local_output=False),
-            "colwise": ColwiseParallel,
-            "rowwise": RowwiseParallel,
-            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        }
-        torch_plan = {fqn: factories[style]() for fqn, style in resolved.styles.items() if style in factories}
+        torch_plan = {fqn: parallel_style(style) for fqn, style in resolved.styles.items() if style != "replicate"}
         # Where several column-wise projections read one input (q/k/v, gated MLPs), hand them a single
         # replicated DTensor: their input gradients then add up as one partial sum and cost one
         # all-reduce instead of one each (Megatron's minimum).

@@ -16,19 +16,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.tensor import TensorParallelConfig
 from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout, Workload
 from lightning_parallel.plan.profile import ModelProfile, profile_model
-
-#: Strategy classes by the sizes they fill with the remaining ranks.
-_FILLS = {
-    "DataParallelStrategy": "data_parallel_size",
-    "TensorParallelStrategy": "tensor_parallel_size",
-    "PipelineParallelStrategy": "pipeline_parallel_size",
-}
-
 
 def hardware_from_config(cfg: DictConfig) -> HardwareProfile:
     if "hardware" not in cfg or cfg.hardware is None:
@@ -45,32 +36,20 @@ def world_of(cfg: DictConfig) -> tuple[int, int]:
     return devices, nodes
 
 
+def configured_strategy(cfg: DictConfig) -> Any:
+    """The strategy ``cfg.strategy`` builds (building one starts no process: it only validates its options)."""
+    return instantiate(cfg.strategy)
+
+
 def configured_layout(cfg: DictConfig) -> Layout:
-    """The layout ``cfg.strategy`` asks for, resolved over the configured ranks."""
+    """The layout ``cfg.strategy`` asks for, resolved over the configured ranks — by the strategy itself, so
+    the planner never keeps a second copy of the presets' defaults. Lightning's own strategies: dp = world."""
     devices, nodes = world_of(cfg)
-    strategy = cfg.strategy
-    target = str(strategy.get("_target_", "")).rsplit(".", 1)[-1]
-    fill = _FILLS.get(target, "data_parallel_size")  # hybrid and Lightning's own strategies: dp takes the rest
-    sizes = {name: strategy.get(name, -1 if name == fill else 1) for name in _FILLS.values()}
-    if fill != "data_parallel_size" and sizes["data_parallel_size"] == -1:
-        sizes["data_parallel_size"] = 1
-    layout = ParallelLayout(**sizes).resolve(devices * nodes, f"trainer.devices={devices} × trainer.num_nodes={nodes}")
-    pp = layout.pipeline_parallel_size
-    mode = strategy.get("data_parallel_mode", "replicate") if layout.data_parallel_size > 1 else "replicate"
-    shard = {"replicate": 1, "shard": layout.data_parallel_size}.get(mode, strategy.get("data_parallel_shard_size", -1))
-    if shard == -1:
-        shard = max(1, min(layout.data_parallel_size, devices // layout.tensor_parallel_size))
-    return Layout(
-        dp=layout.data_parallel_size,
-        tp=layout.tensor_parallel_size,
-        pp=pp,
-        data_parallel_mode=mode,
-        shard_size=shard,
-        schedule=strategy.get("schedule", "1f1b") if pp > 1 else "none",
-        stages_per_rank=strategy.get("stages_per_rank", 1) if pp > 1 else 1,
-        microbatches=strategy.get("microbatches", 1) if pp > 1 else 1,
-        activation_checkpointing=bool(strategy.get("activation_checkpointing")),
-    )
+    strategy = configured_strategy(cfg)
+    if not hasattr(strategy, "layout_for"):
+        return Layout(dp=devices * nodes, tp=1, pp=1)
+    layout = strategy.layout_for(devices * nodes, devices, f"trainer.devices={devices} × trainer.num_nodes={nodes}")
+    return strategy.planned_layout(layout)
 
 
 def workload_from_config(cfg: DictConfig, global_batch: int | None = None) -> Workload:
@@ -83,12 +62,9 @@ def workload_from_config(cfg: DictConfig, global_batch: int | None = None) -> Wo
 
 
 def tensor_parallel_config(cfg: DictConfig) -> TensorParallelConfig:
-    """The tensor-parallel plan the strategy would use (``auto`` unless ``strategy.plan`` names one)."""
-    strategy = cfg.strategy
-    plan: Any = strategy.get("plan", "auto")
-    if not isinstance(plan, str):
-        plan = OmegaConf.to_container(plan, resolve=True)
-    return TensorParallelConfig(plan=plan, sequence_parallel=bool(strategy.get("sequence_parallel", False)))
+    """The tensor-parallel plan the configured strategy would use (``auto`` for strategies without one)."""
+    config = getattr(configured_strategy(cfg), "tensor_parallel_config", None)
+    return config if isinstance(config, TensorParallelConfig) else TensorParallelConfig()
 
 
 def example_batch(cfg: DictConfig) -> Any:

@@ -31,8 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_parallel.observe.collectives import DTensorCollectives
-from lightning_parallel.observe.memory import local_bytes
+from lightning_parallel.measure.collectives import DTensorCollectives
+from lightning_parallel.measure.memory import local_bytes
+from lightning_parallel.parallelize.model_call import capture_model_call
 from lightning_parallel.parallelize.pipeline_split import (
     find_trunk,
     layer_costs,
@@ -44,7 +45,6 @@ from lightning_parallel.parallelize.tensor import (
     apply_tensor_parallel,
     check_plan,
 )
-from lightning_parallel.strategies.pipeline_runner import capture_model_call
 
 BEFORE, AFTER = "(before trunk)", "(after trunk)"
 

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-import lightning_parallel
 from lightning_parallel.checkpoint.data_position import rescale_loader_positions
 from lightning_parallel.checkpoint.files import (
     INFO_KEY,
@@ -38,6 +37,7 @@ from lightning_parallel.checkpoint.files import (
     CheckpointFormat,
     atomic_torch_save,
     checkpoint_format,
+    package_version,
     partial_path,
     prepare_partial,
     publish,
@@ -269,14 +269,9 @@ class CheckpointFilesMixin:
             states = [rng]
         return {
             "format": self._save_format,
-            "layout": {
-                "pp": layout.pipeline_parallel_size,
-                "dp": layout.data_parallel_size,
-                "tp": layout.tensor_parallel_size,
-                "data_parallel_mode": self._data_parallel.mode,
-            },
+            "layout": {**layout.to_dict(), "data_parallel_mode": self._data_parallel.mode},
             "world_size": len(states),
-            "versions": {"lightning_parallel": lightning_parallel.__version__, "torch": str(torch.__version__)},
+            "versions": {"lightning_parallel": package_version(), "torch": str(torch.__version__)},
             "rng_states": states,
         }
 

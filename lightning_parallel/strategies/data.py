@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.periodic_sync import SyncConfig
-from lightning_parallel.strategies.engine import (
-    DEFAULT_TIMEOUT_S,
-    ParallelEngineStrategy,
-)
-from lightning_parallel.strategies.launch import StartMethod
-
+from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 class DataParallelStrategy(ParallelEngineStrategy):
     """Synchronous data parallelism through torch's DistributedDataParallel.
@@ -56,61 +49,7 @@ class DataParallelStrategy(ParallelEngineStrategy):
         >>> trainer = Trainer(devices=4, strategy=DataParallelStrategy(comm_hook="fp16"))  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        data_parallel_size: int = -1,
-        *,
-        data_parallel_mode: str = "replicate",
-        data_parallel_shard_size: int = -1,
-        reshard_after_forward: bool = True,
-        activation_checkpointing: str | Sequence[str] | None = None,
-        bucket_cap_mb: float = 25.0,
-        find_unused_parameters: bool = False,
-        static_graph: bool = False,
-        gradient_as_bucket_view: bool = False,
-        comm_hook: str = "allreduce",
-        powersgd_rank: int = 1,
-        powersgd_start_iter: int = 1000,
-        sync: str = "every_step",
-        sync_every: int = 1,
-        sync_warmup_steps: int = 0,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        outer_nesterov: bool = True,
-        sync_batchnorm: bool = False,
-        track_communication: bool = True,
-        start_method: StartMethod = "popen",
-        process_group_backend: str | None = None,
-        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            layout=ParallelLayout(data_parallel_size=data_parallel_size),
-            data_parallel=DataParallelConfig(
-                mode=data_parallel_mode,
-                shard_size=data_parallel_shard_size,
-                reshard_after_forward=reshard_after_forward,
-                bucket_cap_mb=bucket_cap_mb,
-                find_unused_parameters=find_unused_parameters,
-                static_graph=static_graph,
-                gradient_as_bucket_view=gradient_as_bucket_view,
-                comm_hook=comm_hook,
-                powersgd_rank=powersgd_rank,
-                powersgd_start_iter=powersgd_start_iter,
-            ),
-            periodic_sync=SyncConfig(
-                method=sync,
-                sync_every=sync_every,
-                warmup_steps=sync_warmup_steps,
-                outer_lr=outer_lr,
-                outer_momentum=outer_momentum,
-                outer_nesterov=outer_nesterov,
-            ),
-            activation_checkpointing=activation_checkpointing,
-            sync_batchnorm=sync_batchnorm,
-            track_communication=track_communication,
-            start_method=start_method,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
-        )
+    preset_configs = {"data_parallel": DataParallelConfig, "periodic_sync": SyncConfig}
+
+    def __init__(self, data_parallel_size: int = -1, **options: Any) -> None:
+        super().__init__(layout=ParallelLayout(data_parallel_size=data_parallel_size), **self.preset_options(options))

@@ -46,16 +46,9 @@ class DataParallelStepsMixin:
     def _shards_data_parallel(self) -> bool:
         return self.layout.data_parallel_size > 1 and self._data_parallel.is_sharded
 
-    def _data_parallel_shard_size(self) -> int:
-        layout = self.layout
-        # TP peers are adjacent, then dp: a node of N devices holds N // tp data-parallel ranks of a stage.
-        per_node = max(1, min(layout.data_parallel_size, self.num_processes // layout.tensor_parallel_size))
-        return self._data_parallel.resolve_shard_size(layout.data_parallel_size, per_node)
 
     def _check_data_parallel_layout(self, layout: ParallelLayout) -> None:
         """Refuse, before any process starts, data-parallel settings the layout cannot run; warn about slow ones."""
-        if layout.data_parallel_size > 1:
-            self._data_parallel_shard_size()
         if self._sync.is_periodic:
             unsupported = [f"{name}={size}" for name, size in (("tensor_parallel_size", layout.tensor_parallel_size),
                            ("pipeline_parallel_size", layout.pipeline_parallel_size)) if size > 1]

@@ -7,12 +7,13 @@ and those that follow) are thin presets of it, so every layout shares the same g
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ from lightning_parallel.layout import (
     RankCoordinates,
     data_parallel_mesh,
 )
-from lightning_parallel.observe.comm import CommStats
+from lightning_parallel.measure.comm import CommStats
 from lightning_parallel.parallelize.batchnorm import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
@@ -85,6 +86,12 @@ from lightning_parallel.strategies.launch import (
     START_METHODS,
     StartMethod,
     make_launcher,
+)
+from lightning_parallel.strategies.options import (
+    check_known,
+    configs_options,
+    preset_signature,
+    split_options,
 )
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 from lightning_parallel.strategies.pipeline_steps import PipelineStepsMixin
@@ -139,6 +146,34 @@ class ParallelEngineStrategy(
             memory first); each save is completed before the next one, before a load and at the end.
         checkpoint_io: Defaults to :class:`~lightning_parallel.checkpoint.io.ParallelCheckpointIO` (atomic files).
     """
+
+    #: Presets: engine argument -> config dataclass whose fields they take as flat keywords (see options.py).
+    preset_configs: ClassVar[dict[str, type]] = {}
+    #: Presets: a flat keyword's default where the preset deliberately differs from the dataclass's.
+    preset_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.preset_configs:
+            # help(DataParallelStrategy) and IDEs show every option with the default that applies.
+            leading = [p for p in inspect.signature(cls.__init__).parameters.values()
+                       if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+            cls.__signature__ = preset_signature(
+                leading, cls.preset_configs, cls.preset_defaults, ParallelEngineStrategy.__init__, _CONFIG_ARGUMENTS
+            )
+
+    @classmethod
+    def preset_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """A preset's flat keywords as the engine's arguments: one config per component, the rest as given.
+
+        Raises:
+            TypeError: A keyword that neither the preset's components nor the engine take.
+        """
+        options = dict(options)
+        configs = split_options(options, cls.preset_configs, cls.preset_defaults)
+        accepted = [*configs_options(cls.preset_configs), *_engine_options()]
+        check_known(cls.__name__, options, accepted)
+        return {**configs, **options}
 
     def __init__(
         self,
@@ -268,17 +303,18 @@ class ParallelEngineStrategy(
         """Process group of the ranks that split each layer (``None`` before the mesh exists)."""
         return self._mesh["tp"].get_group() if self._mesh is not None else None
 
-    def planned_layout(self) -> Layout:
-        """This strategy's layout in the planner's terms (sizes, data-parallel mode, schedule, checkpointing)."""
-        layout = self.layout
+    @property
+    def tensor_parallel_config(self) -> TensorParallelConfig:
+        """The tensor-parallel plan and options (used when ``tensor_parallel_size > 1``)."""
+        return self._tensor_parallel
+
+    def planned_layout(self, layout: ParallelLayout | None = None) -> Layout:
+        """A layout (by default this strategy's resolved one) in the planner's terms: sizes, data-parallel
+        mode, schedule, checkpointing."""
+        layout = layout if layout is not None else self.layout
         pipelined = layout.pipeline_parallel_size > 1
         mode = self._data_parallel.mode if layout.data_parallel_size > 1 else "replicate"
-        if mode == "replicate":
-            shard_size = 1
-        elif mode == "shard":
-            shard_size = layout.data_parallel_size
-        else:
-            shard_size = self._data_parallel_shard_size()
+        shard_size = layout.data_parallel_shard_size
         return Layout(
             dp=layout.data_parallel_size,
             tp=layout.tensor_parallel_size,
@@ -315,9 +351,9 @@ class ParallelEngineStrategy(
         if self.cluster_environment is None:
             raise RuntimeError("The Trainer must connect a cluster environment before the launcher is configured.")
         # Validate here, in the launching process, so a bad layout fails once and before any process starts.
-        self._layout = self._requested_layout.resolve(
+        self._resolve_layout(
             self.num_nodes * self.num_processes,
-            world_description=f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
+            f"trainer devices={self.num_processes} × num_nodes={self.num_nodes}",
         )
         self._check_pipeline_layout(self._layout)
         self._check_data_parallel_layout(self._layout)
@@ -336,18 +372,32 @@ class ParallelEngineStrategy(
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        self._layout = self._requested_layout.resolve(
-            dist.get_world_size(), world_description="processes in the default process group"
-        )
-        self._mesh = self._layout.build_mesh(self.root_device.type, self._data_parallel_shard_size())
-        mesh_coordinates = tuple(m.get_local_rank() for m in (self._mesh["pp"], data_parallel_mesh(self._mesh), self._mesh["tp"]))
-        if mesh_coordinates != tuple(self.coordinates):
+        layout = self._resolve_layout(dist.get_world_size(), "processes in the default process group")
+        self._mesh = layout.build_mesh(self.root_device.type)
+        expected = layout.axis_coordinates(self.global_rank)
+        found = {axis: self._mesh[axis].get_local_rank() for axis in expected}
+        if found != expected:
             # The sampler and the collectives rely on the layout's rank arithmetic matching the mesh.
             raise RuntimeError(
-                f"Rank {self.global_rank}: mesh coordinate {mesh_coordinates} differs from the layout's "
-                f"{tuple(self.coordinates)}; the process group's ranks are not numbered as the launcher assigned them."
+                f"Rank {self.global_rank}: mesh coordinates {found} differ from the layout's {expected}; the "
+                "process group's ranks are not numbered as the launcher assigned them."
             )
         rank_zero_info(f"lightning_parallel: layout {self._layout.describe()} on {self._process_group_backend}")
+
+    def _resolve_layout(self, world_size: int, world_description: str) -> ParallelLayout:
+        self._layout = self.layout_for(world_size, self.num_processes, world_description)
+        return self._layout
+
+    def layout_for(self, world_size: int, devices_per_node: int, world_description: str | None = None) -> ParallelLayout:
+        """The layout this strategy runs over ``world_size`` ranks, its data-parallel ranks split into replicas
+        and shards as the data-parallel mode says (no process group needed: the planner asks too).
+
+        Raises:
+            ValueError: The sizes do not fit ``world_size``, or the shard size does not divide the replicas.
+        """
+        layout = self._requested_layout.resolve(world_size, world_description=world_description)
+        shard = self._data_parallel.shard_size_for(layout.data_parallel_size, layout.tensor_parallel_size, devices_per_node)
+        return layout.with_data_parallel_shard_size(shard)
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment this process's global rank and the world size."""
@@ -514,6 +564,16 @@ def _log_whole_values(module: LightningModule) -> None:
 
     # An instance attribute: the class, and log_dict (which calls self.log), stay as they are.
     module.log = log
+
+
+#: Engine arguments that presets fill from their flat options (never passed by users of a preset).
+_CONFIG_ARGUMENTS = {"layout", "data_parallel", "tensor_parallel", "pipeline", "periodic_sync"}
+
+
+def _engine_options() -> list[str]:
+    """The engine's own keyword arguments that a preset passes through (launch, checkpoints, devices, ...)."""
+    parameters = inspect.signature(ParallelEngineStrategy.__init__).parameters
+    return [name for name in parameters if name != "self" and name not in _CONFIG_ARGUMENTS]
 
 
 def _as_timedelta(timeout: float | timedelta) -> timedelta:

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.strategies.engine import (
-    DEFAULT_TIMEOUT_S,
-    ParallelEngineStrategy,
-)
-from lightning_parallel.strategies.launch import StartMethod
-
+from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 class PipelineParallelStrategy(ParallelEngineStrategy):
     """Pipeline parallelism for an unmodified LightningModule, through ``torch.distributed.pipelining``.
@@ -47,36 +40,10 @@ class PipelineParallelStrategy(ParallelEngineStrategy):
         >>> Trainer(devices=2, strategy=PipelineParallelStrategy(2, schedule="1f1b", microbatches=8))  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        pipeline_parallel_size: int = -1,
-        *,
-        schedule: str = "1f1b",
-        microbatches: int = 4,
-        stages_per_rank: int = 1,
-        split_points: str | Sequence[str] = "auto",
-        balance: str = "params",
-        activation_checkpointing: str | Sequence[str] | None = None,
-        start_method: StartMethod = "popen",
-        process_group_backend: str | None = None,
-        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
+    preset_configs = {"pipeline": PipelineConfig}
+
+    def __init__(self, pipeline_parallel_size: int = -1, **options: Any) -> None:
         layout = ParallelLayout(
             data_parallel_size=-1 if pipeline_parallel_size != -1 else 1, pipeline_parallel_size=pipeline_parallel_size
         )
-        super().__init__(
-            layout=layout,
-            pipeline=PipelineConfig(
-                schedule=schedule,
-                microbatches=microbatches,
-                stages_per_rank=stages_per_rank,
-                split_points=split_points,
-                balance=balance,
-            ),
-            activation_checkpointing=activation_checkpointing,
-            start_method=start_method,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
-        )
+        super().__init__(layout=layout, **self.preset_options(options))

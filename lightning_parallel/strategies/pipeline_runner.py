@@ -33,6 +33,10 @@ from lightning_parallel.parallelize.checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
 )
+from lightning_parallel.parallelize.model_call import (
+    CapturedModelCall,
+    capture_model_call,
+)
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_build import (
     LocalPipeline,
@@ -61,17 +65,6 @@ from lightning_parallel.strategies.microbatches import (
 )
 
 
-class _ForwardCaptured(BaseException):
-    """Raised from a forward pre-hook to stop the user's step once the model's inputs are known.
-
-    A ``BaseException`` so that an ``except Exception`` in the user's step does not swallow it.
-    """
-
-    def __init__(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__(name)
-        self.name, self.args, self.kwargs = name, args, kwargs
-
-
 @dataclass
 class _StepState:
     """What the loss function needs about the step in flight."""
@@ -87,43 +80,6 @@ class _StepState:
     loss_scale: float
     outputs: dict[int, Any] = field(default_factory=dict)
     logs: dict[int, list[LogCall]] = field(default_factory=dict)
-
-
-def capture_model_call(
-    module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], root_name: str | None = None
-) -> _ForwardCaptured:
-    """Start ``module.<hook>(*args, **kwargs)`` and stop it where it calls the model; returns that call.
-
-    The model is the LightningModule itself or the first of its children with parameters that the step
-    calls (``root_name`` fixes which, once known). The result names it and holds the call's arguments.
-
-    Raises:
-        TypeError: The step never calls the model.
-    """
-    if root_name is not None:
-        candidates = [(root_name, module.get_submodule(root_name))]
-    else:
-        candidates = [("", module)] + [
-            (name, child) for name, child in module.named_children() if any(True for _ in child.parameters())
-        ]
-    handles = []
-    for name, candidate in candidates:
-
-        def pre_hook(_: nn.Module, f_args: tuple[Any, ...], f_kwargs: dict[str, Any], name: str = name) -> None:
-            raise _ForwardCaptured(name, f_args, f_kwargs)
-
-        handles.append(candidate.register_forward_pre_hook(pre_hook, with_kwargs=True))
-    try:
-        getattr(module, hook)(*args, **kwargs)
-    except _ForwardCaptured as captured:
-        return captured
-    finally:
-        for handle in handles:
-            handle.remove()
-    raise TypeError(
-        f"{type(module).__name__}.{hook} did not call the model. Under pipeline parallelism the step must call "
-        f"the module's forward (self(...)) or one of its child modules once, with the batch's tensors."
-    )
 
 
 class PipelineRunner:
@@ -245,10 +201,10 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ capture and build
 
-    def _capture(self, module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _ForwardCaptured:
+    def _capture(self, module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedModelCall:
         return capture_model_call(module, hook, args, kwargs, self.root_name)
 
-    def _build(self, module: LightningModule, captured: _ForwardCaptured, on_build: Callable[[LocalPipeline], None] | None) -> None:
+    def _build(self, module: LightningModule, captured: CapturedModelCall, on_build: Callable[[LocalPipeline], None] | None) -> None:
         rows = batch_rows(captured.args, captured.kwargs)
         m = self.config.microbatches
         if rows % m != 0:
@@ -341,7 +297,7 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ micro-batches
 
-    def _pad_to_traced(self, captured: _ForwardCaptured) -> tuple[tuple[Any, ...], dict[str, Any], list[int], int]:
+    def _pad_to_traced(self, captured: CapturedModelCall) -> tuple[tuple[Any, ...], dict[str, Any], list[int], int]:
         inputs = (captured.args, captured.kwargs)
         total = batch_rows(*inputs)
         meta = [(t.dtype, tuple(t.shape[1:])) for t in tensor_leaves(inputs)]

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.data import DataParallelConfig
-from lightning_parallel.parallelize.tensor import HEAD_ATTRIBUTES, TensorParallelConfig
-from lightning_parallel.strategies.engine import (
-    DEFAULT_TIMEOUT_S,
-    ParallelEngineStrategy,
-)
-from lightning_parallel.strategies.launch import StartMethod
-
+from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 class TensorParallelStrategy(ParallelEngineStrategy):
     """Megatron-style tensor parallelism from configuration, through torch's DTensor ``parallelize_module``.
@@ -49,33 +42,13 @@ class TensorParallelStrategy(ParallelEngineStrategy):
         ...                                                          "model.blocks.*.mlp.fc_out": "rowwise"}))  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        tensor_parallel_size: int = -1,
-        *,
-        plan: str | Mapping[str, str] = "auto",
-        head_attributes: tuple[str, ...] | list[str] = HEAD_ATTRIBUTES,
-        sequence_parallel: bool = False,
-        data_parallel_mode: str = "shard",
-        activation_checkpointing: str | Sequence[str] | None = None,
-        start_method: StartMethod = "popen",
-        process_group_backend: str | None = None,
-        timeout: float | timedelta = DEFAULT_TIMEOUT_S,
-        **kwargs: Any,
-    ) -> None:
+    preset_configs = {"tensor_parallel": TensorParallelConfig, "data_parallel": DataParallelConfig}
+    # Split parameters are DTensors, which DDP cannot replicate: FSDP2 shards the TP group's replicas.
+    preset_defaults = {"data_parallel_mode": "shard"}
+
+    def __init__(self, tensor_parallel_size: int = -1, **options: Any) -> None:
         # Data-parallel replicas take whatever ranks remain; -1 for TP means "all ranks", so then dp is 1.
         layout = ParallelLayout(
             data_parallel_size=-1 if tensor_parallel_size != -1 else 1, tensor_parallel_size=tensor_parallel_size
         )
-        super().__init__(
-            layout=layout,
-            tensor_parallel=TensorParallelConfig(
-                plan=plan, head_attributes=tuple(head_attributes), sequence_parallel=sequence_parallel
-            ),
-            data_parallel=DataParallelConfig(mode=data_parallel_mode),
-            activation_checkpointing=activation_checkpointing,
-            start_method=start_method,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            **kwargs,
-        )
+        super().__init__(layout=layout, **self.preset_options(options))

@@ -49,6 +49,31 @@ def test_config_composes_and_instantiates(group, option, tmp_path):
     assert any(isinstance(cb, lightning_parallel.TrainingSummary) for cb in trainer.callbacks)
 
 
+STRATEGY_FILES = sorted((CONF / "strategy").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", STRATEGY_FILES, ids=[p.stem for p in STRATEGY_FILES])
+def test_strategy_files_repeat_no_default_differently(path):
+    """The YAML lists each option (so that `strategy.<option>=` overrides work) with the preset's own default:
+    defaults live in the component dataclasses, and a file may not drift from them."""
+    import inspect
+
+    from hydra.utils import get_class
+    from omegaconf import OmegaConf
+
+    options = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    strategy = get_class(options.pop("_target_"))
+    if not issubclass(strategy, lightning_parallel.ParallelEngineStrategy):
+        pytest.skip(f"{strategy.__name__} is Lightning's own")
+    parameters = inspect.signature(strategy).parameters
+    for name, value in options.items():
+        assert name in parameters, f"{path.name}: {name} is not an option of {strategy.__name__}"
+        default = parameters[name].default
+        if isinstance(default, tuple):
+            value = tuple(value)
+        assert value == default, f"{path.name}: {name}={value!r}, but {strategy.__name__} defaults to {default!r}"
+
+
 def test_command_line_style_overrides_reach_the_strategy(tmp_path):
     cfg = compose_config(
         ["strategy=data", "trainer.devices=2", "trainer.accumulate_grad_batches=4", "strategy.comm_hook=fp16"], tmp_path

@@ -11,7 +11,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from lightning_parallel.observe.memory import state_bytes
+from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.plan.config import configured_layout, parameter_dtype
 from lightning_parallel.plan.cost import (
     bubble_fraction,

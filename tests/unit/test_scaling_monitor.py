@@ -8,7 +8,7 @@ import pytest
 import torch.distributed._functional_collectives as funcol
 
 from lightning_parallel import ScalingMonitor
-from lightning_parallel.observe.collectives import DTensorCollectives
+from lightning_parallel.measure.collectives import DTensorCollectives
 from tests.harness import JobSpec, build
 from tests.planner_check import ANY_HARDWARE, _profile
 

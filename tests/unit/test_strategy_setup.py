@@ -121,7 +121,8 @@ def test_tensor_parallel_strategy_wiring():
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 1, "rank": 0}
     # More processes than the TP size: the rest become data-parallel replicas of the TP group.
     trainer = L.Trainer(strategy=TensorParallelStrategy(tensor_parallel_size=2), accelerator="cpu", devices=4, logger=False)
-    assert trainer.strategy.layout == ParallelLayout(data_parallel_size=2, tensor_parallel_size=2)
+    # TensorParallelStrategy shards the replicas of its TP group by default (data_parallel_mode="shard").
+    assert trainer.strategy.layout == ParallelLayout(data_parallel_size=2, tensor_parallel_size=2, data_parallel_shard_size=2)
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
     with pytest.raises(ValueError, match=r"style 'diagonal' is unknown"):
         TensorParallelStrategy(plan={"model.ln_f": "diagonal"})

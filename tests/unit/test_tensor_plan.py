@@ -4,11 +4,11 @@ import pytest
 from torch import nn
 
 from lightning_parallel.parallelize.tensor import (
-    ResolvedPlan,
     check_plan,
     infer_plan,
     resolve_plan,
 )
+from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
 from recipes.models.gpt import GPT
 
 
