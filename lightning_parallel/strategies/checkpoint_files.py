@@ -89,8 +89,8 @@ class _ShardedOptimizerState:
 class CheckpointFilesMixin:
     """Lightning's checkpoint entry points for the engine (mixed in before ``WholeTensorCheckpointMixin``).
 
-    Needs ``_save_format``, ``_async_save``, ``layout``, ``_data_parallel``, ``_staged``, ``_is_sharded``,
-    ``_is_pipelined`` and ``pipeline_runner`` from the engine.
+    Needs ``_save_format``, ``_async_save``, ``layout``, ``data_parallel``, ``pipeline_parallel``,
+    ``parameters_are_dtensors`` and ``pipeline_runner`` from the engine.
     """
 
     _pending_save: _PendingSave | None = None
@@ -114,7 +114,7 @@ class CheckpointFilesMixin:
             return super().optimizer_state(optimizer)
         # Keyed by parameter names; DTensor shards stay shards (each rank writes its own).
         state = get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
-        if self._staged:
+        if self.pipeline_parallel.staged:
             # param_groups is one entry that every rank writes: give each the whole model's names.
             merged = all_pipeline_parts({"state": {}, "param_groups": state["param_groups"]}, self.device_mesh["pp"].get_group())
             state = {"state": state["state"], "param_groups": merged["param_groups"]}
@@ -131,10 +131,10 @@ class CheckpointFilesMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options; remove the argument.")
-        periodic = getattr(self, "_periodic_sync", None)
+        periodic = self.data_parallel.periodic_sync
         if periodic is not None and (self._save_format != "sharded" or self._async_save):
             raise ValueError(
-                f"Under sync={self._sync.method!r} replicas hold different weights between synchronizations, and each "
+                f"Under sync={self.data_parallel.sync.method!r} replicas hold different weights between synchronizations, and each "
                 f"replica's state is written beside the sharded checkpoint: use save_format='sharded' and async_save=False."
             )
         path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
@@ -176,7 +176,7 @@ class CheckpointFilesMixin:
 
     def _restore_replica_state(self) -> None:
         """Under periodic sync, put this replica's own weights, optimizer and outer state back (if saved)."""
-        periodic = getattr(self, "_periodic_sync", None)
+        periodic = self.data_parallel.periodic_sync
         source = self._sharded_source
         if periodic is None or source is None or not (source / replica_file_name(self.global_rank)).is_file():
             return
@@ -184,7 +184,7 @@ class CheckpointFilesMixin:
         if state["data_parallel_size"] != self.layout.data_parallel_size:
             raise ValueError(
                 f"The checkpoint {str(source)!r} holds {state['data_parallel_size']} replicas' own states (sync="
-                f"{self._sync.method!r}); resume it with data_parallel_size={state['data_parallel_size']}."
+                f"{self.data_parallel.sync.method!r}); resume it with data_parallel_size={state['data_parallel_size']}."
             )
         self.lightning_module.load_state_dict(state["model"])
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
@@ -269,7 +269,7 @@ class CheckpointFilesMixin:
             states = [rng]
         return {
             "format": self._save_format,
-            "layout": {**layout.to_dict(), "data_parallel_mode": self._data_parallel.mode},
+            "layout": {**layout.to_dict(), "data_parallel_mode": self.data_parallel.config.mode},
             "world_size": len(states),
             "versions": {"lightning_parallel": package_version(), "torch": str(torch.__version__)},
             "rng_states": states,
@@ -342,7 +342,7 @@ class CheckpointFilesMixin:
             target = get_optimizer_state_dict(self.lightning_module, optimizer)
             check_optimizer_fits(self._sharded_source, stored.key, target, type(optimizer).__name__)
             load_states({stored.key: target}, self._sharded_source)
-            if self._staged:
+            if self.pipeline_parallel.staged:
                 names = {name for name, _ in self.lightning_module.named_parameters()}
                 target = local_named_optimizer_state(target, names)
             set_optimizer_state_dict(self.lightning_module, optimizer, target)
@@ -379,7 +379,7 @@ class CheckpointFilesMixin:
         return dict(self.lightning_module.state_dict())
 
     def _whole_model_shapes(self) -> dict[str, tuple[int, ...]]:
-        if self._staged:
+        if self.pipeline_parallel.staged:
             return dict(self.pipeline_runner.whole_shapes)
         # A DTensor's shape is the whole tensor's.
         return {name: tuple(value.shape) for name, value in self.lightning_module.state_dict().items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -69,26 +69,40 @@ def check_known(owner: str, options: Mapping[str, Any], accepted: list[str]) -> 
             raise TypeError(f"{owner}() got an unknown option {name!r}.{hint} Its options: {', '.join(sorted(accepted))}.")
 
 
-def preset_signature(
-    leading: list[inspect.Parameter],
-    configs: Mapping[str, type],
-    preset_defaults: Mapping[str, Any],
-    engine_init: Callable[..., Any],
-    engine_excluded: set[str],
-) -> inspect.Signature:
-    """The signature a preset shows (``help()``, IDEs): its leading sizes, every option with its real default."""
-    parameters = list(leading)
-    seen = {p.name for p in leading}
-    for config_type in configs.values():
+def engine_options(engine_init: Callable[..., Any], config_arguments: Sequence[str]) -> list[str]:
+    """The engine's own keyword arguments a preset passes through (launch, checkpoints, devices, ...)."""
+    names = inspect.signature(engine_init).parameters
+    return [name for name in names if name != "self" and name not in config_arguments]
+
+
+def preset_options(
+    preset: Any, options: Mapping[str, Any], engine_init: Callable[..., Any], config_arguments: Sequence[str]
+) -> dict[str, Any]:
+    """A preset's flat keywords as the engine's arguments: one config per component, the rest as given.
+
+    Raises:
+        TypeError: A keyword that neither the preset's components nor the engine take.
+    """
+    remaining = dict(options)
+    configs = split_options(remaining, preset.preset_configs, preset.preset_defaults)
+    accepted = [*configs_options(preset.preset_configs), *engine_options(engine_init, config_arguments)]
+    check_known(preset.__name__, remaining, accepted)
+    return {**configs, **remaining}
+
+
+def preset_signature(preset: Any, engine_init: Callable[..., Any], config_arguments: Sequence[str]) -> inspect.Signature:
+    """The signature a preset shows (``help()``, IDEs): its own sizes, then every option with its real default."""
+    parameters = [p for p in inspect.signature(preset.__init__).parameters.values()
+                  if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    seen = {p.name for p in parameters}
+    for config_type in preset.preset_configs.values():
         for option, default in option_defaults(config_type).items():
             if option not in seen:
-                default = preset_defaults.get(option, default)
+                default = preset.preset_defaults.get(option, default)
                 parameters.append(inspect.Parameter(option, inspect.Parameter.KEYWORD_ONLY, default=default))
                 seen.add(option)
     for parameter in inspect.signature(engine_init).parameters.values():
-        if parameter.name in seen or parameter.name in engine_excluded or parameter.name == "self":
-            continue
-        if parameter.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+        if parameter.name in seen or parameter.name in config_arguments or parameter.name == "self":
             continue
         parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
         seen.add(parameter.name)

@@ -82,7 +82,7 @@ def test_command_line_style_overrides_reach_the_strategy(tmp_path):
     assert isinstance(trainer.strategy, lightning_parallel.DataParallelStrategy)
     assert trainer.accumulate_grad_batches == 4
     assert trainer.strategy.layout.data_parallel_size == 2
-    assert trainer.strategy._data_parallel.comm_hook == "fp16"
+    assert trainer.strategy.data_parallel.config.comm_hook == "fp16"
 
 
 def test_model_follows_the_data(tmp_path):
@@ -117,4 +117,4 @@ def test_plan_presets_equal_the_inferred_plan(preset, tmp_path):
     wrapper = torch.nn.Module()
     wrapper.model = instantiate(cfg.model).model if preset == "gpt" else _HFStyleDecoder()
     assert resolve_plan(wrapper, dict(cfg.strategy.plan)).styles == infer_plan(wrapper)
-    assert strategy._tensor_parallel.plan == dict(cfg.strategy.plan)
+    assert strategy.tensor_parallel.config.plan == dict(cfg.strategy.plan)

@@ -1,0 +1,20 @@
+"""Each parallelism the engine runs, as a component with one small interface (see :class:`Component`).
+
+The engine holds one of each and calls them in a fixed order — tensor, pipeline, activation
+checkpointing, data — as torchtitan applies ``apply_tp`` → ``apply_ac`` → ``apply_fsdp``. A new dimension is
+one more axis in :mod:`lightning_parallel.layout` plus one component here.
+"""
+
+from lightning_parallel.strategies.components.base import Component
+from lightning_parallel.strategies.components.checkpointing import ActivationCheckpointingComponent
+from lightning_parallel.strategies.components.data import DataParallelComponent
+from lightning_parallel.strategies.components.pipeline import PipelineComponent
+from lightning_parallel.strategies.components.tensor import TensorParallelComponent
+
+__all__ = [
+    "ActivationCheckpointingComponent",
+    "Component",
+    "DataParallelComponent",
+    "PipelineComponent",
+    "TensorParallelComponent",
+]

@@ -1,0 +1,213 @@
+"""Data parallelism in the engine: replicate (DDP), shard (FSDP2 / HSDP) or synchronize periodically.
+
+Pipeline stages hold their own parameters; their replicas average gradients in the pipeline component
+(once per optimizer step), so none of the wrapping here applies under ``pipeline_parallel_size > 1``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.utilities.exceptions import _augment_message
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torchmetrics import Metric
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
+from lightning_parallel.parallelize.grad_sync import average_gradients
+from lightning_parallel.parallelize.periodic_sync import PeriodicSync, SyncConfig
+from lightning_parallel.parallelize.sharded import set_gradient_sync, shard_over_data_parallel
+from lightning_parallel.strategies.components.base import Component
+from lightning_parallel.strategies.precision import fsdp_mixed_precision
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+
+
+class DataParallelComponent(Component):
+    """How replicas hold and synchronize the model over the ``dp`` axes.
+
+    Args:
+        engine: The strategy.
+        config: Mode (replicate / shard / hybrid_shard) and the DDP and FSDP2 options.
+        sync: How often replicas synchronize (every step, local SGD, DiLoCo).
+        sync_batchnorm: BatchNorm statistics over the whole data-parallel batch.
+    """
+
+    def __init__(
+        self, engine: ParallelEngineStrategy, config: DataParallelConfig, sync: SyncConfig, sync_batchnorm: bool
+    ) -> None:
+        super().__init__(engine)
+        self.config = config
+        self.sync = sync
+        self.sync_batchnorm = sync_batchnorm
+        self.periodic_sync: PeriodicSync | None = None
+        self.sharded_units: list[nn.Module] = []
+        self._batchnorm_converted = False
+
+    @property
+    def shards(self) -> bool:
+        """Whether replicas shard the model state over the data-parallel ranks (FSDP2)."""
+        return self.engine.layout.data_parallel_size > 1 and self.config.is_sharded
+
+    def validate(self, layout: ParallelLayout) -> None:
+        """Refuse, before any process starts, data-parallel settings the layout cannot run; warn about slow ones."""
+        if self.sync.is_periodic:
+            unsupported = [f"{name}={size}" for name, size in (("tensor_parallel_size", layout.tensor_parallel_size),
+                           ("pipeline_parallel_size", layout.pipeline_parallel_size)) if size > 1]
+            if self.config.is_sharded:
+                unsupported.append(f"data_parallel_mode={self.config.mode!r}")
+            if unsupported:
+                raise ValueError(
+                    f"sync={self.sync.method!r} averages whole replicated models and does not combine with "
+                    f"{', '.join(unsupported)} yet. Use sync='every_step', or plain replicated data parallelism."
+                )
+        if layout.pipeline_parallel_size > 1 and layout.data_parallel_size > 1 and self.config.is_sharded:
+            raise ValueError(
+                f"data_parallel_mode={self.config.mode!r} is not supported with pipeline_parallel_size="
+                f"{layout.pipeline_parallel_size} yet: pipeline stages' replicas replicate (one gradient all-reduce per "
+                f"optimizer step). Set data_parallel_mode='replicate'."
+            )
+        if layout.pipeline_parallel_size > 1 and self.sync_batchnorm:
+            raise ValueError(
+                "sync_batchnorm=True is not supported with pipeline_parallel_size > 1 (a stage's batch statistics are "
+                "its micro-batch's); set sync_batchnorm=False."
+            )
+        tp, per_node = layout.tensor_parallel_size, self.engine.num_processes
+        if tp > 1 and self.engine.num_nodes > 1 and (tp > per_node or per_node % tp != 0):
+            rank_zero_warn(
+                f"tensor_parallel_size={tp} does not divide the {per_node} devices per node: some tensor-parallel "
+                f"groups span nodes, and their all-reduces (every layer, forward and backward) cross the slow inter-node "
+                f"link. Use a tensor_parallel_size that divides the devices per node."
+            )
+
+    def prepare(self, trainer: Trainer, fitting: bool) -> None:
+        engine = self.engine
+        if fitting and (self.sync_batchnorm or engine._layer_sync is not None):
+            engine.model = convert_sync_batchnorm(engine.model, engine.data_parallel_group, engine.root_device.type)
+            self._batchnorm_converted = True
+
+    def apply(self, trainer: Trainer, fitting: bool) -> None:
+        engine = self.engine
+        if engine.layout.pipeline_parallel_size > 1:
+            return
+        if fitting:
+            if self.config.static_graph and not engine.lightning_module.automatic_optimization:
+                raise ValueError(
+                    "static_graph=True is not supported with manual optimization (automatic_optimization=False): "
+                    "Lightning cannot tell DDP when the first static-graph iteration ends. Set static_graph=False."
+                )
+            self.config.check_accumulation(trainer.accumulate_grad_batches)
+            self._wrap()
+        elif engine.parameters_are_dtensors:
+            self._wrap()
+        else:
+            # No DDP wrapper outside fitting: make sure every rank evaluates the same weights.
+            _sync_module_states(engine.model)
+        self._reduce_metrics_over_data_parallel()
+
+    def _wrap(self) -> None:
+        engine = self.engine
+        if engine.layout.data_parallel_size == 1:
+            return
+        if engine.parameters_are_dtensors:
+            # Sharded replicas, or DTensor parameters (which DDP cannot take): FSDP2 over the dp axes.
+            if not self.sharded_units:
+                if engine.layout.tensor_parallel_size == 1:
+                    # FSDP2 shards each rank's own copy (DDP would broadcast rank 0's): start all from rank 0's
+                    # weights. (Tensor parallelism synced them before splitting.)
+                    _sync_module_states(engine.lightning_module)
+                self.sharded_units = shard_over_data_parallel(
+                    engine.lightning_module,
+                    engine.device_mesh["dp_replicate", "dp_shard"],
+                    reshard_after_forward=self.config.reshard_after_forward,
+                    mp_policy=fsdp_mixed_precision(engine.precision_plugin),
+                )
+            return
+        if self.sync.is_periodic:
+            # Replicas step on their own gradients: no DDP. They start from rank 0's weights.
+            _sync_module_states(engine.lightning_module)
+            self.periodic_sync = PeriodicSync(self.sync, list(engine.lightning_module.parameters()), engine.data_parallel_group)
+            return
+        device_ids = None if engine.root_device.type == "cpu" else [engine.root_device.index]
+        engine.model = apply_ddp(engine.model, engine.data_parallel_group, self.config, device_ids, engine.comm_stats)
+
+    def _reduce_metrics_over_data_parallel(self) -> None:
+        # torchmetrics sync over the whole world by default; TP/PP peers hold the same samples, so
+        # metrics must reduce over the data-parallel replicas only.
+        engine = self.engine
+        if engine.layout.data_parallel_size == engine.world_size:
+            return
+        for module in engine.lightning_module.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = engine.data_parallel_group
+
+    def gradient_sync_blocked(self) -> AbstractContextManager[None]:
+        return self._no_sync()
+
+    @contextmanager
+    def _no_sync(self) -> Generator[None, None, None]:
+        """Skip gradient synchronization while Lightning accumulates micro-batches (DDP and FSDP2)."""
+        model = self.engine.model
+        if self.sharded_units:
+            set_gradient_sync(self.sharded_units, False)
+            try:
+                yield
+            finally:
+                set_gradient_sync(self.sharded_units, True)
+        elif isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            yield
+
+    def around_optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], run: Callable[[Callable[[], Any]], Any]) -> Any:
+        sync = self.periodic_sync
+        if sync is None:
+            return run(closure)
+        engine = self.engine
+        step = engine.lightning_module.trainer.global_step  # optimizer steps done before this one
+
+        def closure_then_average() -> Any:
+            result = closure()  # the last micro-batch's backward: gradients are complete
+            if sync.averages_gradients(step):
+                start = time.perf_counter()
+                sent = average_gradients(sync.parameters, engine.data_parallel_group)
+                engine.record_gradient_round(sent, time.perf_counter() - start)
+            return result
+
+        output = run(closure_then_average)
+        start = time.perf_counter()
+        sent = sync.after_optimizer_step(step + 1)
+        if sent:
+            engine.record_gradient_round(sent, time.perf_counter() - start)
+        return output
+
+    def on_exception(self, exception: BaseException) -> None:
+        _augment_message(
+            exception,
+            pattern=".*Expected to have finished reduction in the prior iteration.*",
+            new_message=(
+                "Your LightningModule has parameters that did not take part in the loss returned by training_step. "
+                "If that is intended, pass find_unused_parameters=True to the strategy "
+                "(on the command line: strategy.find_unused_parameters=true)."
+            ),
+        )
+
+    def teardown(self) -> None:
+        engine = self.engine
+        if isinstance(engine.model, DistributedDataParallel):
+            engine.model = engine.lightning_module
+        if self._batchnorm_converted and engine.model is not None:
+            engine.model = revert_sync_batchnorm(engine.model)
+            self._batchnorm_converted = False

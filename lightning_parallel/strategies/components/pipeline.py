@@ -1,0 +1,159 @@
+"""Pipeline parallelism in the engine: step hooks through the schedule, gradients handed to Lightning.
+
+The pipeline owns backward: the schedule runs it inside ``training_step``, and Lightning's own backward
+call hands the gradients over (Lightning zeroes gradients between the two). Gradients of replicated
+stages (and of tied weights split over stages) are reduced once per optimizer step, after the last
+accumulated micro-step. With ``tensor_parallel_size > 1`` each stage is split over the ``tp`` mesh after the
+cut, by the tensor-parallel component's plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from torch import Tensor
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
+from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
+from lightning_parallel.parallelize.pipeline import PipelineConfig
+from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
+from lightning_parallel.parallelize.sequence import reduce_partial_gradients
+from lightning_parallel.strategies.components.base import Component
+from lightning_parallel.strategies.pipeline_runner import PipelineRunner
+from lightning_parallel.strategies.whole_state import unwrap_optimizer
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+
+#: Lightning hooks that run through the pipeline, and whether they train.
+PIPELINED_HOOKS = {"training_step": True, "validation_step": False, "test_step": False, "predict_step": False}
+
+
+class PipelineComponent(Component):
+    """Cuts the module into stages over the ``pp`` axis (on the first batch) and runs every step hook through them."""
+
+    def __init__(self, engine: ParallelEngineStrategy, config: PipelineConfig) -> None:
+        super().__init__(engine)
+        self.config = config
+        self.runner: PipelineRunner | None = None
+        self._pending_gradients: list[tuple[torch.nn.Parameter, Tensor]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine.layout.pipeline_parallel_size > 1
+
+    @property
+    def staged(self) -> bool:
+        """Whether the module has been cut into pipeline stages on this rank."""
+        return self.runner is not None and self.runner.built
+
+    def validate(self, layout: ParallelLayout) -> None:
+        if layout.pipeline_parallel_size > 1:
+            self.config.check(layout.pipeline_parallel_size)
+
+    def apply(self, trainer: Trainer, fitting: bool) -> None:
+        if not self.enabled:
+            return
+        engine = self.engine
+        module = engine.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                "Pipeline parallelism runs backward inside its schedule, so it needs automatic optimization; "
+                f"{type(module).__name__} sets automatic_optimization=False."
+            )
+        if engine._layer_sync is not None:
+            raise ValueError("Trainer(sync_batchnorm=True) is not supported with pipeline parallelism; remove it.")
+        # Stages are cut on the first batch (tracing needs real inputs); until then every rank holds the
+        # whole module, starting from rank 0's weights so that replicas agree.
+        if not self.staged:
+            _sync_module_states(engine.model)
+        if self.runner is None:
+            mesh, layout = engine.device_mesh, engine.layout
+            tensor = engine.tensor_parallel
+            self.runner = PipelineRunner(
+                self.config,
+                pp_size=layout.pipeline_parallel_size,
+                pp_rank=engine.coordinates.pp,
+                pp_global_ranks=layout.group_ranks("pp", engine.global_rank),
+                pp_group=mesh["pp"].get_group(),
+                device=engine.root_device,
+                tensor_parallel=tensor.stage_plan if tensor.enabled else None,
+                activation_checkpointing=engine.activation_checkpointing.patterns,
+            )
+        # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.
+        engine.precision_plugin.clip_grad_by_norm = partial(_clip_pipeline, self)
+
+    def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.enabled:
+            return run()
+        runner = self.runner
+        if runner is None:
+            raise RuntimeError("The pipeline is created in setup(); a step ran before it.")
+        engine = self.engine
+        training = PIPELINED_HOOKS[hook]
+        module = engine.lightning_module
+        scale = 1.0 / module.trainer.accumulate_grad_batches if training else 1.0
+        plugin = engine.precision_plugin
+        context = plugin.train_step_context() if training else plugin.val_step_context()
+        # Lightning zeroes gradients *after* training_step and before backward, but the schedule computes
+        # them inside the step: set them aside here and hand them over in backward().
+        earlier = _take_gradients(module) if training else []
+        with context:
+            output = runner.run(module, hook, args, kwargs, training=training, loss_scale=scale, on_build=self._on_built)
+        if training:
+            self._pending_gradients = _take_gradients(module)
+            for param, grad in earlier:
+                param.grad = grad
+        return output
+
+    def around_backward(self, run: Callable[[], Tensor], loss: Tensor) -> Tensor:
+        if not self.enabled:
+            return run()
+        # The schedule ran backward inside training_step, micro-batch by micro-batch: add its gradients.
+        for param, grad in self._pending_gradients:
+            param.grad = grad if param.grad is None else param.grad.add_(grad)
+        self._pending_gradients = []
+        return loss
+
+    def after_backward(self, accumulating: bool) -> None:
+        if self.enabled and not accumulating:
+            self._reduce_gradients()
+
+    def _on_built(self, local: LocalPipeline) -> None:
+        for optimizer in self.engine.optimizers:
+            remap_optimizer(unwrap_optimizer(optimizer), local.replaced)
+
+    def _reduce_gradients(self) -> None:
+        engine = self.engine
+        module = engine.lightning_module
+        # Tensor-parallel stages leave partial sums for replicated weights used after a row-wise split.
+        reduce_partial_gradients(module.parameters())
+        for param, group in self.runner.tied_parameters(module):
+            sum_gradients([param], group)
+        if engine.layout.data_parallel_size > 1:
+            start = time.perf_counter()
+            sent = average_gradients(module.parameters(), engine.data_parallel_group)
+            engine.record_gradient_round(sent, time.perf_counter() - start)
+
+
+def _take_gradients(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, Tensor]]:
+    taken = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+    for param, _ in taken:
+        param.grad = None
+    return taken
+
+
+def _clip_pipeline(pipeline: PipelineComponent, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+    runner = pipeline.runner
+    module = pipeline.engine.lightning_module
+    duplicates = runner.norm_duplicates(module) if runner is not None else []
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    clip_grad_norm_(parameters, clip_val, exclude_from_norm=duplicates, sum_over=pipeline.engine.device_mesh["pp"].get_group())
