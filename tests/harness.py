@@ -29,7 +29,7 @@ import lightning_parallel
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.observe.monitor import ScalingMonitor
-from lightning_parallel.strategies.whole_state import unwrap_optimizer
+from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
 from recipes.data.chars import CharCorpusDataModule
 from recipes.data.images import SyntheticImagesDataModule
 from recipes.models.convnet import ConvNetLightningModule

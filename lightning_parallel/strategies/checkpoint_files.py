@@ -4,9 +4,9 @@
 original parameter names (``checkpoint/sharded.py``). ``"full"``: whole tensors in one ``torch.save`` file
 that loads into the plain module (``whole_state.py`` gathers them). Either is read by any layout.
 
-Model tensors are loaded at the end of setup, into the module as it trains (its dtype, its shards; a
-pipeline is cut only on the first batch, so it is still whole then). Sharded checkpoints are read in place into this
-rank's tensors: each rank reads only the chunks its shards cover.
+What the files hold (model and optimizer state, out of and into this rank's tensors) is
+``checkpoint_state.py``'s; sharded checkpoints are read in place into this rank's tensors: each rank
+reads only the chunks its shards cover.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import logging
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,6 @@ from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 from lightning_parallel.checkpoint.data_position import rescale_loader_positions
 from lightning_parallel.checkpoint.files import (
@@ -45,23 +42,16 @@ from lightning_parallel.checkpoint.files import (
 )
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.checkpoint.sharded import (
-    MODEL_KEY,
-    check_model_fits,
-    check_optimizer_fits,
-    load_states,
     optimizer_key,
     read_meta,
     save_states,
     stored_keys,
     whole_to_states,
 )
-from lightning_parallel.checkpoint.state import (
-    MISMATCH_HINT,
-    all_pipeline_parts,
-    describe_mismatch,
-    local_named_optimizer_state,
-)
-from lightning_parallel.strategies.whole_state import unwrap_optimizer
+from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
+
+if TYPE_CHECKING:
+    from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 log = logging.getLogger(__name__)
 
@@ -86,62 +76,52 @@ class _ShardedOptimizerState:
     key: str
 
 
-class CheckpointFilesMixin:
-    """Lightning's checkpoint entry points for the engine (mixed in before ``WholeTensorCheckpointMixin``).
+class CheckpointFiles:
+    """The engine's checkpoint files: where they are written and read, atomically, optionally in the background.
 
-    Needs ``_save_format``, ``_async_save``, ``layout``, ``data_parallel``, ``pipeline_parallel``,
-    ``parameters_are_dtensors`` and ``pipeline_runner`` from the engine.
+    Args:
+        engine: The strategy (its ranks, collectives, layout and components).
+        save_format: ``"sharded"`` or ``"full"``.
+        async_save: Write in the background while training goes on.
+        timeout: How long the background writer's collectives may wait.
     """
 
-    _pending_save: _PendingSave | None = None
-    _sharded_source: Path | None = None
-    _loaded_from: Path | None = None
-    _save_group: dist.ProcessGroup | None = None
-    _writer: ThreadPoolExecutor | None = None
-    _set_up = False  # setup has run since the last teardown: the module is as it trains
-    _deferred_model_state: tuple[dict[str, Any], bool] | None = None
-    _pending_rng_state: bytes | None = None  # a checkpoint's random streams, put back when training resumes
-
-    # ------------------------------------------------------------------ what a checkpoint holds
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._save_format == "full":
-            return super().lightning_module_state_dict()
-        return self._local_model_state()
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if self._save_format == "full":
-            return super().optimizer_state(optimizer)
-        # Keyed by parameter names; DTensor shards stay shards (each rank writes its own).
-        state = get_optimizer_state_dict(self.lightning_module, unwrap_optimizer(optimizer))
-        if self.pipeline_parallel.staged:
-            # param_groups is one entry that every rank writes: give each the whole model's names.
-            merged = all_pipeline_parts({"state": {}, "param_groups": state["param_groups"]}, self.device_mesh["pp"].get_group())
-            state = {"state": state["state"], "param_groups": merged["param_groups"]}
-        return state
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # Lightning passes fit(weights_only=...) only to the restore that runs before setup. The model's
-        # tensors are loaded at the end of setup all the same (see load_model_state_dict).
-        return False
+    def __init__(
+        self, engine: ParallelEngineStrategy, save_format: CheckpointFormat, async_save: bool, timeout: timedelta
+    ) -> None:
+        if save_format not in SAVE_FORMATS:
+            raise ValueError(f"save_format={save_format!r} is unknown; choose one of {', '.join(SAVE_FORMATS)}.")
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {async_save!r}.")
+        self.engine = engine
+        self.save_format = save_format
+        self.async_save = async_save
+        self._timeout = timeout  # of the background writer's own process group
+        self.sharded_source: Path | None = None  # a sharded checkpoint being loaded (read in place)
+        self.loaded_from: Path | None = None
+        self._pending_save: _PendingSave | None = None
+        self._save_group: dist.ProcessGroup | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending_rng_state: bytes | None = None  # a checkpoint's random streams, put back when training resumes
 
     # ------------------------------------------------------------------ saving
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` (every rank calls this; each writes its shards into rank 0's path)."""
+        engine = self.engine
         if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options; remove the argument.")
-        periodic = self.data_parallel.periodic_sync
-        if periodic is not None and (self._save_format != "sharded" or self._async_save):
+            raise TypeError(f"{type(engine).__name__}.save_checkpoint does not take storage_options; remove the argument.")
+        periodic = engine.data_parallel.periodic_sync
+        if periodic is not None and (self.save_format != "sharded" or self.async_save):
             raise ValueError(
-                f"Under sync={self.data_parallel.sync.method!r} replicas hold different weights between synchronizations, and each "
-                f"replica's state is written beside the sharded checkpoint: use save_format='sharded' and async_save=False."
+                f"Under sync={engine.data_parallel.sync.method!r} replicas hold different weights between synchronizations, "
+                "and each replica's state is written beside the sharded checkpoint: use save_format='sharded' and async_save=False."
             )
-        path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
+        path = Path(engine.broadcast(str(filepath)))  # every rank writes into rank 0's path
         self.finish_pending_save()
         checkpoint = {**checkpoint, INFO_KEY: self._checkpoint_info()}
-        if self._save_format == "full":
-            if self.is_global_zero:
+        if self.save_format == "full":
+            if engine.is_global_zero:
                 self._write_full(checkpoint, path)
             return
         if path.is_file():
@@ -150,9 +130,9 @@ class CheckpointFilesMixin:
                 "Choose another name, or pass save_format='full' to the strategy."
             )
         states, meta = whole_to_states(checkpoint)
-        if self.is_global_zero:
+        if engine.is_global_zero:
             prepare_partial(path)
-        self.barrier("lightning_parallel.prepare_checkpoint_dir")
+        engine.barrier("lightning_parallel.prepare_checkpoint_dir")
         partial = partial_path(path)
         if self._in_background():
             future = save_states(states, partial, process_group=self._checkpoint_group(), asynchronous=True)
@@ -161,41 +141,44 @@ class CheckpointFilesMixin:
             save_states(states, partial)
             if periodic is not None:
                 # The main state is replica 0's; each replica also keeps its own (model, optimizer, outer state).
-                atomic_torch_save(self._replica_state(periodic), partial / replica_file_name(self.global_rank))
-                self.barrier("lightning_parallel.replica_states")
-            if self.is_global_zero:
+                atomic_torch_save(self._replica_state(periodic), partial / replica_file_name(engine.global_rank))
+                engine.barrier("lightning_parallel.replica_states")
+            if engine.is_global_zero:
                 _publish_sharded(partial, path, meta)
 
     def _replica_state(self, periodic: Any) -> dict[str, Any]:
+        engine = self.engine
         return {
-            "model": self.lightning_module.state_dict(),
-            "optimizers": [unwrap_optimizer(o).state_dict() for o in self.optimizers],
+            "model": engine.lightning_module.state_dict(),
+            "optimizers": [unwrap_optimizer(o).state_dict() for o in engine.optimizers],
             "sync": periodic.state_dict(),
-            "data_parallel_size": self.layout.data_parallel_size,
+            "data_parallel_size": engine.layout.data_parallel_size,
         }
 
-    def _restore_replica_state(self) -> None:
+    def restore_replica_state(self) -> None:
         """Under periodic sync, put this replica's own weights, optimizer and outer state back (if saved)."""
-        periodic = self.data_parallel.periodic_sync
-        source = self._sharded_source
-        if periodic is None or source is None or not (source / replica_file_name(self.global_rank)).is_file():
+        engine = self.engine
+        periodic = engine.data_parallel.periodic_sync
+        source = self.sharded_source
+        if periodic is None or source is None or not (source / replica_file_name(engine.global_rank)).is_file():
             return
-        state = torch.load(source / replica_file_name(self.global_rank), map_location=self.root_device, weights_only=False)
-        if state["data_parallel_size"] != self.layout.data_parallel_size:
+        state = torch.load(source / replica_file_name(engine.global_rank), map_location=engine.root_device, weights_only=False)
+        if state["data_parallel_size"] != engine.layout.data_parallel_size:
             raise ValueError(
                 f"The checkpoint {str(source)!r} holds {state['data_parallel_size']} replicas' own states (sync="
-                f"{self.data_parallel.sync.method!r}); resume it with data_parallel_size={state['data_parallel_size']}."
+                f"{engine.data_parallel.sync.method!r}); resume it with data_parallel_size={state['data_parallel_size']}."
             )
-        self.lightning_module.load_state_dict(state["model"])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+        engine.lightning_module.load_state_dict(state["model"])
+        for optimizer, saved in zip(engine.optimizers, state["optimizers"], strict=True):
             unwrap_optimizer(optimizer).load_state_dict(saved)
         periodic.load_state_dict(state["sync"])
 
     def _in_background(self) -> bool:
         """Write in the background only while fitting: a save outside a run completes before it returns."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        module = self.engine.lightning_module
+        trainer = module.trainer if module is not None else None
         return (
-            self._async_save
+            self.async_save
             and trainer is not None
             and trainer.state.fn == TrainerFn.FITTING
             and trainer.state.status == TrainerStatus.RUNNING
@@ -203,7 +186,7 @@ class CheckpointFilesMixin:
 
     def _write_full(self, checkpoint: dict[str, Any], path: Path) -> None:
         if not self._in_background():
-            self.checkpoint_io.save_checkpoint(checkpoint, path)
+            self.engine.checkpoint_io.save_checkpoint(checkpoint, path)
             return
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_parallel_ckpt")
@@ -221,28 +204,28 @@ class CheckpointFilesMixin:
         if pending is None:
             return
         pending.future.result()
-        if self.is_global_zero:
+        if self.engine.is_global_zero:
             if pending.meta is not None:
                 _publish_sharded(pending.partial, pending.final, pending.meta)
             for path in pending.removals:
                 if path != pending.final:
                     remove_path(path)
 
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove(self, filepath: _PATH) -> None:
+        """``ModelCheckpoint``'s cleanup of an older checkpoint (held back while a newer one is being written)."""
         pending = self._pending_save
         if pending is not None:
             # The checkpoint being written is not complete yet: keep the older one until it is.
             pending.removals.append(Path(filepath))
-        elif self.is_global_zero:
+        elif self.engine.is_global_zero:
             remove_path(filepath)
 
     def on_train_start(self) -> None:
         # A checkpoint taken at the end of an epoch resumes with a new epoch, whose loader iterator (built
         # after this hook) draws from the random streams as it did in the run that saved it.
         self._restore_pending_rng_state()
-        super().on_train_start()
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, batch_idx: int) -> None:
         if batch_idx > 0:
             # Mid-epoch: the saving run's loader iterator existed already; the resumed one was just built
             # (drawing its seed): put the streams back right before the first step.
@@ -251,7 +234,6 @@ class CheckpointFilesMixin:
         pending = self._pending_save
         if pending is not None and pending.future.done():
             self.finish_pending_save()
-        super().on_train_batch_start(batch, batch_idx)
 
     def _checkpoint_group(self) -> dist.ProcessGroup | None:
         """A gloo group for the background writer's collectives, apart from training's (created once)."""
@@ -260,7 +242,7 @@ class CheckpointFilesMixin:
         return self._save_group
 
     def _checkpoint_info(self) -> dict[str, Any]:
-        layout = self.layout
+        engine = self.engine
         rng = _portable_rng_states()
         if dist.is_initialized():
             states: list[Any] = [None] * dist.get_world_size()
@@ -268,8 +250,8 @@ class CheckpointFilesMixin:
         else:
             states = [rng]
         return {
-            "format": self._save_format,
-            "layout": {**layout.to_dict(), "data_parallel_mode": self.data_parallel.config.mode},
+            "format": self.save_format,
+            "layout": {**engine.layout.to_dict(), "data_parallel_mode": engine.data_parallel.config.mode},
             "world_size": len(states),
             "versions": {"lightning_parallel": package_version(), "torch": str(torch.__version__)},
             "rng_states": states,
@@ -277,91 +259,40 @@ class CheckpointFilesMixin:
 
     # ------------------------------------------------------------------ loading
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+    def load(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint of any layout: a full file whole, a sharded one's metadata (tensors stay on disk)."""
+        engine = self.engine
+        path = Path(engine.broadcast(str(checkpoint_path)))
         self.finish_pending_save()
-        self._sharded_source = None
-        self._loaded_from = path
+        self.sharded_source = None
+        self.loaded_from = path
         if checkpoint_format(path) == "full":
-            if isinstance(self.checkpoint_io, ParallelCheckpointIO):
-                self.checkpoint_io.data_parallel_size = self.layout.data_parallel_size
-            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            if isinstance(engine.checkpoint_io, ParallelCheckpointIO):
+                engine.checkpoint_io.data_parallel_size = engine.layout.data_parallel_size
+            checkpoint = engine.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         else:
             checkpoint = read_meta(path, weights_only)
             count = len({key.split(".", 1)[0] for key in stored_keys(path) if key.startswith("optimizer_")})
             if count:
                 checkpoint["optimizer_states"] = [_ShardedOptimizerState(optimizer_key(i)) for i in range(count)]
-            self._sharded_source = path
-        rescale_loader_positions(checkpoint, self.layout.data_parallel_size)
+            self.sharded_source = path
+        rescale_loader_positions(checkpoint, engine.layout.data_parallel_size)
         self._restore_rng_states(checkpoint.get(INFO_KEY, {}))
         return checkpoint
 
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if not self._set_up:
-            # Before setup the module has neither its training dtype (the precision plugin converts it in
-            # setup: a float64 checkpoint loaded into Lightning's float32 module would be rounded) nor its
-            # shards. The engine loads it at the end of setup (a pipeline is still whole then: it is cut on
-            # the first batch).
-            self._deferred_model_state = (checkpoint, strict)
-            return
-        self._load_model_state(checkpoint, strict)
-
-    def load_deferred_model_state(self) -> None:
-        """Called by the engine at the end of ``setup``: load a checkpoint's model state restored before it."""
-        self._set_up = True
-        if self._deferred_model_state is not None:
-            (checkpoint, strict), self._deferred_model_state = self._deferred_model_state, None
-            self._load_model_state(checkpoint, strict)
-
-    def _load_model_state(self, checkpoint: dict[str, Any], strict: bool) -> None:
-        expected = self._whole_model_shapes()
-        source = self._sharded_source
-        if source is None:
-            found = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if isinstance(v, torch.Tensor)}
-            message = describe_mismatch(expected, found, strict)
-            if message:
-                raise RuntimeError(f"The checkpoint {str(self._loaded_from)!r} does not fit this model: {message}. {MISMATCH_HINT}")
-            super().load_model_state_dict(checkpoint, strict=strict)
-            return
-        check_model_fits(source, expected, strict)
-        # In place into this rank's tensors (whole, DTensor shards, or a stage's): DCP reads what they cover.
-        load_states({MODEL_KEY: self._local_model_state()}, source, allow_partial=not strict)
-
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        if len(states) != len(self.optimizers):
-            raise RuntimeError(
-                f"The checkpoint holds the state of {len(states)} optimizer(s) but configure_optimizers returned "
-                f"{len(self.optimizers)}: resume with the optimizers it was saved with."
-            )
-        if self._sharded_source is None:
-            super().load_optimizer_state_dict(checkpoint)
-            return
-        for optimizer, stored in zip(self.optimizers, states):
-            optimizer = unwrap_optimizer(optimizer)
-            target = get_optimizer_state_dict(self.lightning_module, optimizer)
-            check_optimizer_fits(self._sharded_source, stored.key, target, type(optimizer).__name__)
-            load_states({stored.key: target}, self._sharded_source)
-            if self.pipeline_parallel.staged:
-                names = {name for name, _ in self.lightning_module.named_parameters()}
-                target = local_named_optimizer_state(target, names)
-            set_optimizer_state_dict(self.lightning_module, optimizer, target)
-        # Optimizers are restored after the model (and after setup): the last moment to put each replica's own back.
-        self._restore_replica_state()
-
     def _restore_rng_states(self, info: dict[str, Any]) -> None:
-        """Keep this rank's random streams from ``info`` until training resumes (``_restore_pending_rng_state``).
+        """Put this rank's random streams from ``info`` back, and again when training resumes.
 
-        Restoring them here, while the checkpoint is read, would let everything Lightning builds before the
-        first step (the loaders, their iterators) draw from them: the resumed steps' dropout masks would
-        then be those of later steps.
+        Restored only here, while the checkpoint is read, everything Lightning builds before the first step
+        (the loaders, their iterators) would draw from them: the resumed steps' dropout masks would then be
+        those of later steps (see :meth:`on_train_start`, :meth:`on_train_batch_start`).
         """
         states = info.get("rng_states")
         if not states:
             return
         # The same layout continues each rank's random streams; another layout continues rank 0's everywhere.
-        same_ranks = len(states) == self.world_size
-        state = states[self.global_rank if same_ranks else 0]
+        same_ranks = len(states) == self.engine.world_size
+        state = states[self.engine.global_rank if same_ranks else 0]
         _restore_portable_rng_states(state)  # for validate/test/predict from a checkpoint
         self._pending_rng_state = state
 
@@ -369,24 +300,8 @@ class CheckpointFilesMixin:
         if self._pending_rng_state is not None:
             _restore_portable_rng_states(self._pending_rng_state)
 
-    # ------------------------------------------------------------------ this rank's tensors
-
-    def _local_model_state(self) -> dict[str, Any]:
-        """This rank's model tensors by original name: whole, DTensor shards, or its pipeline stages' only.
-
-        They alias the parameters and buffers, so loading into them loads the module.
-        """
-        return dict(self.lightning_module.state_dict())
-
-    def _whole_model_shapes(self) -> dict[str, tuple[int, ...]]:
-        if self.pipeline_parallel.staged:
-            return dict(self.pipeline_runner.whole_shapes)
-        # A DTensor's shape is the whole tensor's.
-        return {name: tuple(value.shape) for name, value in self.lightning_module.state_dict().items()}
-
     def teardown(self) -> None:
-        self._set_up = False
-        self._deferred_model_state = None
+        """Complete a background save (a failed run surfaces its own error, not the save's) and free its resources."""
         self._pending_rng_state = None
         failure = sys.exc_info()[1]
         try:
@@ -401,8 +316,6 @@ class CheckpointFilesMixin:
         if self._save_group is not None:
             dist.destroy_process_group(self._save_group)
             self._save_group = None
-        super().teardown()
-
 
 def replica_file_name(rank: int) -> str:
     """The file in a sharded checkpoint holding one replica's own state under periodic sync."""

@@ -50,7 +50,8 @@ from lightning_parallel.parallelize.periodic_sync import SyncConfig
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.tensor import TensorParallelConfig
 from lightning_parallel.plan.layouts import Layout
-from lightning_parallel.strategies.checkpoint_files import SAVE_FORMATS, CheckpointFilesMixin
+from lightning_parallel.strategies.checkpoint_files import CheckpointFiles
+from lightning_parallel.strategies.checkpoint_state import CheckpointState
 from lightning_parallel.strategies.collectives import GroupCollectivesMixin
 from lightning_parallel.strategies.components import (
     ActivationCheckpointingComponent,
@@ -62,7 +63,6 @@ from lightning_parallel.strategies.components import (
 from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
 from lightning_parallel.strategies.options import preset_options, preset_signature
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
-from lightning_parallel.strategies.whole_state import WholeTensorCheckpointMixin
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ DEFAULT_TIMEOUT_S = 1800.0
 CONFIG_ARGUMENTS = ("layout", "data_parallel", "tensor_parallel", "pipeline", "periodic_sync")
 
 
-class ParallelEngineStrategy(GroupCollectivesMixin, CheckpointFilesMixin, WholeTensorCheckpointMixin, ParallelStrategy):
+class ParallelEngineStrategy(GroupCollectivesMixin, ParallelStrategy):
     """Runs a LightningModule on the DeviceMesh of a :class:`~lightning_parallel.layout.ParallelLayout`.
 
     Each parallelism is a component (:mod:`lightning_parallel.strategies.components`), run in a fixed
@@ -155,10 +155,6 @@ class ParallelEngineStrategy(GroupCollectivesMixin, CheckpointFilesMixin, WholeT
             checkpoint_io=checkpoint_io if checkpoint_io is not None else ParallelCheckpointIO(),
             precision_plugin=precision_plugin,
         )
-        if save_format not in SAVE_FORMATS:
-            raise ValueError(f"save_format={save_format!r} is unknown; choose one of {', '.join(SAVE_FORMATS)}.")
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be True or False, got {async_save!r}.")
         if start_method not in START_METHODS:
             raise ValueError(f"start_method={start_method!r} is unknown; choose one of {', '.join(START_METHODS)}.")
         layout = layout if layout is not None else ParallelLayout()
@@ -167,9 +163,9 @@ class ParallelEngineStrategy(GroupCollectivesMixin, CheckpointFilesMixin, WholeT
                                       ("pipeline", pipeline, PipelineConfig), ("periodic_sync", periodic_sync, SyncConfig)):
             if value is not None and not isinstance(value, expected):
                 raise TypeError(f"{name} must be a {expected.__name__}, got {type(value).__name__}.")
-        self._save_format = save_format
-        self._async_save = async_save
         self._timeout = _as_timedelta(timeout)
+        self.checkpoint_files = CheckpointFiles(self, save_format, async_save, self._timeout)
+        self.checkpoint_state = CheckpointState(self, self.checkpoint_files)
         self._requested_layout = layout
         self._layout: ParallelLayout | None = None
         self._start_method = start_method
@@ -377,7 +373,7 @@ class ParallelEngineStrategy(GroupCollectivesMixin, CheckpointFilesMixin, WholeT
             # Lightning clips through the precision plugin with torch's clip_grad_norm_, which refuses the
             # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
             self.precision_plugin.clip_grad_by_norm = clip_optimizer_grad_norm
-        self.load_deferred_model_state()
+        self.checkpoint_state.after_setup()
 
     @override
     def model_to_device(self) -> None:
@@ -454,6 +450,57 @@ class ParallelEngineStrategy(GroupCollectivesMixin, CheckpointFilesMixin, WholeT
             run = partial(component.around_optimizer_step, optimizer, run=run)
         return run(closure)
 
+    # ------------------------------------------------------------------ checkpoints (checkpoint_files.py, checkpoint_state.py)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Lightning passes fit(weights_only=...) only to the restore that runs before setup. The model's
+        # tensors are loaded at the end of setup all the same (CheckpointState.load_model_state).
+        return False
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self.checkpoint_files.save(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        return self.checkpoint_files.load(checkpoint_path, weights_only)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpoint_files.remove(filepath)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpoint_state.model_state()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self.checkpoint_state.optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        self.checkpoint_state.load_model_state(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        self.checkpoint_state.load_optimizer_state(checkpoint)
+
+    def finish_pending_save(self) -> None:
+        """Wait until a checkpoint written in the background is complete (``async_save=True``)."""
+        self.checkpoint_files.finish_pending_save()
+
+    @override
+    def on_train_start(self) -> None:
+        self.checkpoint_files.on_train_start()
+        super().on_train_start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.checkpoint_files.on_train_batch_start(batch_idx)
+        super().on_train_batch_start(batch, batch_idx)
+
     # ------------------------------------------------------------------ errors and teardown
 
     @override
@@ -463,6 +510,8 @@ class ParallelEngineStrategy(GroupCollectivesMixin, CheckpointFilesMixin, WholeT
 
     @override
     def teardown(self) -> None:
+        self.checkpoint_state.teardown()
+        self.checkpoint_files.teardown()
         for component in reversed(self.components):
             component.teardown()
         failure = sys.exc_info()[1]  # Lightning tears down inside its handler when the run failed

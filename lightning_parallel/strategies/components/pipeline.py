@@ -26,7 +26,7 @@ from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_o
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
-from lightning_parallel.strategies.whole_state import unwrap_optimizer
+from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

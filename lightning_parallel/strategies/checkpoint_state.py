@@ -1,0 +1,201 @@
+"""What the engine's checkpoints hold: the model and optimizer state, out of and back into this rank's tensors.
+
+``sharded`` format: this rank's tensors (whole, DTensor shards, or its pipeline stages') by the module's
+original names; DCP reads a checkpoint in place into them. ``full`` format: whole tensors — gathered over
+tp (every rank takes part) and over the pipeline stages — so the file loads into the plain module, and
+optimizer state keyed by parameter names, which any layout can read back.
+
+Model tensors are loaded at the end of setup, into the module as it trains (its dtype, its shards; a
+pipeline is cut only on the first batch, so it is still whole then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_parallel.checkpoint import (
+    full_model_state,
+    full_optimizer_state,
+    gather_pipeline_parts,
+    is_named_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    load_into_stages,
+    local_named_optimizer_state,
+    named_optimizer_state,
+)
+from lightning_parallel.checkpoint.sharded import MODEL_KEY, check_model_fits, check_optimizer_fits, load_states
+from lightning_parallel.checkpoint.state import MISMATCH_HINT, all_pipeline_parts, describe_mismatch
+from lightning_parallel.strategies.collectives import whole
+
+if TYPE_CHECKING:
+    from lightning_parallel.strategies.checkpoint_files import CheckpointFiles
+    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+
+
+class CheckpointState:
+    """Lightning's state hooks for the engine (``lightning_module_state_dict``, ``load_model_state_dict``, ...).
+
+    Args:
+        engine: The strategy (its module, optimizers, mesh and components).
+        files: Where the loaded checkpoint came from (a sharded one is read in place, not from memory).
+    """
+
+    def __init__(self, engine: ParallelEngineStrategy, files: CheckpointFiles) -> None:
+        self.engine = engine
+        self.files = files
+        self.set_up = False  # setup has run since the last teardown: the module is as it trains
+        self._deferred_model_state: tuple[Mapping[str, Any], bool] | None = None
+
+    @property
+    def _staged(self) -> bool:
+        return self.engine.pipeline_parallel.staged
+
+    # ------------------------------------------------------------------ out
+
+    def model_state(self) -> dict[str, Any]:
+        """The model state this rank contributes to a checkpoint."""
+        engine = self.engine
+        if self.files.save_format == "sharded":
+            return self.local_model_state()
+        if self._staged:
+            # Tensor-parallel stages hold DTensors: gathered over tp first (every rank takes part).
+            local = {k: whole(v).detach().cpu() for k, v in engine.lightning_module.state_dict().items()}
+            return gather_pipeline_parts(local, engine.device_mesh["pp"].get_group())
+        if engine.parameters_are_dtensors:
+            # Sharded parameters are gathered so the file holds ordinary tensors (every rank takes part).
+            return full_model_state(engine.lightning_module)
+        return ParallelStrategy.lightning_module_state_dict(engine)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """One optimizer's state this rank contributes to a checkpoint."""
+        engine = self.engine
+        module, optimizer = engine.lightning_module, unwrap_optimizer(optimizer)
+        if self.files.save_format == "sharded":
+            # Keyed by parameter names; DTensor shards stay shards (each rank writes its own).
+            state = get_optimizer_state_dict(module, optimizer)
+            if self._staged:
+                # param_groups is one entry that every rank writes: give each the whole model's names.
+                merged = all_pipeline_parts({"state": {}, "param_groups": state["param_groups"]}, engine.device_mesh["pp"].get_group())
+                state = {"state": state["state"], "param_groups": merged["param_groups"]}
+            return state
+        if self._staged:
+            return gather_pipeline_parts(named_optimizer_state(module, optimizer), engine.device_mesh["pp"].get_group())
+        if engine.parameters_are_dtensors:
+            return full_optimizer_state(module, optimizer)
+        return ParallelStrategy.optimizer_state(engine, optimizer)
+
+    # ------------------------------------------------------------------ in
+
+    def load_model_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        """Load a checkpoint's model state now, or at the end of setup if the module is not set up yet."""
+        if not self.set_up:
+            # Before setup the module has neither its training dtype (the precision plugin converts it in
+            # setup: a float64 checkpoint loaded into Lightning's float32 module would be rounded) nor its
+            # shards. The engine loads it at the end of setup (a pipeline is still whole then: it is cut on
+            # the first batch).
+            self._deferred_model_state = (checkpoint, strict)
+            return
+        self._load_model_state(checkpoint, strict)
+
+    def after_setup(self) -> None:
+        """Called by the engine at the end of ``setup``: load a checkpoint's model state restored before it."""
+        self.set_up = True
+        if self._deferred_model_state is not None:
+            (checkpoint, strict), self._deferred_model_state = self._deferred_model_state, None
+            self._load_model_state(checkpoint, strict)
+
+    def _load_model_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        engine, module = self.engine, self.engine.lightning_module
+        source = self.files.sharded_source
+        expected = self._whole_model_shapes()
+        if source is not None:
+            check_model_fits(source, expected, strict)
+            # In place into this rank's tensors (whole, DTensor shards, or a stage's): DCP reads what they cover.
+            load_states({MODEL_KEY: self.local_model_state()}, source, allow_partial=not strict)
+            return
+        found = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
+        message = describe_mismatch(expected, found, strict)
+        if message:
+            raise RuntimeError(f"The checkpoint {str(self.files.loaded_from)!r} does not fit this model: {message}. {MISMATCH_HINT}")
+        if self._staged:
+            load_into_stages(module, checkpoint["state_dict"], engine.pipeline_runner.whole_shapes, strict=strict)
+        elif engine.parameters_are_dtensors:
+            load_full_model_state(module, checkpoint["state_dict"], strict=strict)
+        else:
+            ParallelStrategy.load_model_state_dict(engine, checkpoint, strict=strict)
+
+    def load_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load every optimizer's state (after the model's, after setup), resharded to this layout."""
+        engine = self.engine
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(engine.optimizers):
+            raise RuntimeError(
+                f"The checkpoint holds the state of {len(states)} optimizer(s) but configure_optimizers returned "
+                f"{len(engine.optimizers)}: resume with the optimizers it was saved with."
+            )
+        source = self.files.sharded_source
+        if source is not None:
+            module = engine.lightning_module
+            for optimizer, stored in zip(engine.optimizers, states):
+                optimizer = unwrap_optimizer(optimizer)
+                target = get_optimizer_state_dict(module, optimizer)
+                check_optimizer_fits(source, stored.key, target, type(optimizer).__name__)
+                load_states({stored.key: target}, source)
+                if self._staged:
+                    names = {name for name, _ in module.named_parameters()}
+                    target = local_named_optimizer_state(target, names)
+                set_optimizer_state_dict(module, optimizer, target)
+        else:
+            self._load_whole_optimizer_states(checkpoint)
+        # Optimizers are restored after the model (and after setup): the last moment to put each replica's own back.
+        self.files.restore_replica_state()
+
+    def _load_whole_optimizer_states(self, checkpoint: Mapping[str, Any]) -> None:
+        engine = self.engine
+        states = checkpoint["optimizer_states"]
+        named = all(is_named_optimizer_state(s) for s in states)
+        if self._staged:
+            if not named:
+                raise RuntimeError(
+                    "This checkpoint's optimizer state is keyed by position, which cannot be matched to a model already "
+                    "cut into pipeline stages: pass ckpt_path to the first fit/validate/test/predict call of the Trainer."
+                )
+            names = {name for name, _ in engine.lightning_module.named_parameters()}
+            states = [local_named_optimizer_state(s, names) for s in states]
+        elif not engine.parameters_are_dtensors and not named:
+            ParallelStrategy.load_optimizer_state_dict(engine, checkpoint)
+            return
+        for optimizer, state in zip(engine.optimizers, states):
+            load_full_optimizer_state(engine.lightning_module, unwrap_optimizer(optimizer), state)
+
+    # ------------------------------------------------------------------ this rank's tensors
+
+    def local_model_state(self) -> dict[str, Any]:
+        """This rank's model tensors by original name: whole, DTensor shards, or its pipeline stages' only.
+
+        They alias the parameters and buffers, so loading into them loads the module.
+        """
+        return dict(self.engine.lightning_module.state_dict())
+
+    def _whole_model_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._staged:
+            return dict(self.engine.pipeline_runner.whole_shapes)
+        # A DTensor's shape is the whole tensor's.
+        return {name: tuple(value.shape) for name, value in self.engine.lightning_module.state_dict().items()}
+
+    def teardown(self) -> None:
+        self.set_up = False
+        self._deferred_model_state = None
+
+
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
