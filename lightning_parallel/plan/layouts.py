@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from typing import TYPE_CHECKING
+
 from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES, check_schedule
+
+if TYPE_CHECKING:
+    from lightning_parallel.layout import ParallelLayout
+    from lightning_parallel.parallelize.pipeline import PipelineConfig
 
 #: Pipeline schedules the planner compares (one stage per rank, and the common virtual-stage ones).
 PLANNED_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zbv_zero_bubble")
@@ -66,6 +72,28 @@ class Layout:
     stages_per_rank: int = 1
     microbatches: int = 1
     activation_checkpointing: bool = False
+
+    @classmethod
+    def from_parallel(
+        cls,
+        layout: ParallelLayout,
+        data_parallel_mode: str,
+        pipeline: PipelineConfig,
+        activation_checkpointing: bool,
+    ) -> Layout:
+        """A strategy's resolved layout and settings in the planner's terms (options that do not apply dropped)."""
+        pipelined = layout.pipeline_parallel_size > 1
+        return cls(
+            dp=layout.data_parallel_size,
+            tp=layout.tensor_parallel_size,
+            pp=layout.pipeline_parallel_size,
+            data_parallel_mode=data_parallel_mode if layout.data_parallel_size > 1 else "replicate",
+            shard_size=layout.data_parallel_shard_size,
+            schedule=pipeline.schedule if pipelined else "none",
+            stages_per_rank=pipeline.stages_per_rank if pipelined else 1,
+            microbatches=pipeline.microbatches if pipelined else 1,
+            activation_checkpointing=activation_checkpointing,
+        )
 
     def describe(self) -> str:
         """E.g. ``dp=2 × tp=4 × pp=2 · 1f1b m=8 · shard · ckpt``."""

@@ -60,7 +60,7 @@ from lightning_parallel.strategies.components import (
     PipelineComponent,
     TensorParallelComponent,
 )
-from lightning_parallel.strategies.launch import START_METHODS, StartMethod, make_launcher
+from lightning_parallel.strategies.launch import START_METHODS, StartMethod, as_timedelta, make_launcher
 from lightning_parallel.strategies.options import preset_options, preset_signature
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 
@@ -163,7 +163,7 @@ class ParallelEngineStrategy(GroupCollectivesMixin, ParallelStrategy):
                                       ("pipeline", pipeline, PipelineConfig), ("periodic_sync", periodic_sync, SyncConfig)):
             if value is not None and not isinstance(value, expected):
                 raise TypeError(f"{name} must be a {expected.__name__}, got {type(value).__name__}.")
-        self._timeout = _as_timedelta(timeout)
+        self._timeout = as_timedelta(timeout)
         self.checkpoint_files = CheckpointFiles(self, save_format, async_save, self._timeout)
         self.checkpoint_state = CheckpointState(self, self.checkpoint_files)
         self._requested_layout = layout
@@ -287,18 +287,10 @@ class ParallelEngineStrategy(GroupCollectivesMixin, ParallelStrategy):
     def planned_layout(self, layout: ParallelLayout | None = None) -> Layout:
         """A layout (by default this strategy's resolved one) in the planner's terms: sizes, data-parallel
         mode, schedule, checkpointing."""
-        layout = layout if layout is not None else self.layout
-        pipelined = layout.pipeline_parallel_size > 1
-        pipeline = self.pipeline_parallel.config
-        return Layout(
-            dp=layout.data_parallel_size,
-            tp=layout.tensor_parallel_size,
-            pp=layout.pipeline_parallel_size,
-            data_parallel_mode=self.data_parallel.config.mode if layout.data_parallel_size > 1 else "replicate",
-            shard_size=layout.data_parallel_shard_size,
-            schedule=pipeline.schedule if pipelined else "none",
-            stages_per_rank=pipeline.stages_per_rank if pipelined else 1,
-            microbatches=pipeline.microbatches if pipelined else 1,
+        return Layout.from_parallel(
+            layout if layout is not None else self.layout,
+            self.data_parallel.config.mode,
+            self.pipeline_parallel.config,
             activation_checkpointing=bool(self.activation_checkpointing.patterns),
         )
 
@@ -529,15 +521,3 @@ class ParallelEngineStrategy(GroupCollectivesMixin, ParallelStrategy):
         """Register ``cls`` under ``name`` in a Lightning strategy registry, once."""
         if name not in registry:
             registry.register(name, cls, description=description, **init_params)
-
-
-def _as_timedelta(timeout: float | timedelta) -> timedelta:
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds = float(timeout)
-    else:
-        raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}.")
-    if seconds <= 0:
-        raise ValueError(f"timeout={seconds}s must be positive: it is how long a collective may wait before failing.")
-    return timedelta(seconds=seconds)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch.distributed as dist
@@ -134,3 +135,16 @@ def training_job() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def as_timedelta(timeout: float | timedelta) -> timedelta:
+    """A process-group timeout from seconds or a ``timedelta`` (positive)."""
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be seconds (a number) or a datetime.timedelta, got {type(timeout).__name__}.")
+    if seconds <= 0:
+        raise ValueError(f"timeout={seconds}s must be positive: it is how long a collective may wait before failing.")
+    return timedelta(seconds=seconds)
