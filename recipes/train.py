@@ -4,7 +4,7 @@
     python recipes/train.py strategy=data trainer.devices=2               # 2 data-parallel replicas
     python recipes/train.py strategy=data trainer.devices=2 trainer.accumulate_grad_batches=4
     python recipes/train.py experiment=convnet_syncbn                     # BatchNorm over the global batch
-    python recipes/train.py -m strategy=single,data trainer.devices=1,2   # sweep
+    python recipes/train.py -m strategy=data trainer.devices=1,2,4        # sweep
     python recipes/train.py hydra.run.dir=outputs/gpt ckpt_path=last      # resume that run (any layout)
 
 Global batch = data.batch_size (per rank) × data-parallel replicas × trainer.accumulate_grad_batches.
@@ -13,7 +13,9 @@ Outputs (CSV metrics, checkpoints/, Hydra config) go to outputs/<date>/<time>/ u
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import (
 from omegaconf import DictConfig
 
 from lightning_parallel import ScalingMonitor, latest_checkpoint, training_job
+from lightning_parallel.strategies.launch import restart_attempt
 from lightning_parallel.plan.config import (
     configured_layout,
     hardware_from_config,
@@ -40,13 +43,15 @@ from lightning_parallel.plan.config import (
 )
 
 
-def train(cfg: DictConfig) -> dict[str, Any]:
+def train(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
     """Build data, model, strategy and Trainer from ``cfg`` and fit; returns the final logged metrics."""
+    check_single_device(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy)
     trainer = instantiate(cfg.trainer, strategy=strategy)
+    trainer.callbacks.extend(extra_callbacks)
     attach_prediction(cfg, trainer)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), Path(cfg.paths.output_dir) / "checkpoints")
     # Checkpoints of these recipes hold the Hydra config (OmegaConf objects) among the hyperparameters,
@@ -71,8 +76,34 @@ def attach_prediction(cfg: DictConfig, trainer: L.Trainer) -> None:
         rank_zero_warn(f"ScalingMonitor: no prediction ({type(error).__name__}: {error})")
 
 
+def check_single_device(cfg: DictConfig) -> None:
+    """Refuse ``strategy=single`` with several processes: each would train its own copy and write the same files.
+
+    Raises:
+        ValueError: More than one device configured, or a launcher (torchrun, SLURM) started several processes.
+    """
+    if not str(cfg.strategy.get("_target_", "")).endswith("SingleDeviceStrategy"):
+        return
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    devices = cfg.trainer.get("devices", 1)
+    if launched > 1 or (isinstance(devices, int) and devices > 1) or cfg.trainer.get("num_nodes", 1) > 1:
+        raise ValueError(
+            f"strategy=single trains on one device, but trainer.devices={devices}, trainer.num_nodes="
+            f"{cfg.trainer.get('num_nodes', 1)} and {launched} launched process(es) ask for more: every process would "
+            "train its own copy and write the same checkpoints. Use strategy=data (or tensor/pipeline/hybrid) for "
+            "several devices, or trainer.devices=1 in a single process."
+        )
+
+
 def resolve_ckpt_path(ckpt_path: str | None, checkpoint_dir: Path) -> str | None:
-    """``last`` -> the newest complete checkpoint in ``checkpoint_dir`` (a save cut short is skipped), else as given."""
+    """``last`` -> the newest complete checkpoint in ``checkpoint_dir`` (a save cut short is skipped), else as given.
+
+    A restarted job (torchrun ``--max-restarts``, a SLURM requeue) resumes from its newest checkpoint even
+    without ``ckpt_path=last``: starting over would train again from step 0 over the files it wrote.
+    """
+    if ckpt_path is None and restart_attempt() > 0:
+        rank_zero_info(f"Restart {restart_attempt()} of this job: resuming from its newest checkpoint (ckpt_path=last).")
+        ckpt_path = "last"
     if ckpt_path != "last":
         return ckpt_path
     latest = latest_checkpoint(checkpoint_dir)

@@ -148,3 +148,29 @@ def as_timedelta(timeout: float | timedelta) -> timedelta:
     if seconds <= 0:
         raise ValueError(f"timeout={seconds}s must be positive: it is how long a collective may wait before failing.")
     return timedelta(seconds=seconds)
+
+
+def restart_attempt() -> int:
+    """Which restart of the job this process belongs to (0: the first run; torchrun and SLURM requeues count)."""
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def elastic_restart_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The store for the default process group under torchrun, one namespace per restart attempt.
+
+    torchrun hands its workers the rendezvous' own TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``), which
+    outlives a restart; torch (2.13, checked) connects to it without a per-attempt prefix ("we create a new
+    TCPStore for every retry"), so a restarted worker reads the addresses the killed attempt published —
+    gloo fails with "connectFullMesh ... Connection refused", NCCL hangs. Everything of this attempt goes
+    under its own prefix instead. ``None`` outside torchrun's agent store (the default rendezvous is fine).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(f"/lightning_parallel/attempt_{restart_attempt()}", store)

@@ -29,7 +29,13 @@ from typing_extensions import override
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.layout import ParallelLayout, RankCoordinates, data_parallel_mesh
 from lightning_parallel.strategies.collectives import GroupCollectivesMixin
-from lightning_parallel.strategies.launch import START_METHODS, StartMethod, as_timedelta, make_launcher
+from lightning_parallel.strategies.launch import (
+    START_METHODS,
+    StartMethod,
+    as_timedelta,
+    elastic_restart_store,
+    make_launcher,
+)
 
 #: Process-group timeout when none is given: long enough for slow first steps, short enough to not hang a job.
 DEFAULT_TIMEOUT_S = 1800.0
@@ -189,8 +195,10 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
         )
         self._check_backend(self._process_group_backend)
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        store = elastic_restart_store(self.cluster_environment.world_size(), self._timeout)
         _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
+            **({"store": store} if store is not None else {}),
         )
         layout = self._layout = self.layout_for(dist.get_world_size(), self.num_processes, "processes in the default process group")
         self._mesh = layout.build_mesh(self.root_device.type)
