@@ -54,6 +54,8 @@ class JobSpec:
     sanity_val_steps: int = 0  # Lightning's default is 2: validation batches before training starts
     fail_rank: int | None = None  # raise on this global rank ...
     fail_step: int = 2  # ... at this batch index
+    nan_rank: int | None = None  # this global rank's loss turns NaN ...
+    nan_step: int = 2  # ... at this batch index
     gradient_clip_val: float | None = None
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
     checkpoint_round_trip: bool = False
@@ -74,14 +76,19 @@ class FailingStep(RuntimeError):
 class RecordingGPT(GPTLightningModule):
     """The recipe GPT plus what the tests observe: a synced log, and a rank that fails on purpose."""
 
-    def __init__(self, fail_rank: int | None = None, fail_step: int = 2, **kwargs: Any) -> None:
+    def __init__(
+        self, fail_rank: int | None = None, fail_step: int = 2, nan_rank: int | None = None, nan_step: int = 2, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step = fail_rank, fail_step
+        self.nan_rank, self.nan_step = nan_rank, nan_step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.fail_rank == self.global_rank and batch_idx == self.fail_step:
             raise FailingStep(f"rank {self.global_rank} fails on purpose at batch {batch_idx}")
         loss = super().training_step(batch, batch_idx)
+        if self.nan_rank == self.global_rank and batch_idx == self.nan_step:
+            loss = loss * float("nan")
         self.log("train/loss_synced", loss, sync_dist=True)
         return loss
 
@@ -242,7 +249,7 @@ def make_model(spec: JobSpec) -> L.LightningModule:
     if spec.model == "gpt":
         return RecordingGPT(
             vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=spec.n_embd, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
-            fail_rank=spec.fail_rank, fail_step=spec.fail_step,
+            fail_rank=spec.fail_rank, fail_step=spec.fail_step, nan_rank=spec.nan_rank, nan_step=spec.nan_step,
         )
     if spec.model in ("regressor", "regressor_loop"):
         return Regressor(sequential=spec.model == "regressor")

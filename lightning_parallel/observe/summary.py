@@ -67,11 +67,15 @@ class TrainingSummary(Callback):
             "data_parallel_replicas": replicas,
             "world_size": trainer.world_size,
         }
+        guard = getattr(trainer.strategy, "nonfinite", None)
+        skipped = f" ({guard.skipped_steps} skipped: non-finite)" if guard is not None and guard.skipped_steps else ""
+        if guard is not None:
+            self.summary["skipped_steps"] = guard.skipped_steps
         layout = getattr(trainer.strategy, "layout", None)
         where = layout.describe() if layout is not None else f"{type(trainer.strategy).__name__}"
         loss_text = f"{loss:.4f}" if loss is not None else "n/a"
         rank_zero_info(
-            f"lightning_parallel summary: {steps} steps · final loss {loss_text} · "
+            f"lightning_parallel summary: {steps} steps{skipped} · final loss {loss_text} · "
             f"{self.summary['samples_per_s']:.1f} samples/s over {replicas} replica(s) · {elapsed:.1f}s · {where}"
         )
         for logger in trainer.loggers:

@@ -45,6 +45,7 @@ from lightning_parallel.strategies.components import (
     ActivationCheckpointingComponent,
     Component,
     DataParallelComponent,
+    NonFiniteGuard,
     PipelineComponent,
     TensorParallelComponent,
 )
@@ -84,6 +85,8 @@ class ParallelEngineStrategy(MeshStrategy):
             ``Trainer(sync_batchnorm=True)`` does; either switch turns it on).
         track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
             Python call per bucket; switch off to use DDP's built-in C++ all-reduce.
+        nonfinite: A NaN/Inf loss or gradient on any rank: ``"error"`` stops with the step and the ranks,
+            ``"skip"`` skips that optimizer step on every rank (one tiny all-gather per step decides).
         start_method: ``"popen"`` re-runs the script per rank (scripts, Hydra); ``"spawn"``/``"fork"``
             start workers from a running interpreter (notebooks, tests). torchrun and SLURM are detected
             through Lightning's cluster environments and need no option.
@@ -123,6 +126,7 @@ class ParallelEngineStrategy(MeshStrategy):
         periodic_sync: SyncConfig | None = None,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
+        nonfinite: str = "error",
         start_method: StartMethod = "popen",
         process_group_backend: str | None = None,
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
@@ -161,13 +165,15 @@ class ParallelEngineStrategy(MeshStrategy):
         self.data_parallel = DataParallelComponent(
             self, data_parallel or DataParallelConfig(), periodic_sync or SyncConfig(), sync_batchnorm
         )
+        self.nonfinite = NonFiniteGuard(self, nonfinite)
 
     # ------------------------------------------------------------------ properties
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → data)."""
-        return (self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing, self.data_parallel)
+        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → data), and the
+        check of every step's loss and gradients (innermost around the optimizer step: after all reductions)."""
+        return (self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing, self.data_parallel, self.nonfinite)
 
     @property
     def tensor_parallel_config(self) -> TensorParallelConfig:

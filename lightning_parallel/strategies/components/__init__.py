@@ -8,6 +8,7 @@ one more axis in :mod:`lightning_parallel.layout` plus one component here.
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.components.checkpointing import ActivationCheckpointingComponent
 from lightning_parallel.strategies.components.data import DataParallelComponent
+from lightning_parallel.strategies.components.nonfinite import NONFINITE_MODES, NonFiniteGuard
 from lightning_parallel.strategies.components.pipeline import PipelineComponent
 from lightning_parallel.strategies.components.tensor import TensorParallelComponent
 
@@ -15,6 +16,8 @@ __all__ = [
     "ActivationCheckpointingComponent",
     "Component",
     "DataParallelComponent",
+    "NONFINITE_MODES",
+    "NonFiniteGuard",
     "PipelineComponent",
     "TensorParallelComponent",
 ]
