@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,9 @@ class JobSpec:
     fail_step: int = 2  # ... at this batch index
     nan_rank: int | None = None  # this global rank's loss turns NaN ...
     nan_step: int = 2  # ... at this batch index
+    stall_rank: int | None = None  # this global rank sleeps in training_step (a hang, as the others see it) ...
+    stall_step: int = 2  # ... at this batch index ...
+    stall_seconds: float = 0.0  # ... this long
     gradient_clip_val: float | None = None
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
     checkpoint_round_trip: bool = False
@@ -77,15 +81,26 @@ class RecordingGPT(GPTLightningModule):
     """The recipe GPT plus what the tests observe: a synced log, and a rank that fails on purpose."""
 
     def __init__(
-        self, fail_rank: int | None = None, fail_step: int = 2, nan_rank: int | None = None, nan_step: int = 2, **kwargs: Any
+        self,
+        fail_rank: int | None = None,
+        fail_step: int = 2,
+        nan_rank: int | None = None,
+        nan_step: int = 2,
+        stall_rank: int | None = None,
+        stall_step: int = 2,
+        stall_seconds: float = 0.0,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.fail_rank, self.fail_step = fail_rank, fail_step
         self.nan_rank, self.nan_step = nan_rank, nan_step
+        self.stall_rank, self.stall_step, self.stall_seconds = stall_rank, stall_step, stall_seconds
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.fail_rank == self.global_rank and batch_idx == self.fail_step:
             raise FailingStep(f"rank {self.global_rank} fails on purpose at batch {batch_idx}")
+        if self.stall_rank == self.global_rank and batch_idx == self.stall_step:
+            time.sleep(self.stall_seconds)
         loss = super().training_step(batch, batch_idx)
         if self.nan_rank == self.global_rank and batch_idx == self.nan_step:
             loss = loss * float("nan")
@@ -250,6 +265,7 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         return RecordingGPT(
             vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=spec.n_embd, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step, nan_rank=spec.nan_rank, nan_step=spec.nan_step,
+            stall_rank=spec.stall_rank, stall_step=spec.stall_step, stall_seconds=spec.stall_seconds,
         )
     if spec.model in ("regressor", "regressor_loop"):
         return Regressor(sequential=spec.model == "regressor")

@@ -30,6 +30,9 @@ class GroupCollectivesMixin:
     """Lightning's collective hooks for a strategy that has ``data_parallel_group``, ``root_device`` and
     ``world_size`` (mixed into :class:`~lightning_parallel.strategies.engine.ParallelEngineStrategy`)."""
 
+    def _before_collective(self, name: str) -> None:
+        """Called before each of these collectives (the engine records it for a hang's report)."""
+
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
@@ -40,23 +43,27 @@ class GroupCollectivesMixin:
         """
         if not isinstance(tensor, Tensor):
             return tensor
+        self._before_collective("reduce")
         tensor = whole(tensor)
         return _sync_ddp_if_available(tensor, group if group is not None else self.data_parallel_group, reduce_op=reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Gather ``tensor`` from every data-parallel replica (or from ``group``)."""
+        self._before_collective("all_gather")
         return _all_gather_ddp_if_available(
             whole(tensor), group=group if group is not None else self.data_parallel_group, sync_grads=sync_grads
         )
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # Decisions (stop early, save a checkpoint) must agree on every rank of the world, not one group.
+        self._before_collective("reduce_boolean_decision")
         votes = _sync_ddp_if_available(torch.tensor(int(decision), device=self.root_device), None, reduce_op=ReduceOp.SUM)
         return bool(votes == self.world_size) if all else bool(votes)
 
     def barrier(self, name: str | None = None) -> None:
         if not _distributed_is_initialized():
             return
+        self._before_collective(f"barrier {name}" if name else "barrier")
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
@@ -65,6 +72,7 @@ class GroupCollectivesMixin:
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
+        self._before_collective("broadcast")
         holder = [obj]
         dist.broadcast_object_list(holder, src)
         return holder[0]

@@ -47,6 +47,7 @@ from lightning_parallel.strategies.components import (
     DataParallelComponent,
     NonFiniteGuard,
     PipelineComponent,
+    ProgressReport,
     TensorParallelComponent,
 )
 from lightning_parallel.strategies.launch import StartMethod
@@ -166,14 +167,19 @@ class ParallelEngineStrategy(MeshStrategy):
             self, data_parallel or DataParallelConfig(), periodic_sync or SyncConfig(), sync_batchnorm
         )
         self.nonfinite = NonFiniteGuard(self, nonfinite)
+        self.progress = ProgressReport(self)
 
     # ------------------------------------------------------------------ properties
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → data), and the
-        check of every step's loss and gradients (innermost around the optimizer step: after all reductions)."""
-        return (self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing, self.data_parallel, self.nonfinite)
+        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → data), after
+        the record of where each rank is (outermost: a pipeline runs steps without the inner components) and
+        before the check of every step's loss and gradients (innermost around the optimizer step)."""
+        return (
+            self.progress, self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing,
+            self.data_parallel, self.nonfinite,
+        )
 
     @property
     def tensor_parallel_config(self) -> TensorParallelConfig:
@@ -218,6 +224,10 @@ class ParallelEngineStrategy(MeshStrategy):
             self.pipeline_parallel.config,
             activation_checkpointing=bool(self.activation_checkpointing.patterns),
         )
+
+    @override
+    def _before_collective(self, name: str) -> None:
+        self.progress.record_collective(name)
 
     def record_gradient_round(self, sent_bytes: int, seconds: float) -> None:
         """Count one gradient synchronization outside DDP's hook (pipeline replicas, periodic sync)."""

@@ -10,6 +10,7 @@ from lightning_parallel.strategies.components.checkpointing import ActivationChe
 from lightning_parallel.strategies.components.data import DataParallelComponent
 from lightning_parallel.strategies.components.nonfinite import NONFINITE_MODES, NonFiniteGuard
 from lightning_parallel.strategies.components.pipeline import PipelineComponent
+from lightning_parallel.strategies.components.progress import ProgressReport
 from lightning_parallel.strategies.components.tensor import TensorParallelComponent
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "NONFINITE_MODES",
     "NonFiniteGuard",
     "PipelineComponent",
+    "ProgressReport",
     "TensorParallelComponent",
 ]

@@ -1,0 +1,129 @@
+"""Where every rank last was: a hang becomes an error that names the rank, the step and the stage of it.
+
+A rank that stops calling collectives (a stuck data loader, a deadlock, a ``training_step`` that skips the
+model on one rank) leaves the others waiting in a collective until the process group's ``timeout``; gloo
+then says only that a receive timed out. Each rank therefore writes where it is — step and phase — to the
+job's key-value store (one small write per phase, no collective), and a rank whose collective timed out
+reads them all back and adds the report to its error::
+
+    Ranks at the hang: rank 0: step 3, training_step, in its 1st collective (reduce) · rank 1: step 3,
+    training_step — the rank(s) behind, which never reached the collective the others wait in: [1]
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_parallel.strategies.components.base import Component
+
+if TYPE_CHECKING:
+    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+
+#: Phases of one optimizer step, in order.
+PHASES = ("training_step", "backward", "optimizer_step")
+
+#: How gloo and NCCL say that a collective waited past the process group's timeout.
+_TIMEOUT = re.compile(r"timed out|timeout|Timeout|watchdog", re.IGNORECASE)
+
+_KEY = "lightning_parallel/progress/{rank}"
+
+
+class ProgressReport(Component):
+    """Records each rank's step and phase in the store; on a timed-out collective, reports them all."""
+
+    def __init__(self, engine: ParallelEngineStrategy) -> None:
+        super().__init__(engine)
+        self._store: dist.Store | None = None
+        self._phase: str | None = None  # the phase of the step this rank is in
+        self._collectives = 0  # the strategy's collectives called in it so far
+
+    def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if hook == "training_step":
+            self._record("training_step")
+        return run()
+
+    def around_backward(self, run: Callable[[], Tensor], loss: Tensor) -> Tensor:
+        self._record("backward")
+        return run()
+
+    def around_optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], run: Callable[[Callable[[], Any]], Any]) -> Any:
+        self._record("optimizer_step")
+        return run(closure)
+
+    def on_exception(self, exception: BaseException) -> None:
+        if not _TIMEOUT.search(str(exception)) or self.store is None:
+            return
+        report = self.report()
+        if report:
+            exception.args = (f"{exception.args[0] if exception.args else exception}\n{report}", *exception.args[1:])
+        # The ranks this process launched are stuck (that is the hang): end them, or they would outlive the job.
+        launcher = self.engine.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and getattr(launcher, "procs", None):
+            launcher.kill(signal.SIGKILL)
+
+    @property
+    def store(self) -> dist.Store | None:
+        """The default process group's store (torch keeps it private; checked against torch 2.13)."""
+        if self._store is None and dist.is_initialized():
+            self._store = dist.distributed_c10d._get_default_store()
+        return self._store
+
+    def _record(self, phase: str) -> None:
+        self._phase, self._collectives = phase, 0
+        self._write("")
+
+    def record_collective(self, name: str) -> None:
+        """Called by the strategy's own collectives (``self.log(sync_dist=True)``, broadcasts, barriers)."""
+        if self._phase is not None:
+            self._collectives += 1
+            self._write(name)
+
+    def _write(self, collective: str) -> None:
+        store = self.store
+        module = self.engine.lightning_module
+        if store is None or self.engine.world_size == 1 or module is None or module._trainer is None:
+            return
+        step = module.trainer.global_step
+        store.set(_KEY.format(rank=self.engine.global_rank), f"{step}:{self._phase}:{self._collectives}:{collective}")
+
+    def report(self) -> str:
+        """Every rank's last step and phase, and which ranks are behind the furthest one."""
+        store = self.store
+        if store is None:
+            return ""
+        where: dict[int, tuple[int, int, int]] = {}
+        names: dict[int, str] = {}
+        for rank in range(self.engine.world_size):
+            key = _KEY.format(rank=rank)
+            try:
+                if store.check([key]):
+                    step, phase, count, names[rank] = store.get(key).decode().split(":")
+                    where[rank] = (int(step), PHASES.index(phase), int(count))
+            except (RuntimeError, ValueError):  # the store's host may be gone too
+                continue
+        if not where:
+            return ""
+        furthest = max(where.values())
+        behind = [rank for rank in range(self.engine.world_size) if where.get(rank, (-1, -1, -1)) < furthest]
+        parts = [
+            f"rank {rank}: step {step}, {PHASES[phase]}" + (f", in its collective #{count} ({names[rank]})" if count else "")
+            for rank, (step, phase, count) in sorted(where.items())
+        ]
+        missing = [rank for rank in range(self.engine.world_size) if rank not in where]
+        if missing:
+            parts.append(f"no progress recorded by rank(s) {missing}")
+        return (
+            "lightning_parallel: a collective timed out. Where each rank was (optimizer step, phase, the strategy's "
+            "collectives in it): "
+            + " · ".join(parts)
+            + (f" — the rank(s) behind, which never reached the collective the others wait in: {behind}" if behind else "")
+            + ". Look at what those ranks do at that point (data loading, a branch that skips the model, a deadlock)."
+        )
