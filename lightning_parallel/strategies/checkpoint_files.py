@@ -27,7 +27,11 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lightning_parallel.checkpoint.data_position import rescale_loader_positions
+from lightning_parallel.checkpoint.data_position import (
+    check_same_global_batch,
+    global_batch,
+    rescale_loader_positions,
+)
 from lightning_parallel.checkpoint.files import (
     INFO_KEY,
     META_FILENAME,
@@ -103,6 +107,7 @@ class CheckpointFiles:
         self._save_group: dist.ProcessGroup | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._pending_rng_state: bytes | None = None  # a checkpoint's random streams, put back when training resumes
+        self._saved_global_batch: dict[str, int] | None = None  # how the loaded checkpoint's steps were made up
 
     # ------------------------------------------------------------------ saving
 
@@ -221,9 +226,23 @@ class CheckpointFiles:
             remove_path(filepath)
 
     def on_train_start(self) -> None:
+        saved, self._saved_global_batch = self._saved_global_batch, None
+        current = self._global_batch()
+        if current is not None:
+            check_same_global_batch(saved, current)
         # A checkpoint taken at the end of an epoch resumes with a new epoch, whose loader iterator (built
         # after this hook) draws from the random streams as it did in the run that saved it.
         self._restore_pending_rng_state()
+
+    def _global_batch(self) -> dict[str, int] | None:
+        """This run's samples per optimizer step (``None`` outside fit, or for a loader without a batch size)."""
+        module = self.engine.lightning_module
+        trainer = module._trainer if module is not None else None
+        loader = trainer.train_dataloader if trainer is not None else None
+        per_replica = getattr(loader, "batch_size", None) or getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+        if not isinstance(per_replica, int):
+            return None
+        return global_batch(per_replica, self.engine.layout.data_parallel_size, trainer.accumulate_grad_batches)
 
     def on_train_batch_start(self, batch_idx: int) -> None:
         if batch_idx > 0:
@@ -255,6 +274,7 @@ class CheckpointFiles:
             "world_size": len(states),
             "versions": {"lightning_parallel": package_version(), "torch": str(torch.__version__)},
             "rng_states": states,
+            "global_batch": self._global_batch(),
         }
 
     # ------------------------------------------------------------------ loading
@@ -277,6 +297,7 @@ class CheckpointFiles:
                 checkpoint["optimizer_states"] = [_ShardedOptimizerState(optimizer_key(i)) for i in range(count)]
             self.sharded_source = path
         rescale_loader_positions(checkpoint, engine.layout.data_parallel_size)
+        self._saved_global_batch = checkpoint.get(INFO_KEY, {}).get("global_batch")
         self._restore_rng_states(checkpoint.get(INFO_KEY, {}))
         return checkpoint
 
@@ -303,6 +324,7 @@ class CheckpointFiles:
     def teardown(self) -> None:
         """Complete a background save (a failed run surfaces its own error, not the save's) and free its resources."""
         self._pending_rng_state = None
+        self._saved_global_batch = None
         failure = sys.exc_info()[1]
         try:
             self.finish_pending_save()

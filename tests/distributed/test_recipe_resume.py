@@ -93,3 +93,38 @@ def test_resume_under_another_layout_keeps_the_data_order(tmp_path):
          f"ckpt_path='{checkpoint}'", f"hydra.run.dir={moved}"]
     )
     assert_same_losses(train_losses(whole), train_losses(moved), range(4, 8), rel=1e-6)
+
+
+def test_resume_onto_fewer_replicas_keeps_the_global_batch_or_refuses(tmp_path):
+    """dp=2 × 4 samples, resumed on one process (a restart that got fewer ranks back): × 4 is refused (each step
+    would average half the samples); × 8 goes on as the dp=2 run did."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from lightning_parallel import ParallelCheckpointIO
+    from tests.harness import REPO_ROOT
+
+    common = [*TINY, "model.dropout=0.0", "strategy=data", "trainer.max_steps=8"]
+    whole, refused, kept = tmp_path / "dp2", tmp_path / "refused", tmp_path / "kept"
+    run_recipe([*common, "trainer.devices=2", "data.batch_size=4", f"hydra.run.dir={whole}"])
+    checkpoint = f"ckpt_path='{whole / 'checkpoints' / 'step=4.ckpt'}'"
+    proc = subprocess.run(
+        [sys.executable, "recipes/train.py", *common, "trainer.devices=1", "data.batch_size=4", checkpoint,
+         f"hydra.run.dir={refused}"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert proc.returncode != 0
+    assert "trained with 8 samples per micro-batch (2 data-parallel replica(s) × 4)" in proc.stderr
+    assert "Keep them: data.batch_size=8 (per replica) with trainer.accumulate_grad_batches=1" in proc.stderr
+    run_recipe([*common, "trainer.devices=1", "data.batch_size=8", checkpoint, f"hydra.run.dir={kept}"])
+
+    def weights(run_dir: Path) -> dict:
+        state = ParallelCheckpointIO().load_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+        return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+    expected, found = weights(whole), weights(kept)
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, rtol=1e-6, atol=1e-9, msg=name)
+    assert_same_losses(train_losses(whole), train_losses(kept), range(4, 8), rel=1e-6)
