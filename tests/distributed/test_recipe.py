@@ -60,9 +60,11 @@ def test_train_recipe_with_data_parallel_strategy(tmp_path):
     scaling = json.loads((tmp_path / "scaling.json").read_text())
     assert scaling["measured"]["steps"] == 2 and scaling["predicted"]["layout"]["dp"] == 2
 
-    # The same run, resumed under another layout from its newest checkpoint, trains on to step 5.
+    # The same run, resumed under another layout from its newest checkpoint, trains on to step 5 (one replica:
+    # twice the per-replica batch keeps the global batch, which a resume must).
     resumed = run_recipe(
-        ["strategy=tensor", "trainer.devices=2", *SMALL, "trainer.max_steps=5", "ckpt_path=last", f"hydra.run.dir={tmp_path}"]
+        ["strategy=tensor", "trainer.devices=2", *SMALL, "data.batch_size=8", "trainer.max_steps=5", "ckpt_path=last",
+         f"hydra.run.dir={tmp_path}"]
     )
     output = resumed.stdout + resumed.stderr
     assert f"ckpt_path=last: resuming from {tmp_path / 'checkpoints'}" in output
