@@ -75,3 +75,16 @@ def test_split_custom_sampler_leaves_other_loaders_alone():
     loader = DataLoader(list(range(8)), batch_size=2, shuffle=True)
     assert split_custom_sampler(loader) is loader
     assert not isinstance(loader.batch_sampler.sampler, ReplicaSampler)
+
+
+def test_resume_with_other_replicas_refuses_a_changed_micro_batch():
+    from lightning_parallel.checkpoint.data_position import check_same_global_batch, global_batch
+
+    saved = global_batch(per_replica=4, replicas=2, accumulate=1)
+    check_same_global_batch(None, global_batch(4, 1, 1))  # no record: an older checkpoint
+    check_same_global_batch(saved, global_batch(16, 2, 1))  # same replicas: a deliberate change is the user's
+    check_same_global_batch(saved, global_batch(8, 1, 1))  # fewer replicas, same micro-batch: exact
+    with pytest.raises(ValueError, match=r"Keep them: data.batch_size=8 \(per replica\) with trainer.accumulate_grad_batches=1"):
+        check_same_global_batch(saved, global_batch(4, 1, 2))  # same global batch, but Lightning counts micro-batches
+    with pytest.raises(ValueError, match="a data-parallel size that divides the 8 samples"):
+        check_same_global_batch(saved, global_batch(4, 3, 1))
