@@ -21,6 +21,7 @@ from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout, Workload
 from lightning_parallel.plan.profile import ModelProfile, profile_model
 
+
 def hardware_from_config(cfg: DictConfig) -> HardwareProfile:
     if "hardware" not in cfg or cfg.hardware is None:
         raise ValueError("The config has no hardware profile: add hardware=<name> (one of conf/hardware/*.yaml).")

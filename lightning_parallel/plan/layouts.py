@@ -9,7 +9,6 @@ No torch here.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-
 from typing import TYPE_CHECKING
 
 from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES, check_schedule

@@ -16,8 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.optim import Optimizer
 
 from lightning_parallel.checkpoint import (
@@ -31,8 +34,17 @@ from lightning_parallel.checkpoint import (
     local_named_optimizer_state,
     named_optimizer_state,
 )
-from lightning_parallel.checkpoint.sharded import MODEL_KEY, check_model_fits, check_optimizer_fits, load_states
-from lightning_parallel.checkpoint.state import MISMATCH_HINT, all_pipeline_parts, describe_mismatch
+from lightning_parallel.checkpoint.sharded import (
+    MODEL_KEY,
+    check_model_fits,
+    check_optimizer_fits,
+    load_states,
+)
+from lightning_parallel.checkpoint.state import (
+    MISMATCH_HINT,
+    all_pipeline_parts,
+    describe_mismatch,
+)
 from lightning_parallel.strategies.collectives import whole
 
 if TYPE_CHECKING:

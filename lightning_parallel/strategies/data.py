@@ -9,6 +9,7 @@ from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.periodic_sync import SyncConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
+
 class DataParallelStrategy(ParallelEngineStrategy):
     """Synchronous data parallelism through torch's DistributedDataParallel.
 

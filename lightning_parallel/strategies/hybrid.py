@@ -11,6 +11,7 @@ from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.tensor import TensorParallelConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
+
 class HybridParallelStrategy(ParallelEngineStrategy):
     """Any mix of data, tensor and pipeline parallelism (3-D), for an unmodified LightningModule.
 

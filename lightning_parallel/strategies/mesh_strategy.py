@@ -27,7 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
-from lightning_parallel.layout import ParallelLayout, RankCoordinates, data_parallel_mesh
+from lightning_parallel.layout import (
+    ParallelLayout,
+    RankCoordinates,
+    data_parallel_mesh,
+)
 from lightning_parallel.strategies.collectives import GroupCollectivesMixin
 from lightning_parallel.strategies.launch import (
     START_METHODS,

@@ -8,6 +8,7 @@ from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
+
 class PipelineParallelStrategy(ParallelEngineStrategy):
     """Pipeline parallelism for an unmodified LightningModule, through ``torch.distributed.pipelining``.
 

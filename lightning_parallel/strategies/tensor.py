@@ -9,6 +9,7 @@ from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.tensor import TensorParallelConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
+
 class TensorParallelStrategy(ParallelEngineStrategy):
     """Megatron-style tensor parallelism from configuration, through torch's DTensor ``parallelize_module``.
 

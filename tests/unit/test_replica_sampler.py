@@ -9,7 +9,10 @@ from torch.utils.data import DataLoader, SequentialSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import RandomSampler
 
-from lightning_parallel.checkpoint.replica_sampler import ReplicaSampler, split_custom_sampler
+from lightning_parallel.checkpoint.replica_sampler import (
+    ReplicaSampler,
+    split_custom_sampler,
+)
 
 
 def shuffled(n: int, seed: int = 0) -> RandomSampler:
@@ -78,7 +81,10 @@ def test_split_custom_sampler_leaves_other_loaders_alone():
 
 
 def test_resume_with_other_replicas_refuses_a_changed_micro_batch():
-    from lightning_parallel.checkpoint.data_position import check_same_global_batch, global_batch
+    from lightning_parallel.checkpoint.data_position import (
+        check_same_global_batch,
+        global_batch,
+    )
 
     saved = global_batch(per_replica=4, replicas=2, accumulate=1)
     check_same_global_batch(None, global_batch(4, 1, 1))  # no record: an older checkpoint

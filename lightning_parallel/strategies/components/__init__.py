@@ -6,9 +6,14 @@ one more axis in :mod:`lightning_parallel.layout` plus one component here.
 """
 
 from lightning_parallel.strategies.components.base import Component
-from lightning_parallel.strategies.components.checkpointing import ActivationCheckpointingComponent
+from lightning_parallel.strategies.components.checkpointing import (
+    ActivationCheckpointingComponent,
+)
 from lightning_parallel.strategies.components.data import DataParallelComponent
-from lightning_parallel.strategies.components.nonfinite import NONFINITE_MODES, NonFiniteGuard
+from lightning_parallel.strategies.components.nonfinite import (
+    NONFINITE_MODES,
+    NonFiniteGuard,
+)
 from lightning_parallel.strategies.components.pipeline import PipelineComponent
 from lightning_parallel.strategies.components.progress import ProgressReport
 from lightning_parallel.strategies.components.tensor import TensorParallelComponent

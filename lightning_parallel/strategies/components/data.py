@@ -20,11 +20,17 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
+from lightning_parallel.parallelize.batchnorm import (
+    convert_sync_batchnorm,
+    revert_sync_batchnorm,
+)
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.grad_sync import average_gradients
 from lightning_parallel.parallelize.periodic_sync import PeriodicSync, SyncConfig
-from lightning_parallel.parallelize.sharded import set_gradient_sync, shard_over_data_parallel
+from lightning_parallel.parallelize.sharded import (
+    set_gradient_sync,
+    shard_over_data_parallel,
+)
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.precision import fsdp_mixed_precision
 

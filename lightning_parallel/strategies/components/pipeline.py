@@ -24,9 +24,9 @@ from lightning_parallel.parallelize.grad_sync import average_gradients, sum_grad
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
+from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
-from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer

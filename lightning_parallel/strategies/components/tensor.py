@@ -18,7 +18,11 @@ from torch.distributed.tensor.parallel import loss_parallel
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
 from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
-from lightning_parallel.parallelize.tensor import TensorParallelConfig, apply_tensor_parallel, check_plan
+from lightning_parallel.parallelize.tensor import (
+    TensorParallelConfig,
+    apply_tensor_parallel,
+    check_plan,
+)
 from lightning_parallel.strategies.collectives import whole
 from lightning_parallel.strategies.components.base import Component
 
