@@ -29,6 +29,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import lightning_parallel
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.measure.memory import state_bytes
+from lightning_parallel.parallelize.fused import original_order
 from lightning_parallel.observe.monitor import ScalingMonitor
 from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
 from recipes.data.chars import CharCorpusDataModule
@@ -42,10 +43,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class JobSpec:
-    model: str = "gpt"  # gpt | convnet | regressor (untraceable nn.Sequential) | regressor_loop (untraceable, no Sequential)
+    # gpt | convnet | regressor (untraceable nn.Sequential) | regressor_loop (untraceable, no Sequential)
+    # | hf_<family> (a transformers causal LM from a tiny config, see tests/hf_models.py)
+    model: str = "gpt"
     strategy: str = "single"  # single | data | tensor | pipeline | hybrid
     devices: int = 1
     batch_size: int = 4  # per data-parallel rank
+    val_batch_size: int | None = None  # per data-parallel rank (default: batch_size)
     accumulate: int = 1
     steps: int = 5
     trainer_sync_batchnorm: bool = False
@@ -184,7 +188,10 @@ class Recorder(Callback):
         # Before the step: gradients exist, and the optimizer state of the previous steps.
         self.state_bytes = state_bytes(pl_module, [unwrap_optimizer(o) for o in trainer.optimizers]).as_dict()
         with _not_counted(trainer):  # the monitor measures the training's collectives, not these gathers
-            grads = {n: full(p.grad).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+            # Fused projections split by blocks train with their rows reordered: compare in the module's order.
+            grads = {
+                n: original_order(p, full(p.grad)).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
+            }
             self.grads.append(_whole_across_stages(trainer, grads))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -250,8 +257,10 @@ def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> 
 
 def make_data(spec: JobSpec) -> L.LightningDataModule:
     """The job's data module (no shuffling)."""
-    if spec.model == "gpt":
-        return CharCorpusDataModule(block_size=8, batch_size=spec.batch_size, max_chars=20_000, shuffle=False)
+    if spec.model == "gpt" or spec.model.startswith("hf_"):
+        return CharCorpusDataModule(
+            block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
+        )
     if spec.model in ("regressor", "regressor_loop"):
         return RegressionData(batch_size=spec.batch_size)
     if spec.model == "convnet":
@@ -271,6 +280,10 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         return Regressor(sequential=spec.model == "regressor")
     if spec.model == "convnet":
         return ConvNetLightningModule(width=4, lr=0.1)
+    if spec.model.startswith("hf_"):
+        from tests.hf_models import HFCausalLM
+
+        return HFCausalLM(spec.model.removeprefix("hf_"))
     raise ValueError(f"unknown model {spec.model!r}")
 
 

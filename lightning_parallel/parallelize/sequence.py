@@ -22,8 +22,12 @@ from lightning_parallel.parallelize.tensor_plan import ResolvedPlan, parallel_st
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
 
 
-def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int, sequence_dim: int = 1) -> dict:
-    """torch ``ParallelStyle``s for every module involved, ready for ``parallelize_module``.
+def sequence_parallel_plan(
+    module: nn.Module, resolved: ResolvedPlan, tp_size: int, sequence_dim: int = 1
+) -> tuple[dict, list[str]]:
+    """torch ``ParallelStyle``s for every module involved, ready for ``parallelize_module``, and the regions
+    (attention, MLP) whose column-wise projections all-gather their sequence-sharded input once, together
+    (:class:`~lightning_parallel.parallelize.region_input.SharedRegionInput`).
 
     Raises:
         ValueError: If the plan splits nothing inside an ``nn.ModuleList`` of blocks, or a block's split
@@ -46,18 +50,22 @@ def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: i
             continue
         inside = any(fqn.startswith(f"{block}.") for block in blocks)
         # Inside the trunk, row-wise outputs are reduce-scattered into sequence shards (only "rowwise" reads it).
-        plan[fqn] = parallel_style(style, rowwise_output=sharded if inside else None)
+        plan[fqn] = parallel_style(style, rowwise_output=sharded if inside else None, conv1d=fqn in resolved.conv1d)
+    all_regions: list[str] = []
     for block in blocks:
-        regions = {fqn.rpartition(".")[0] for fqn, style in resolved.styles.items() if style == "colwise" and fqn.startswith(f"{block}.")}
+        regions = {
+            fqn.rpartition(".")[0]
+            for fqn, style in resolved.styles.items()
+            if style in ("colwise", "fused_qkv", "fused_gate_up") and fqn.startswith(f"{block}.")
+        }
         if block in regions:
             raise ValueError(
                 f"sequence_parallel=True: {block} holds its split layers directly; sequence parallelism needs them "
                 f"inside attention/MLP submodules of the block. Set sequence_parallel=False."
             )
-        for region in regions:
-            # The gathered input stays a DTensor shared by the region's projections, so backward sums
-            # their gradients first and reduce-scatters once.
-            plan[region] = PrepareModuleInput(input_layouts=(sharded,), desired_input_layouts=(replicated,), use_local_output=False)
+        # The gathered input stays a DTensor shared by the region's projections, so backward sums their
+        # gradients first and reduce-scatters once.
+        all_regions += sorted(regions)
         for name, sub in modules[block].named_modules():
             if isinstance(sub, _NORM_TYPES):
                 plan[f"{block}.{name}"] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
@@ -70,7 +78,7 @@ def sequence_parallel_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: i
         plan[first] = PrepareModuleInput(input_layouts=scatter["input_layouts"], desired_input_layouts=scatter["desired_input_layouts"], use_local_output=True)
         plan[last] = PrepareModuleOutput(**gather)
     _check_sequence_length_on_entry(modules[first], tp_size, sequence_dim, first)
-    return plan
+    return plan, all_regions
 
 
 def _trunk_blocks(modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -> list[str]:

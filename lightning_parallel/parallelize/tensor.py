@@ -11,6 +11,7 @@ No Lightning here.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import logging
 from collections.abc import Callable, Mapping
@@ -19,6 +20,17 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from lightning_parallel.parallelize import fused as fused_layout
+from lightning_parallel.parallelize.projections import (
+    features,
+    head_count,
+    is_conv1d,
+    is_projection,
+    output_dim,
+    qkv_blocks,
+)
+from lightning_parallel.parallelize.published_plan import published_plan
+from lightning_parallel.parallelize.region_input import SharedRegionInput
 from lightning_parallel.parallelize.sequence import sequence_parallel_plan
 from lightning_parallel.parallelize.tensor_plan import (
     STYLE_ALIASES,
@@ -32,9 +44,11 @@ from lightning_parallel.parallelize.tensor_plan import (
 
 log = logging.getLogger(__name__)
 
-#: Attribute names under which attention modules commonly keep their head counts.
+#: Attribute names under which attention modules commonly keep their head counts, or widths they slice by
+#: (GPT-2's ``split_size``); found on the module or its ``config``, they are divided by the TP degree.
 HEAD_ATTRIBUTES: tuple[str, ...] = (
     "n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads", "n_local_heads",
+    "num_kv_heads", "split_size",
 )
 
 # Attention projections by conventional names: (query, key, value, output).
@@ -46,8 +60,15 @@ _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
     ("query", "key", "value", "dense"),
     ("to_q", "to_k", "to_v", "to_out"),
 )
-# Fused projections that a column split would cut across q/k/v: never split automatically.
-_FUSED_QKV_NAMES = ("qkv", "c_attn", "in_proj", "wqkv", "qkv_proj", "query_key_value")
+# Fused projections laid out as concatenated blocks q | k | v (GQA: k and v narrower), and their output projections.
+_FUSED_QKV_NAMES = ("qkv", "c_attn", "wqkv", "qkv_proj")
+_ATTENTION_OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo", "proj", "out")
+# Fused q/k/v whose layout differs between families (per-head interleaved in GPT-NeoX and Bloom, blocks in
+# others): split only as the model's own published plan says.
+_AMBIGUOUS_QKV_NAMES = ("query_key_value",)
+# Fused gate | up projections of gated MLPs, and their output projections.
+_FUSED_GATE_UP_NAMES = ("gate_up_proj",)
+_MLP_OUTPUT_NAMES = ("down_proj", "c_proj", "fc2", "w2", "wo")
 
 
 @dataclass(frozen=True)
@@ -82,16 +103,26 @@ class TensorParallelConfig:
 
     def resolve(self, module: nn.Module, warn: Callable[[str], None] = log.warning) -> ResolvedPlan:
         """The plan bound to ``module`` (inferred first when ``plan="auto"``)."""
-        plan = infer_plan(module, warn) if self.plan == "auto" else dict(self.plan)
-        return resolve_plan(module, plan, self.head_attributes)
+        if self.plan != "auto":
+            return resolve_plan(module, dict(self.plan), self.head_attributes)
+        sources: dict[str, str] = {}
+        return resolve_plan(module, infer_plan(module, warn, sources), self.head_attributes, sources)
 
 
-def resolve_plan(module: nn.Module, plan: Mapping[str, str], head_attributes: tuple[str, ...] = HEAD_ATTRIBUTES) -> ResolvedPlan:
+def resolve_plan(
+    module: nn.Module,
+    plan: Mapping[str, str],
+    head_attributes: tuple[str, ...] = HEAD_ATTRIBUTES,
+    sources: Mapping[str, str] | None = None,
+) -> ResolvedPlan:
     """Bind a ``{pattern: style}`` plan to ``module``'s submodule names.
 
+    Args:
+        sources: Where each entry of an inferred plan came from (printed with the plan); default ``"plan"``.
+
     Raises:
-        ValueError: A style is unknown, a pattern matches no submodule (the error lists near matches), or
-            two patterns give one module different styles.
+        ValueError: A style is unknown, a pattern matches no submodule (the error lists near matches), two
+            patterns give one module different styles, or a fused projection's layout is unknown.
     """
     names = [name for name, _ in module.named_modules() if name]
     styles: dict[str, str] = {}
@@ -109,41 +140,111 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, str], head_attributes: tu
                 raise ValueError(f"Module {name!r} is matched with two styles: {styles[name]!r} and {style!r} (from {pattern!r}).")
             styles[name] = style
     modules = dict(module.named_modules())
-    return ResolvedPlan(styles=styles, head_attributes=_attention_heads(modules, styles, head_attributes))
+    fused: dict[str, tuple[int, ...]] = {}
+    for fqn, style in styles.items():
+        if style == "fused_qkv":
+            fused[fqn] = qkv_blocks(fqn, modules[fqn], modules.get(fqn.rpartition(".")[0]))
+        elif style == "fused_gate_up":
+            out = features(modules[fqn])[1] if is_projection(modules[fqn]) else 0
+            fused[fqn] = (out // 2, out // 2)
+    return ResolvedPlan(
+        styles=styles,
+        head_attributes=_attention_heads(modules, styles, head_attributes),
+        fused=fused,
+        sources={fqn: (sources or {}).get(fqn, "plan") for fqn in styles},
+        conv1d=frozenset(fqn for fqn in styles if is_conv1d(modules[fqn])),
+    )
 
 
-def infer_plan(module: nn.Module, warn: Callable[[str], None] = log.warning) -> dict[str, str]:
+def infer_plan(
+    module: nn.Module, warn: Callable[[str], None] = log.warning, sources: dict[str, str] | None = None
+) -> dict[str, str]:
     """Build a Megatron-style plan from the module tree; returns ``{FQN: style}`` (an exact-name plan).
 
     - attention with separate q/k/v/output projections (conventional names): q/k/v column-wise, output row-wise;
-    - MLPs, recognised by shape among a module's direct ``nn.Linear`` children: ``d→h, h→d`` (first
-      column-wise, second row-wise) and gated ``d→h, d→h, h→d`` (SwiGLU: the two inputs column-wise);
-    - fused q/k/v projections and ``nn.MultiheadAttention`` stay replicated, with a warning naming them;
-    - everything else (embeddings, norms, heads) stays replicated.
+    - fused q|k|v projections (``qkv_proj``, GPT-2's ``c_attn``, ...): split by blocks and whole heads
+      (``fused_qkv``), output row-wise; fused ``gate_up_proj``: ``fused_gate_up``, ``down_proj`` row-wise;
+    - MLPs, recognised by shape among a module's direct projections: ``d→h, h→d`` (first column-wise,
+      second row-wise) and gated ``d→h, d→h, h→d`` (SwiGLU: the two inputs column-wise);
+    - projections are ``nn.Linear`` or transformers' ``Conv1D``;
+    - a Hugging Face model's own published plan (its ``_tp_plan``) fills in what the above leaves out:
+      the layout of ``query_key_value``, the embedding and an untied output head (tied weights stay whole);
+    - ``nn.MultiheadAttention`` and fused projections of unknown layout stay replicated, with a warning.
+
+    Args:
+        sources: Filled with where each entry came from (``"inferred"`` or ``"model's tp_plan"``).
     """
+    sources = sources if sources is not None else {}
+    published = published_plan(module)
     plan: dict[str, str] = {}
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(sub, nn.MultiheadAttention):
-            warn(f"{name or type(sub).__name__}: nn.MultiheadAttention keeps q/k/v fused; left replicated.")
+            warn(f"{name or type(sub).__name__}: nn.MultiheadAttention keeps q/k/v fused inside; left replicated.")
             continue
-        linears = {child: m for child, m in sub.named_children() if type(m) is nn.Linear}
-        fused = [child for child in linears if child.lower() in _FUSED_QKV_NAMES]
-        if fused:
-            warn(f"{prefix}{fused[0]}: fused q/k/v projection cannot be split column-wise without mixing q, k and v; left replicated.")
+        projections = {child: m for child, m in sub.named_children() if is_projection(m)}
+        plan.update({f"{prefix}{child}": style for child, style in _match_block(sub, prefix, projections, published, warn).items()})
+    tied = _tied_modules(module)
+    for fqn, style in published.items():
+        if fqn in plan or any(fqn.startswith(f"{done}.") for done in plan):
             continue
-        attention = _match_attention(linears)
-        if attention:
-            *qkv, out = attention
-            plan.update({f"{prefix}{child}": "colwise" for child in qkv})
-            plan[f"{prefix}{out}"] = "rowwise"
-            continue
-        plan.update({f"{prefix}{child}": style for child, style in _match_mlp(linears).items()})
+        if fqn in tied:
+            continue  # tied to another module's weight (an embedding and its head): kept whole
+        plan[fqn] = style
+        sources[fqn] = "model's tp_plan"
+    for fqn in plan:
+        sources.setdefault(fqn, "inferred")
     return plan
 
 
+def _match_block(
+    sub: nn.Module, prefix: str, projections: Mapping[str, nn.Module], published: Mapping[str, str], warn: Callable[[str], None]
+) -> dict[str, str]:
+    """Styles for one module's direct projections (attention, fused attention, MLP), or ``{}``."""
+    lowered = {child.lower(): child for child in projections}
+    qkv = next((lowered[n] for n in _FUSED_QKV_NAMES if n in lowered), None)
+    ambiguous = next((lowered[n] for n in _AMBIGUOUS_QKV_NAMES if n in lowered), None)
+    gate_up = next((lowered[n] for n in _FUSED_GATE_UP_NAMES if n in lowered), None)
+    if qkv is not None or ambiguous is not None:
+        fused = qkv or ambiguous
+        out = next((lowered[n] for n in _ATTENTION_OUTPUT_NAMES if n in lowered and lowered[n] != fused), None)
+        if ambiguous is not None and published.get(f"{prefix}{ambiguous}") == "colwise" and out is not None:
+            # The model's authors publish a plain column split: q, k and v are interleaved per head, so
+            # contiguous rows are whole heads (their count is checked against the TP degree).
+            return {ambiguous: "colwise", out: "rowwise"}
+        if qkv is not None and out is not None and head_count(sub, ("num_heads", "num_attention_heads", "n_head", "n_heads")):
+            return {qkv: "fused_qkv", out: "rowwise"}
+        warn(f"{prefix}{fused}: fused q/k/v projection of unknown layout (or without head counts); left replicated.")
+        return {}
+    if gate_up is not None:
+        out = next((lowered[n] for n in _MLP_OUTPUT_NAMES if n in lowered), None)
+        if out is not None:
+            return {gate_up: "fused_gate_up", out: "rowwise"}
+        warn(f"{prefix}{gate_up}: fused gate/up projection without a recognised output projection; left replicated.")
+        return {}
+    attention = _match_attention(projections)
+    if attention:
+        *qkv_names, out_name = attention
+        return {**{child: "colwise" for child in qkv_names}, out_name: "rowwise"}
+    return _match_mlp(projections)
+
+
+def _tied_modules(module: nn.Module) -> set[str]:
+    """Modules holding a parameter that another module holds too."""
+    owners: dict[int, set[str]] = {}
+    for fqn, sub in module.named_modules(remove_duplicate=False):
+        for _, param in sub.named_parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(fqn)
+    return {fqn for names in owners.values() if len(names) > 1 for fqn in names}
+
+
+#: Styles that split a projection's output features (its input is whole on every rank).
+COLUMN_STYLES = ("colwise", "colwise_gather_output", "fused_qkv", "fused_gate_up", "loss_parallel")
+_PROJECTION_STYLES = (*COLUMN_STYLES, "rowwise")
+
+
 def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
-    """Check that every split dimension and head count divides by ``tp_size``.
+    """Check that every split dimension, fused block and head count divides by ``tp_size``.
 
     Raises:
         ValueError: Naming the module, the size and the TP degree.
@@ -152,18 +253,24 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     modules = dict(module.named_modules())
     for fqn, style in resolved.styles.items():
         sub = modules[fqn]
-        if style in ("colwise", "rowwise", "loss_parallel"):
-            if not isinstance(sub, nn.Linear):
-                raise TypeError(f"{fqn}: style {style!r} needs an nn.Linear, got {type(sub).__name__}.")
-            dim_name, size = ("in_features", sub.in_features) if style == "rowwise" else ("out_features", sub.out_features)
+        if style in _PROJECTION_STYLES:
+            if not is_projection(sub) or (style == "loss_parallel" and not isinstance(sub, nn.Linear)):
+                needs = "an nn.Linear" if style == "loss_parallel" else "an nn.Linear or a transformers Conv1D"
+                raise TypeError(f"{fqn}: style {style!r} needs {needs}, got {type(sub).__name__}.")
+            in_features, out_features = features(sub)
+            dim_name, size = ("in_features", in_features) if style == "rowwise" else ("out_features", out_features)
             _require_divisible(fqn, dim_name, size, tp_size)
         elif style == "embedding_rowwise":
             if not isinstance(sub, nn.Embedding):
                 raise TypeError(f"{fqn}: style 'embedding_rowwise' needs an nn.Embedding, got {type(sub).__name__}.")
             _require_divisible(fqn, "num_embeddings", sub.num_embeddings, tp_size)
+    for fqn, blocks in resolved.fused.items():
+        names = ("q", "k", "v") if resolved.styles[fqn] == "fused_qkv" else ("gate", "up")
+        for name, size in zip(names, blocks):
+            _require_divisible(fqn, f"{name} block", size, tp_size)
     for fqn, attrs in resolved.head_attributes.items():
         for attr in attrs:
-            _require_divisible(fqn, attr, getattr(modules[fqn], attr), tp_size)
+            _require_divisible(fqn, attr, _get_attribute(modules[fqn], attr), tp_size)
     _check_tied_parameters(module, resolved)
 
 
@@ -172,34 +279,68 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
 
     Call :func:`check_plan` first; this assumes the sizes divide.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        PrepareModuleInput,
-        parallelize_module,
-    )
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
 
     tp_size = tp_mesh.size()
-    if sequence_parallel:
-        torch_plan = sequence_parallel_plan(module, resolved, tp_size)
-    else:
-        torch_plan = {fqn: parallel_style(style) for fqn, style in resolved.styles.items() if style != "replicate"}
-        # Where several column-wise projections read one input (q/k/v, gated MLPs), hand them a single
-        # replicated DTensor: their input gradients then add up as one partial sum and cost one
-        # all-reduce instead of one each (Megatron's minimum).
-        for region in shared_input_regions(resolved):
-            torch_plan[region] = PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
-            )
-    parallelize_module(module, tp_mesh, torch_plan)
     modules = dict(module.named_modules())
+    if sequence_parallel:
+        torch_plan, regions = sequence_parallel_plan(module, resolved, tp_size)
+        arrives_as = Shard(1)
+    else:
+        torch_plan = {
+            fqn: parallel_style(style, conv1d=fqn in resolved.conv1d)
+            for fqn, style in resolved.styles.items()
+            if style != "replicate"
+        }
+        # Where several column-wise projections read one input (q/k/v, gated MLPs), they get one shared
+        # replicated DTensor: their input gradients add up as one partial sum, one all-reduce.
+        regions, arrives_as = shared_input_regions(resolved), Replicate()
+    for region in regions:
+        projections = [modules[fqn] for fqn, style in resolved.styles.items() if style in COLUMN_STYLES and fqn.rpartition(".")[0] == region]
+        SharedRegionInput(tp_mesh, arrives_as).attach(modules[region], projections)
+    layouts = _order_fused_rank_major(modules, resolved, tp_size)
+    parallelize_module(module, tp_mesh, torch_plan)
+    for fqn, parameter_layouts in layouts.items():
+        fused_layout.mark(modules[fqn], parameter_layouts)
     for fqn, style in resolved.styles.items():
         if style == "loss_parallel":
             modules[fqn].register_forward_hook(_whole_logits_in_eval)
-    for fqn, attrs in resolved.head_attributes.items():
-        for attr in attrs:
-            # The module reshapes its local q/k/v into heads: each rank now holds 1/tp of them.
-            setattr(modules[fqn], attr, getattr(modules[fqn], attr) // tp_size)
+    _divide_head_attributes(modules, resolved, tp_size)
     return module
+
+
+def _order_fused_rank_major(
+    modules: Mapping[str, nn.Module], resolved: ResolvedPlan, tp_size: int
+) -> dict[str, dict[str, fused_layout.FusedLayout]]:
+    """Reorder each fused projection's rows rank-major (before sharding); returns their layouts by module."""
+    layouts: dict[str, dict[str, fused_layout.FusedLayout]] = {}
+    for fqn, blocks in resolved.fused.items():
+        sub = modules[fqn]
+        layouts[fqn] = {}
+        for name, param in sub.named_parameters(recurse=False):
+            layout = fused_layout.FusedLayout(output_dim(sub, name), tuple(blocks), tp_size)
+            fused_layout.rank_major_rows(param, layout)
+            layouts[fqn][name] = layout
+    return layouts
+
+
+def _divide_head_attributes(modules: Mapping[str, nn.Module], resolved: ResolvedPlan, tp_size: int) -> None:
+    """Each rank now holds 1/tp of the heads: the counts (and widths) the module reshapes by shrink."""
+    for fqn, attrs in resolved.head_attributes.items():
+        sub = modules[fqn]
+        if any(attr.startswith("config.") for attr in attrs):
+            # A copy: the config object is shared with the rest of the model (embeddings, other layers' use).
+            sub.config = copy.copy(sub.config)
+        # Read every count before setting any: config attributes may alias each other (n_head, num_attention_heads).
+        counts = {attr: _get_attribute(sub, attr) for attr in attrs}
+        for attr, count in counts.items():
+            owner, name = (sub.config, attr.removeprefix("config.")) if attr.startswith("config.") else (sub, attr)
+            setattr(owner, name, count // tp_size)
+
+
+def _get_attribute(module: nn.Module, attr: str) -> int:
+    return getattr(module.config, attr.removeprefix("config.")) if attr.startswith("config.") else getattr(module, attr)
 
 
 def _whole_logits_in_eval(module: nn.Module, inputs: tuple, output):
@@ -215,47 +356,64 @@ def shared_input_regions(resolved: ResolvedPlan) -> list[str]:
     """Modules holding two or more column-wise projections (they read the same input)."""
     parents: dict[str, int] = {}
     for fqn, style in resolved.styles.items():
-        if style == "colwise":
+        if style in ("colwise", "fused_qkv", "fused_gate_up"):
             parent = fqn.rpartition(".")[0]
             parents[parent] = parents.get(parent, 0) + 1
     return [parent for parent, count in parents.items() if count > 1 and parent]
 
 
-def _match_attention(linears: Mapping[str, nn.Linear]) -> tuple[str, str, str, str] | None:
+def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, str] | None:
     for names in _ATTENTION_NAMES:
         if all(name in linears for name in names):
             return names
     return None
 
 
-def _match_mlp(linears: Mapping[str, nn.Linear]) -> dict[str, str]:
-    items = list(linears.items())
+def _match_mlp(linears: Mapping[str, nn.Module]) -> dict[str, str]:
+    items = [(name, features(m)) for name, m in linears.items()]
     if len(items) == 2:
-        (first, a), (second, b) = items
-        if a.out_features == b.in_features and a.in_features == b.out_features and a.out_features != a.in_features:
+        (first, (a_in, a_out)), (second, (b_in, b_out)) = items
+        if a_out == b_in and a_in == b_out and a_out != a_in:
             return {first: "colwise", second: "rowwise"}
     if len(items) == 3:
-        ins = [(n, m) for n, m in items if m.in_features != m.out_features]
-        expand = [n for n, m in ins if m.out_features > m.in_features]
-        reduce = [n for n, m in ins if m.out_features < m.in_features]
+        ins = [(n, f) for n, f in items if f[0] != f[1]]
+        expand = [n for n, (i, o) in ins if o > i]
+        reduce = [n for n, (i, o) in ins if o < i]
         if len(ins) == 3 and len(expand) == 2 and len(reduce) == 1:
-            hidden = {linears[n].out_features for n in expand}
-            if hidden == {linears[reduce[0]].in_features}:
+            shapes = dict(items)
+            if {shapes[n][1] for n in expand} == {shapes[reduce[0]][0]}:
                 return {expand[0]: "colwise", expand[1]: "colwise", reduce[0]: "rowwise"}
     return {}
 
 
 def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str], attributes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """Parents of column-split projections that keep an integer head count: those counts shrink per rank."""
+    """Parents of column-split projections that keep an integer head count: those counts shrink per rank.
+
+    Counts on the module itself always; on its ``config`` (``config.num_attention_heads``) only for attention
+    modules (a split q/k/v projection), which is where Hugging Face layers read them.
+    """
     found: dict[str, tuple[str, ...]] = {}
     for fqn, style in styles.items():
-        if style != "colwise":
+        if style not in ("colwise", "fused_qkv"):
             continue
-        parent = fqn.rpartition(".")[0]
-        attrs = tuple(a for a in attributes if isinstance(getattr(modules.get(parent), a, None), int) and not isinstance(getattr(modules[parent], a), bool))
+        parent_name, _, child = fqn.rpartition(".")
+        parent = modules.get(parent_name)
+        attrs = [a for a in attributes if _is_count(getattr(parent, a, None))]
+        config = getattr(parent, "config", None)
+        if config is not None and (style == "fused_qkv" or _is_attention_projection(child)):
+            attrs += [f"config.{a}" for a in attributes if _is_count(getattr(config, a, None))]
         if attrs:
-            found[parent] = attrs
+            found[parent_name] = tuple(dict.fromkeys(found.get(parent_name, ()) + tuple(attrs)))
     return found
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_attention_projection(name: str) -> bool:
+    lowered = name.lower()
+    return lowered in _AMBIGUOUS_QKV_NAMES or any(lowered in names[:3] for names in _ATTENTION_NAMES)
 
 
 def _require_divisible(fqn: str, what: str, size: int, tp_size: int) -> None:

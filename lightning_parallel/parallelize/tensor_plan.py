@@ -9,8 +9,11 @@ can use a plan without importing the module that uses them. No Lightning here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cache, partial
 from typing import TYPE_CHECKING
+
+from torch import nn
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -19,6 +22,9 @@ if TYPE_CHECKING:
 #: Style names a plan may use, with what they do.
 STYLES: dict[str, str] = {
     "colwise": "Linear split along output features (input replicated, output sharded)",
+    "colwise_gather_output": "Linear split along output features, output gathered whole (e.g. an untied head)",
+    "fused_qkv": "fused q|k|v projection: each block split by whole heads (k/v may have fewer heads: GQA)",
+    "fused_gate_up": "fused gate|up projection: each half split along output features",
     "rowwise": "Linear split along input features (input sharded, output all-reduced)",
     "embedding_rowwise": "Embedding split over the vocabulary (output all-reduced)",
     "vocab_parallel": "another name for embedding_rowwise",
@@ -32,19 +38,37 @@ STYLE_ALIASES: dict[str, str] = {"vocab_parallel": "embedding_rowwise"}
 
 @dataclass(frozen=True)
 class ResolvedPlan:
-    """A plan bound to one module: FQN -> style, plus the attention modules whose head counts shrink."""
+    """A plan bound to one module: FQN -> style, plus the attention modules whose head counts shrink.
+
+    Attributes:
+        styles: Module name -> style.
+        head_attributes: Attention module name -> attributes divided by the TP degree (``config.x``: on a
+            copy of the module's config).
+        fused: Fused projection name -> sizes of its blocks along the output features.
+        sources: Module name -> where its entry came from (``"inferred"``, ``"model's tp_plan"``, ``"plan"``).
+        conv1d: Split modules that are transformers' ``Conv1D`` (weight stored ``[in, out]``).
+    """
 
     styles: dict[str, str]
     head_attributes: dict[str, tuple[str, ...]]
+    fused: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    conv1d: frozenset[str] = frozenset()
 
     def describe(self) -> str:
-        """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise``."""
-        lines = [f"{fqn} → {style}" for fqn, style in self.styles.items() if style != "replicate"]
+        """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise  (inferred)``."""
+        lines = []
+        for fqn, style in self.styles.items():
+            if style == "replicate":
+                continue
+            blocks = f" blocks {'|'.join(map(str, self.fused[fqn]))}" if fqn in self.fused else ""
+            source = f"  ({self.sources[fqn]})" if fqn in self.sources else ""
+            lines.append(f"{fqn} → {style}{blocks}{source}")
         lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
         return "\n".join(lines) if lines else "(nothing split)"
 
 
-def parallel_style(style: str, *, rowwise_output: Placement | None = None) -> ParallelStyle | None:
+def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1d: bool = False) -> ParallelStyle | None:
     """The torch ``ParallelStyle`` that splits one module by ``style``; ``None`` for ``"replicate"``.
 
     Args:
@@ -52,6 +76,7 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None) -> Pa
         rowwise_output: Layout of a ``"rowwise"`` layer's output (other styles ignore it). ``None`` keeps
             torch's default, replicated (an all-reduce); sequence parallelism passes ``Shard(sequence_dim)``
             inside the trunk (a reduce-scatter into sequence shards).
+        conv1d: The module is transformers' ``Conv1D`` (weight stored ``[in, out]``), not ``nn.Linear``.
 
     Raises:
         ValueError: ``style`` is not a style name.
@@ -61,10 +86,15 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None) -> Pa
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     style = STYLE_ALIASES.get(style, style)
-    if style == "colwise":
-        return ColwiseParallel()
+    colwise, rowwise = _conv1d_styles() if conv1d else (ColwiseParallel, RowwiseParallel)
+    if style in ("colwise", "fused_qkv", "fused_gate_up"):
+        # Fused projections are reordered rank-major first (fused.py): a plain column split then gives
+        # each rank its part of every block.
+        return colwise()
+    if style == "colwise_gather_output":
+        return colwise(output_layouts=Replicate())
     if style == "rowwise":
-        return RowwiseParallel() if rowwise_output is None else RowwiseParallel(output_layouts=rowwise_output)
+        return rowwise() if rowwise_output is None else rowwise(output_layouts=rowwise_output)
     if style == "embedding_rowwise":
         # The embedding's input (token ids) is whole on every rank, and so is its summed output.
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -74,3 +104,46 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None) -> Pa
     if style == "replicate":
         return None
     raise ValueError(f"Style {style!r} is unknown. Choose one of: {', '.join(STYLES)}.")
+
+
+def _conv1d_partition(weight_placement: Placement, bias_placement: Placement, name: str, module: nn.Module, mesh) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        placement = weight_placement if param_name == "weight" else bias_placement
+        placed = distribute_tensor(param, mesh, [placement], src_data_rank=None)
+        module.register_parameter(param_name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+
+def _conv1d_style(base: type, weight_placement: Placement, bias_placement: Placement, input_layout: Placement) -> type:
+    """A torch ``ParallelStyle`` for transformers' ``Conv1D`` (``x @ W + b`` with ``W: [in, out]``).
+
+    torch's styles accept only ``nn.Linear``; ``Conv1D`` is the same map with the weight transposed, so
+    the weight is split along the other dimension. Its forward runs on DTensors (``addmm``, ``view`` with
+    whole sizes) between the style's input and output conversions.
+    """
+    from torch.distributed.tensor import distribute_module
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self.desired_input_layouts = (input_layout,)
+        return distribute_module(
+            module,
+            device_mesh,
+            partial(_conv1d_partition, weight_placement, bias_placement),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+    return type(f"Conv1D{base.__name__}", (base,), {"_apply": _apply, "__doc__": _conv1d_style.__doc__})
+
+
+@cache
+def _conv1d_styles() -> tuple[type, type]:
+    """Column- and row-wise styles for ``Conv1D``, built once (on first use: torch's parallel styles are heavy)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return (
+        _conv1d_style(ColwiseParallel, Shard(1), Shard(0), Replicate()),
+        _conv1d_style(RowwiseParallel, Shard(0), Replicate(), Shard(-1)),
+    )

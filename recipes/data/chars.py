@@ -62,6 +62,7 @@ class CharCorpusDataModule(L.LightningDataModule):
         batch_size: Samples per batch *per data-parallel rank*.
         max_chars: Corpus size; the last ``val_fraction`` of it is held out.
         shuffle: Shuffle training blocks each epoch (Lightning's DistributedSampler keeps replicas disjoint).
+        val_batch_size: Samples per validation batch per rank (default: ``batch_size``).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class CharCorpusDataModule(L.LightningDataModule):
         vocab_size: int = 128,
         shuffle: bool = True,
         num_workers: int = 0,
+        val_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
@@ -96,4 +98,5 @@ class CharCorpusDataModule(L.LightningDataModule):
         )
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, num_workers=self.hparams.num_workers)
+        batch_size = self.hparams.val_batch_size or self.hparams.batch_size
+        return DataLoader(self.val_set, batch_size=batch_size, num_workers=self.hparams.num_workers)

@@ -1,0 +1,60 @@
+"""One DTensor input for all the column-wise projections of a region (attention, MLP), however it is called.
+
+Where several column-wise projections read one tensor (q/k/v, gate/up), handing them the *same* replicated
+DTensor makes backward sum their input gradients as one partial sum, reduced once (Megatron's single
+all-reduce, or reduce-scatter under sequence parallelism) instead of once per projection. The tensor is
+caught where each projection receives it (``self.q_proj(hidden_states)``), not at the region's own
+signature: Hugging Face layers call attention with keyword arguments only
+(``self_attn(hidden_states=..., position_embeddings=..., attention_mask=...)``), and the region's other
+inputs (rotary tables, masks) must stay ordinary tensors. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate
+
+
+class SharedRegionInput:
+    """Converts each tensor entering the region's projections to a replicated DTensor once per region call.
+
+    Args:
+        mesh: The tensor-parallel mesh.
+        arrives_as: How the input is laid out when it arrives: ``Replicate()`` (plain TP), or
+            ``Shard(sequence_dim)`` under sequence parallelism (then it is all-gathered here, once).
+    """
+
+    def __init__(self, mesh: DeviceMesh, arrives_as: Placement = Replicate()) -> None:
+        self.mesh = mesh
+        self.arrives_as = arrives_as
+        self._converted: list[tuple[Tensor, DTensor]] = []
+
+    def attach(self, region: nn.Module, projections: list[nn.Module]) -> None:
+        """Hook ``region`` (clears the cache per call) and its ``projections`` (share their input)."""
+        region.register_forward_pre_hook(self._clear)
+        region.register_forward_hook(self._clear_after)
+        for projection in projections:
+            # First among the projection's hooks: its own style then finds a DTensor already.
+            projection.register_forward_pre_hook(self._share, prepend=True)
+
+    def _clear(self, *_: Any) -> None:
+        self._converted = []
+
+    def _clear_after(self, *_: Any) -> None:
+        self._converted = []
+
+    def _share(self, _: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not args or not isinstance(args[0], Tensor) or isinstance(args[0], DTensor):
+            return None
+        tensor = args[0]
+        for seen, shared in self._converted:
+            if seen is tensor:
+                return (shared, *args[1:])
+        shared = DTensor.from_local(tensor, self.mesh, [self.arrives_as], run_check=False)
+        if not self.arrives_as.is_replicate():
+            shared = shared.redistribute(placements=[Replicate()])
+        self._converted.append((tensor, shared))
+        return (shared, *args[1:])
