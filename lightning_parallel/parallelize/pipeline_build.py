@@ -14,6 +14,7 @@ are ``None`` (their memory is freed). No Lightning here.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
+from torch.utils._pytree import tree_map
 
 from lightning_parallel.parallelize.pipeline_schedule import stages_on
 from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
@@ -56,6 +58,11 @@ class LocalPipeline:
         replaced: ``id(original parameter) -> local parameter`` (``None``: it lives on another rank).
         tied: Every parameter replicated over pipeline ranks (all of them, also those not held here).
         note: Why the fallback frontend was chosen (empty when traced).
+        skeleton: A copy of the whole module on the meta device (no memory), traced again for evaluation
+            inputs of another shape (``None`` for the sequential frontend, whose stages take any shape).
+        local_tensors: This rank's stage tensors by name (what a new trace's stages are bound to).
+        constants: Tensors the first trace lifted out of ``forward`` (not parameters or buffers) by name, in
+            this rank's stages: a trace of the meta skeleton has only their shapes.
     """
 
     frontend: str
@@ -65,6 +72,9 @@ class LocalPipeline:
     replaced: dict[int, nn.Parameter | None] = field(default_factory=dict)
     tied: list[TiedParameter] = field(default_factory=list)
     note: str = ""
+    skeleton: nn.Module | None = None
+    local_tensors: dict[str, Tensor] = field(default_factory=dict)
+    constants: dict[str, Tensor] = field(default_factory=dict)
 
 
 def check_split_points(module: nn.Module, split_points: Sequence[str], num_stages: int, module_name: str) -> None:
@@ -123,6 +133,7 @@ def build_local_pipeline(
     """
     num_stages = len(stage_to_rank)
     local = stages_on(stage_to_rank, pp_rank)
+    skeleton = meta_copy(module)
     try:
         train_pipe = _trace(module, example_args, example_kwargs, split_points, training=True)
     except Exception as error:
@@ -168,16 +179,95 @@ def build_local_pipeline(
         # DTensor parameters shared with other modules.
         stage_modules = [pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local]
         _split_over_tensor_parallel(stage_modules, originals, canonical, tensor_parallel)
-    result = LocalPipeline("trace", local, train_stages, eval_stages)
+    result = LocalPipeline("trace", local, train_stages, eval_stages, skeleton=skeleton)
+    result.local_tensors = {name: canonical[id(t)] for name, t in originals.items() if id(t) in canonical}
+    result.constants = {
+        name: tensor
+        for pipe in (train_pipe, eval_pipe)
+        for s in local
+        for name, tensor in _named_tensors(pipe.get_stage_module(s))
+        if name not in originals
+    }
     _rebind(module, originals, canonical, stage_uses, local, result)
     result.tied = _tied(originals, stage_uses, stage_to_rank)
     return result
 
 
+def trace_stages(
+    local: LocalPipeline,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+    split_points: Sequence[str],
+    stage_to_rank: Sequence[int],
+    device: torch.device,
+    group: ProcessGroup,
+    *,
+    training: bool,
+    chained: bool = False,
+    tensor_parallel: StageTensorParallel | None = None,
+) -> list[Any]:
+    """This rank's stages for inputs of another shape, sharing its parameters with ``local``.
+
+    Export bakes shapes into a trace, so each new shape is traced again, on the meta-device skeleton kept
+    from the first build (the module itself has given its other stages' tensors away), and the new stages
+    are bound to this rank's tensors by name.
+
+    Raises:
+        RuntimeError: ``local`` was built without tracing, or the new trace holds a tensor this rank does not have.
+    """
+    if local.skeleton is None:
+        raise RuntimeError("Only traced pipelines are traced again for a new shape.")
+    meta_inputs = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, (example_args, example_kwargs))
+    pipe = _trace(local.skeleton, *meta_inputs, split_points, training=training, device=device)
+    num_stages = len(stage_to_rank)
+    stages = []
+    for s in local.stage_indices:
+        stage_module = pipe.get_stage_module(s)
+        for name, tensor in list(_named_tensors(stage_module)):
+            constant = local.constants.get(name)
+            if name in local.local_tensors:
+                _set_by_name(stage_module, name, local.local_tensors[name])
+            elif constant is not None and constant.shape == tensor.shape and constant.dtype == tensor.dtype:
+                _set_by_name(stage_module, name, constant)
+            elif tensor.is_meta and tensor.numel() == 0:
+                _set_by_name(stage_module, name, torch.empty_like(tensor, device=device))
+            elif tensor.is_meta:
+                raise RuntimeError(
+                    f"Tracing the pipeline again for inputs of a new shape found {name!r}, which is not a parameter or "
+                    f"buffer of the module (a tensor attribute?); register it as a buffer, or keep every batch in one shape."
+                )
+        if tensor_parallel is not None:
+            tensor_parallel.wrap(stage_module)
+        if chained:
+            stages.append(PipelineStage(stage_module, s, num_stages, device, group=group))
+        else:
+            stages.append(pipe.build_stage(s, device, group))
+    return stages
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers live on the meta device (no memory is copied)."""
+    memo: dict[int, Any] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
 def _trace(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], split_points: Sequence[str], training: bool
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    split_points: Sequence[str],
+    training: bool,
+    device: torch.device | None = None,
 ) -> Any:
-    """``torch.distributed.pipelining.pipeline`` in the given mode, leaving ``module`` as it was."""
+    """``torch.distributed.pipelining.pipeline`` in the given mode, leaving ``module`` as it was.
+
+    Args:
+        device: Where the stages will run, for a trace of the meta skeleton: the meta device the trace
+            recorded in factory calls and ``.to()`` becomes this one.
+    """
     marked = [module.get_submodule(name) for name in split_points]
     saved = [m.__dict__.get("forward") for m in marked]
     was_training = module.training
@@ -186,6 +276,7 @@ def _trace(
         pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
         for submodule in pipe.split_gm.modules():
             if isinstance(submodule, InterpreterModule):
+                _clean_graph(submodule, device)
                 # Run the generated Python code rather than torch.fx.Interpreter node by node (16% faster).
                 submodule._run_with_interpreter = False
         return pipe
@@ -198,6 +289,34 @@ def _trace(
                 submodule.__dict__.pop("forward", None)
             else:
                 submodule.forward = forward
+
+
+_ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def _clean_graph(submodule: InterpreterModule, device: torch.device | None) -> None:
+    """Drop export's metadata assertions and retarget a meta trace to ``device``; regenerate the code.
+
+    ``_assert_tensor_metadata`` nodes only check dtype and device of values the graph already computes,
+    and DTensor has no rule for them (tensor-parallel stages run the graph on DTensors).
+    """
+    graph = submodule.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
+            graph.erase_node(node)
+            changed = True
+        elif device is not None and node.op == "call_function":
+            args, kwargs = tree_map(lambda a: device if _is_meta_device(a) else a, (node.args, node.kwargs))
+            if (args, kwargs) != (node.args, node.kwargs):
+                node.args, node.kwargs = args, kwargs
+                changed = True
+    if changed:
+        submodule.finalize()
+
+
+def _is_meta_device(value: Any) -> bool:
+    return isinstance(value, torch.device) and value.type == "meta"
 
 
 def _split_over_tensor_parallel(

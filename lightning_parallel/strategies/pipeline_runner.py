@@ -16,6 +16,7 @@ never reach the user's step).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from lightning_parallel.parallelize.model_call import (
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_build import (
     LocalPipeline,
+    trace_stages,
     build_local_pipeline,
     check_split_points,
 )
@@ -65,6 +67,10 @@ from lightning_parallel.strategies.microbatches import (
 )
 
 
+#: Evaluation pipelines kept for input shapes other than training's (least recently used dropped first).
+EVAL_SHAPES_KEPT = 8
+
+
 @dataclass
 class _StepState:
     """What the loss function needs about the step in flight."""
@@ -78,6 +84,7 @@ class _StepState:
     total_rows: int
     training: bool
     loss_scale: float
+    per_microbatch: int
     outputs: dict[int, Any] = field(default_factory=dict)
     logs: dict[int, list[LogCall]] = field(default_factory=dict)
 
@@ -122,9 +129,12 @@ class PipelineRunner:
         self.plan: SplitPlan | None = None
         self.tied_groups: list[tuple[str, dist.ProcessGroup]] = []
         self._train_schedule: Any = None
-        self._eval_schedule: Any = None
         self._traced_meta: list[tuple[torch.dtype, tuple[int, ...]]] = []
         self._rows_per_batch = 0
+        #: Evaluation pipelines traced for other input shapes: (input meta, rows per micro-batch) -> schedule.
+        self._eval_schedules: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._train_shape_fixed = False
+        self._checkpointed: list[str] = []
         self._state: _StepState | None = None
         #: Shape of every tensor of the whole LightningModule, recorded before it is cut (for loading checkpoints).
         self.whole_shapes: dict[str, tuple[int, ...]] = {}
@@ -172,8 +182,9 @@ class PipelineRunner:
         if not self.built:
             # The first batch may come during validation's inference mode: tracing and training stages need autograd.
             with torch.inference_mode(False), torch.enable_grad():
-                self._build(module, captured, on_build)
-        model_args, model_kwargs, rows, total = self._pad_to_traced(captured)
+                self._build(module, captured, on_build, training)
+        schedule, rows_per_batch = self._schedule_for(captured, training)
+        model_args, model_kwargs, rows, total = self._pad(captured, rows_per_batch)
         batch, *rest = args
         state = _StepState(
             module=module,
@@ -185,10 +196,11 @@ class PipelineRunner:
             total_rows=total,
             training=training,
             loss_scale=loss_scale,
+            per_microbatch=rows_per_batch // self.config.microbatches,
         )
         self._state = state
         try:
-            self._run_schedule(model_args, model_kwargs, training)
+            self._run_schedule(schedule, model_args, model_kwargs, training)
         finally:
             self._state = None
         payload = None
@@ -204,7 +216,9 @@ class PipelineRunner:
     def _capture(self, module: LightningModule, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CapturedModelCall:
         return capture_model_call(module, hook, args, kwargs, self.root_name)
 
-    def _build(self, module: LightningModule, captured: CapturedModelCall, on_build: Callable[[LocalPipeline], None] | None) -> None:
+    def _build(
+        self, module: LightningModule, captured: CapturedModelCall, on_build: Callable[[LocalPipeline], None] | None, training: bool
+    ) -> None:
         rows = batch_rows(captured.args, captured.kwargs)
         m = self.config.microbatches
         if rows % m != 0:
@@ -226,12 +240,15 @@ class PipelineRunner:
             root, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.pp_rank, self.device,
             self.pp_group, chained=self.config.spec.placement == "v", tensor_parallel=self.tensor_parallel,
         )
+        self._checkpointed = checkpointed
         for stage in self.local.train_stages:
             apply_activation_checkpointing(stage.submod, checkpointed)
         self._rows_per_batch = rows
-        self._traced_meta = [(t.dtype, tuple(t.shape[1:])) for t in tensor_leaves((captured.args, captured.kwargs))]
+        self._traced_meta = _meta(captured)
+        self._train_shape_fixed = training  # a first evaluation batch does not fix the training shape
         self._train_schedule = build_schedule(self.config.schedule, self.local.train_stages, m, self._loss_fn)
-        self._eval_schedule = build_forward_only_schedule(self.local.eval_stages, m, self._loss_fn, self.stage_to_rank)
+        eval_schedule = build_forward_only_schedule(self.local.eval_stages, m, self._loss_fn, self.stage_to_rank)
+        self._eval_schedules[(tuple(self._traced_meta), rows // m)] = eval_schedule
         self.tied_groups = self._tied_groups()
         if on_build is not None:
             on_build(self.local)
@@ -297,20 +314,83 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ micro-batches
 
-    def _pad_to_traced(self, captured: CapturedModelCall) -> tuple[tuple[Any, ...], dict[str, Any], list[int], int]:
+    def _schedule_for(self, captured: CapturedModelCall, training: bool) -> tuple[Any, int]:
+        """The schedule that runs this batch, and the rows per batch its stages were traced for.
+
+        Training keeps the shape of the first training batch (an epoch's smaller last batch is padded to
+        it). Evaluation takes any shape: a batch that fits no traced pipeline gets one traced for its own
+        shape, kept for later batches (up to :data:`EVAL_SHAPES_KEPT` shapes).
+        """
+        total = batch_rows(captured.args, captured.kwargs)
+        meta = _meta(captured)
+        m = self.config.microbatches
+        if training:
+            if meta != self._traced_meta or total > self._rows_per_batch:
+                if self._train_shape_fixed:
+                    raise ValueError(
+                        f"The pipeline was traced for training inputs {self._describe(self._traced_meta, self._rows_per_batch)} "
+                        f"but this training batch gives {self._describe(meta, total)}. Training batches keep the shape of the "
+                        f"first one (pad sequences to one length); only an epoch's last batch may be smaller. Validation, "
+                        f"test and predict batches may have any shape."
+                    )
+                self._retrace_training(captured, total, meta)
+            self._train_shape_fixed = True
+            return self._train_schedule, self._rows_per_batch
+        fitting = [key for key in self._eval_schedules if key[0] == tuple(meta) and key[1] * m >= total]
+        if fitting:
+            key = min(fitting, key=lambda k: k[1])
+        else:
+            key = (tuple(meta), -(-total // m))
+            self._eval_schedules[key] = build_forward_only_schedule(
+                self._traced_stages(captured, total, key[1], training=False), m, self._loss_fn, self.stage_to_rank
+            )
+            self._note_new_shape("evaluation", meta, key[1])
+            if len(self._eval_schedules) > EVAL_SHAPES_KEPT:
+                self._eval_schedules.popitem(last=False)
+        self._eval_schedules.move_to_end(key)
+        return self._eval_schedules[key], key[1] * m
+
+    def _retrace_training(self, captured: CapturedModelCall, total: int, meta: list[Any]) -> None:
+        m = self.config.microbatches
+        if total % m != 0:
+            raise ValueError(
+                f"The training batch has {total} rows, which do not split into microbatches={m} equal micro-batches. "
+                f"Use a batch size divisible by {m}, or change microbatches."
+            )
+        stages = self._traced_stages(captured, total, total // m, training=True)
+        for stage in stages:
+            apply_activation_checkpointing(stage.submod, self._checkpointed)
+        self._train_schedule = build_schedule(self.config.schedule, stages, m, self._loss_fn)
+        self._traced_meta, self._rows_per_batch = meta, total
+        self._note_new_shape("training", meta, total // m)
+
+    def _traced_stages(self, captured: CapturedModelCall, total: int, per_microbatch: int, training: bool) -> list[Any]:
+        """This rank's stages traced for micro-batches of ``per_microbatch`` rows of ``captured``'s inputs."""
+        assert self.local is not None and self.plan is not None
+        if self.local.frontend != "trace":  # sliced nn.Sequential stages take any shape
+            return list(self.local.train_stages if training else self.local.eval_stages)
+        rows = per_microbatch * self.config.microbatches
+        inputs = tree_map(lambda t: pad_rows(t, total, rows) if isinstance(t, Tensor) else t, (captured.args, captured.kwargs))
+        example_args, example_kwargs = first_rows(inputs, rows, per_microbatch)
+        with torch.inference_mode(False), torch.enable_grad():
+            return trace_stages(
+                self.local, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.device,
+                self.pp_group, training=training, chained=self.config.spec.placement == "v", tensor_parallel=self.tensor_parallel,
+            )
+
+    def _note_new_shape(self, mode: str, meta: list[Any], per_microbatch: int) -> None:
+        rank_zero_info(
+            f"lightning_parallel: pipeline traced for {mode} inputs {self._describe(meta, per_microbatch)} per micro-batch "
+            f"({len(self._eval_schedules)} evaluation shape(s) kept)"
+        )
+
+    def _pad(self, captured: CapturedModelCall, rows_per_batch: int) -> tuple[tuple[Any, ...], dict[str, Any], list[int], int]:
         inputs = (captured.args, captured.kwargs)
         total = batch_rows(*inputs)
-        meta = [(t.dtype, tuple(t.shape[1:])) for t in tensor_leaves(inputs)]
-        if meta != self._traced_meta or total > self._rows_per_batch:
-            raise ValueError(
-                f"The pipeline was traced for model inputs {self._describe(self._traced_meta, self._rows_per_batch)} but this "
-                f"batch gives {self._describe(meta, total)}. Pipeline stages have fixed shapes: keep the batch size and "
-                f"the other dimensions constant (pad sequences to one length); only an epoch's last batch may be smaller."
-            )
-        per_microbatch = self._rows_per_batch // self.config.microbatches
+        per_microbatch = rows_per_batch // self.config.microbatches
         rows = [max(0, min(per_microbatch, total - j * per_microbatch)) for j in range(self.config.microbatches)]
-        if total < self._rows_per_batch:
-            inputs = tree_map(lambda t: pad_rows(t, total, self._rows_per_batch), inputs)
+        if total < rows_per_batch:
+            inputs = tree_map(lambda t: pad_rows(t, total, rows_per_batch), inputs)
         return inputs[0], inputs[1], rows, total
 
     @staticmethod
@@ -319,8 +399,7 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ the schedule and the loss
 
-    def _run_schedule(self, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> None:
-        schedule = self._train_schedule if training else self._eval_schedule
+    def _run_schedule(self, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> None:
         target = torch.arange(self.config.microbatches, device=self.device)
         inputs, model_kwargs = (args, kwargs) if self.holds_first_stage else ((), {})
         with self.tensor_parallel.context() if self.tensor_parallel is not None else nullcontext():
@@ -338,7 +417,7 @@ class PipelineRunner:
         if rows == 0:
             # A padding-only micro-batch: nothing of it reaches the user's step, and it adds no gradient.
             return zero_like_output(output) if state.training else torch.zeros((), device=self.device)
-        if rows < self._rows_per_batch // self.config.microbatches:
+        if rows < state.per_microbatch:
             output = tree_map(lambda t: t[:rows] if isinstance(t, Tensor) else t, output)
         result = self._call_user_step(state, index, output)
         state.outputs[index] = apply_to_collection(result, Tensor, lambda t: t.detach())
@@ -408,6 +487,11 @@ class PipelineRunner:
             for t in self.local.tied
             if self.pp_rank in t.pp_ranks and t.owner_pp_rank != self.pp_rank
         ]
+
+
+def _meta(captured: CapturedModelCall) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """Dtype and shape (past the batch dimension) of every tensor the model call receives."""
+    return [(t.dtype, tuple(t.shape[1:])) for t in tensor_leaves((captured.args, captured.kwargs))]
 
 
 def _restore(obj: Any, name: str, saved: Any) -> None:
