@@ -52,7 +52,7 @@ def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 64) 
 class HFCausalLM(L.LightningModule):
     """A transformers causal LM trained on (input, target) token blocks, as a user would wrap one."""
 
-    def __init__(self, family: str = "llama", lr: float = 1e-2) -> None:
+    def __init__(self, family: str = "llama", lr: float = 0.1) -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
@@ -75,4 +75,7 @@ class HFCausalLM(L.LightningModule):
         self.log("val/accuracy", (logits.argmax(-1) == y).double().mean(), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        # SGD, not Adam: transformers computes norms, softmax and rotary tables in float32 even in a float64
+        # model, and Adam's per-element normalisation would blow those float32 roundings (1e-8) up to 1e-5
+        # in the weights of elements with tiny gradients. SGD keeps a 1e-6 comparison meaningful.
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)

@@ -306,6 +306,8 @@ def _clean_graph(submodule: InterpreterModule, device: torch.device | None) -> N
         if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
             graph.erase_node(node)
             changed = True
+        elif node.op == "call_function" and node.target is torch.ops.aten.cat.default and _drop_empty_cat_inputs(node):
+            changed = True
         elif device is not None and node.op == "call_function":
             args, kwargs = tree_map(lambda a: device if _is_meta_device(a) else a, (node.args, node.kwargs))
             if (args, kwargs) != (node.args, node.kwargs):
@@ -313,6 +315,22 @@ def _clean_graph(submodule: InterpreterModule, device: torch.device | None) -> N
                 changed = True
     if changed:
         submodule.finalize()
+
+
+def _drop_empty_cat_inputs(node: torch.fx.Node) -> bool:
+    """Drop 1-D empty tensors from a ``cat``: torch skips them anyway (an empty key/value cache that Hugging
+    Face models concatenate new keys to), but DTensor would try to shard them like the other inputs."""
+    tensors, *rest = node.args
+    kept = [t for t in tensors if not (isinstance(t, torch.fx.Node) and _is_empty_vector(t))]
+    if len(kept) == len(tensors) or not kept:
+        return False
+    node.args = (kept, *rest)
+    return True
+
+
+def _is_empty_vector(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] == 0
 
 
 def _is_meta_device(value: Any) -> bool:

@@ -108,18 +108,26 @@ def _check_sequence_length_on_entry(block: nn.Module, tp_size: int, sequence_dim
 
 
 def reduce_partial_gradients(parameters: Iterable[nn.Parameter]) -> int:
-    """Turn partial-sum DTensor gradients into replicated ones, once; returns how many were reduced.
+    """Give every DTensor gradient its parameter's placements, once; returns how many were changed.
 
     Norm weights under sequence parallelism see only their rank's tokens, so their gradients come out
-    of backward as partial sums. Left so, every optimizer (and clipping) op reading them would all-reduce
-    again; reducing once after the last micro-batch's backward is Megatron's single all-reduce.
+    of backward as partial sums; inside traced tensor-parallel stages, DTensor's propagation may leave a
+    replicated weight's gradient sharded or partial. Left so, every optimizer (and clipping) op reading
+    them would communicate again, and tied weights summed over pipeline ranks would not line up; reducing
+    once after the last micro-batch's backward is Megatron's single all-reduce.
     """
     from torch.distributed.tensor import DTensor, Replicate
 
-    reduced = 0
+    changed = 0
     for param in parameters:
         grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            param.grad = grad.redistribute(placements=[Replicate() if p.is_partial() else p for p in grad.placements])
-            reduced += 1
-    return reduced
+        if not isinstance(grad, DTensor):
+            continue
+        if isinstance(param, DTensor):
+            target = list(param.placements)
+        else:
+            target = [Replicate() if p.is_partial() else p for p in grad.placements]
+        if list(grad.placements) != target:
+            param.grad = grad.redistribute(placements=target)
+            changed += 1
+    return changed

@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
@@ -92,6 +93,7 @@ class StageTensorParallel:
         """Inputs enter ``stage_module`` as replicated DTensors; its outputs leave as whole tensors."""
         stage_module.register_forward_pre_hook(self._inputs_to_dtensor, with_kwargs=True)
         stage_module.register_forward_hook(self._outputs_to_whole)
+        _reduce_after_embeddings(stage_module)
 
     def context(self) -> AbstractContextManager[Any]:
         """Run stages (forward and backward) in this: tensors the graph creates (positions, masks) count as replicated."""
@@ -115,3 +117,35 @@ class StageTensorParallel:
             return value
 
         return tree_map(to_whole, output)
+
+
+def _reduce_after_embeddings(stage_module: nn.Module) -> None:
+    """Reduce a vocabulary-parallel embedding's output right where it is computed, as eager TP does.
+
+    A lookup in a vocabulary-sharded table gives a masked partial sum whose mask DTensor keeps only until the
+    next op; ops that pass it on (dtype casts, scaling) lose the mask and the reduction fails later.
+    """
+    from torch.export.unflatten import InterpreterModule
+
+    for submodule in stage_module.modules():
+        if not isinstance(submodule, InterpreterModule):
+            continue
+        graph = submodule.graph
+        lookups = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
+        for lookup in lookups:
+            with graph.inserting_after(lookup):
+                reduced = graph.call_function(_replicate_partials, (lookup,))
+            lookup.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+            reduced.meta = dict(lookup.meta)
+        if lookups:
+            submodule.finalize()
+
+
+def _replicate_partials(value: Tensor) -> Tensor:
+    if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
+        placements = [Replicate() if p.is_partial() else p for p in value.placements]
+        whole = value.redistribute(placements=placements).to_local()
+        # A fresh DTensor: the gradient that comes back (often a partial sum) is reduced by from_local's
+        # backward, and reaches the masked reduction as the replicated gradient it expects.
+        return DTensor.from_local(whole, value.device_mesh, placements, run_check=False)
+    return value
