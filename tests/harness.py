@@ -190,7 +190,7 @@ class Recorder(Callback):
         with _not_counted(trainer):  # the monitor measures the training's collectives, not these gathers
             # Fused projections split by blocks train with their rows reordered: compare in the module's order.
             grads = {
-                n: original_order(p, full(p.grad)).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
+                n: original_order(pl_module, n, full(p.grad)).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
             }
             self.grads.append(_whole_across_stages(trainer, grads))
 

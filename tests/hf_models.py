@@ -21,7 +21,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                                   num_hidden_layers=2, tie_word_embeddings=False)),
     # Fused c_attn (Conv1D, weight stored [in, out]: q | k | v blocks), tied head, learned positions.
-    "gpt2": ("GPT2Config", dict(n_embd=32, n_head=4, n_layer=2, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0,
+    # Three layers: its tied embedding stays whole under TP, and at two layers of this width it would be a
+    # third of the model.
+    "gpt2": ("GPT2Config", dict(n_embd=32, n_head=4, n_layer=3, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0,
                                 attn_pdrop=0.0, tie_word_embeddings=True)),
     # GQA with biased q/k/v projections.
     "qwen2": ("Qwen2Config", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -35,7 +37,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 64) -> Any:
+def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 16) -> Any:
     import transformers
 
     class_name, fields = FAMILIES[family]

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-#: Attribute set on a split fused parameter: its :class:`FusedLayout`.
-LAYOUT_ATTRIBUTE = "_lightning_parallel_fused_layout"
+#: Attribute set on a module with split fused parameters: ``{parameter name: FusedLayout}``. Kept on the
+#: module, not the parameter: ``module.to()``/``.double()`` swap DTensor parameters' Python attributes away.
+LAYOUT_ATTRIBUTE = "_lightning_parallel_fused_layouts"
 
 
 @dataclass(frozen=True)
@@ -67,14 +68,23 @@ class FusedLayout:
         return whole.index_select(self.dim, self._original.to(whole.device))
 
 
-def layout_of(param: Tensor) -> FusedLayout | None:
-    """The fused layout of a split parameter (``None`` for every other tensor)."""
-    return getattr(param, LAYOUT_ATTRIBUTE, None)
+def layouts_of(module: nn.Module) -> dict[str, FusedLayout]:
+    """The fused layouts of ``module``'s own split parameters, by parameter name (empty for other modules)."""
+    return getattr(module, LAYOUT_ATTRIBUTE, {})
 
 
-def original_order(param: Tensor, whole: Tensor) -> Tensor:
-    """``whole`` (the gathered value of ``param`` or of its gradient) in the module's own order."""
-    layout = layout_of(param)
+def fused_layouts(module: nn.Module) -> dict[str, FusedLayout]:
+    """Every split fused parameter under ``module``, by full name."""
+    return {
+        f"{prefix}.{name}" if prefix else name: layout
+        for prefix, sub in module.named_modules()
+        for name, layout in layouts_of(sub).items()
+    }
+
+
+def original_order(module: nn.Module, name: str, whole: Tensor) -> Tensor:
+    """``whole`` (the gathered value of ``module``'s parameter ``name``, or of its gradient) in the module's own order."""
+    layout = fused_layouts(module).get(name)
     return whole if layout is None else layout.to_original(whole)
 
 
@@ -87,8 +97,7 @@ def rank_major_rows(param: Tensor, layout: FusedLayout) -> Tensor:
 
 def mark(module: nn.Module, layouts: Mapping[str, FusedLayout]) -> None:
     """After sharding: tag ``module``'s parameters with their layouts and convert its state dict in and out."""
-    for name, layout in layouts.items():
-        setattr(getattr(module, name), LAYOUT_ATTRIBUTE, layout)
+    setattr(module, LAYOUT_ATTRIBUTE, dict(layouts))
     module._register_state_dict_hook(_state_in_original_order)
     module._register_load_state_dict_pre_hook(_load_from_original_order, with_module=True)
 
@@ -118,23 +127,16 @@ def _to_rank_major_dtensor(value: Tensor, like: Tensor, layout: FusedLayout) -> 
 
 
 def _state_in_original_order(module: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
-    for name, param in module.named_parameters(recurse=False):
-        layout = layout_of(param)
-        if layout is not None and prefix + name in state:
+    for name, layout in layouts_of(module).items():
+        if prefix + name in state:
             state[prefix + name] = _to_original_dtensor(state[prefix + name], layout)
 
 
 def _load_from_original_order(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
-    for name, param in module.named_parameters(recurse=False):
-        layout = layout_of(param)
-        key = prefix + name
-        if layout is not None and isinstance(state.get(key), Tensor) and tuple(state[key].shape) == tuple(param.shape):
+    for name, layout in layouts_of(module).items():
+        key, param = prefix + name, getattr(module, name)
+        if isinstance(state.get(key), Tensor) and tuple(state[key].shape) == tuple(param.shape):
             state[key] = _to_rank_major_dtensor(state[key], param, layout)
-
-
-def fused_parameters(module: nn.Module) -> dict[str, Tensor]:
-    """Split fused parameters of ``module`` by name."""
-    return {name: p for name, p in module.named_parameters() if layout_of(p) is not None}
 
 
 def optimizer_state_to_original(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
@@ -156,16 +158,17 @@ def optimizer_state_to_rank_major(module: nn.Module, state: dict[str, Any]) -> d
 
 
 def _convert_optimizer_state(module: nn.Module, state: dict[str, Any], convert: Any) -> dict[str, Any]:
-    fused = fused_parameters(module)
+    fused = fused_layouts(module)
     if not fused:
         return state
     converted = dict(state.get("state", {}))
-    for name, param in fused.items():
+    for name, layout in fused.items():
         entry = converted.get(name)
         if not isinstance(entry, dict):
             continue
+        param = module.get_parameter(name)
         converted[name] = {
-            key: convert(value, param, layout_of(param))
+            key: convert(value, param, layout)
             if isinstance(value, Tensor) and tuple(value.shape) == tuple(param.shape)
             else value
             for key, value in entry.items()

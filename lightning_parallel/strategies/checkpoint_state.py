@@ -45,6 +45,11 @@ from lightning_parallel.checkpoint.state import (
     all_pipeline_parts,
     describe_mismatch,
 )
+from lightning_parallel.parallelize.fused import (
+    fused_layouts,
+    optimizer_state_to_original,
+    optimizer_state_to_rank_major,
+)
 from lightning_parallel.strategies.collectives import whole
 
 if TYPE_CHECKING:
@@ -92,7 +97,7 @@ class CheckpointState:
         module, optimizer = engine.lightning_module, unwrap_optimizer(optimizer)
         if self.files.save_format == "sharded":
             # Keyed by parameter names; DTensor shards stay shards (each rank writes its own).
-            state = get_optimizer_state_dict(module, optimizer)
+            state = optimizer_state_to_original(module, get_optimizer_state_dict(module, optimizer))
             if self._staged:
                 # param_groups is one entry that every rank writes: give each the whole model's names.
                 merged = all_pipeline_parts({"state": {}, "param_groups": state["param_groups"]}, engine.device_mesh["pp"].get_group())
@@ -101,7 +106,7 @@ class CheckpointState:
         if self._staged:
             return gather_pipeline_parts(named_optimizer_state(module, optimizer), engine.device_mesh["pp"].get_group())
         if engine.parameters_are_dtensors:
-            return full_optimizer_state(module, optimizer)
+            return optimizer_state_to_original(module, full_optimizer_state(module, optimizer))
         return ParallelStrategy.optimizer_state(engine, optimizer)
 
     # ------------------------------------------------------------------ in
@@ -131,7 +136,12 @@ class CheckpointState:
         if source is not None:
             check_model_fits(source, expected, strict)
             # In place into this rank's tensors (whole, DTensor shards, or a stage's): DCP reads what they cover.
-            load_states({MODEL_KEY: self.local_model_state()}, source, allow_partial=not strict)
+            local = self.local_model_state()
+            load_states({MODEL_KEY: local}, source, allow_partial=not strict)
+            # Split fused projections hand out copies in the module's order: those are loaded back through it.
+            fused = fused_layouts(module)
+            if fused:
+                module.load_state_dict({name: local[name] for name in fused if name in local}, strict=False)
             return
         found = {k: tuple(v.shape) for k, v in checkpoint["state_dict"].items() if isinstance(v, Tensor)}
         message = describe_mismatch(expected, found, strict)
@@ -158,9 +168,10 @@ class CheckpointState:
             module = engine.lightning_module
             for optimizer, stored in zip(engine.optimizers, states):
                 optimizer = unwrap_optimizer(optimizer)
-                target = get_optimizer_state_dict(module, optimizer)
+                target = optimizer_state_to_original(module, get_optimizer_state_dict(module, optimizer))
                 check_optimizer_fits(source, stored.key, target, type(optimizer).__name__)
                 load_states({stored.key: target}, source)
+                target = optimizer_state_to_rank_major(module, target)
                 if self._staged:
                     names = {name for name, _ in module.named_parameters()}
                     target = local_named_optimizer_state(target, names)
@@ -185,8 +196,9 @@ class CheckpointState:
         elif not engine.parameters_are_dtensors and not named:
             ParallelStrategy.load_optimizer_state_dict(engine, checkpoint)
             return
+        module = engine.lightning_module
         for optimizer, state in zip(engine.optimizers, states):
-            load_full_optimizer_state(engine.lightning_module, unwrap_optimizer(optimizer), state)
+            load_full_optimizer_state(module, unwrap_optimizer(optimizer), optimizer_state_to_rank_major(module, state))
 
     # ------------------------------------------------------------------ this rank's tensors
 

@@ -1,0 +1,121 @@
+"""Hugging Face transformers language models under every layout, against single-device training (float64).
+
+Models are built from tiny configs in the test (nothing downloaded) and wrapped in an ordinary
+LightningModule whose ``forward`` calls ``self.net(input_ids=x).logits`` (``tests/hf_models.py``). Every job
+validates with batches of another size than training's. The matrix below is also what the README's
+"Works with" table is generated from (``python -m tests.works_with``), so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+
+from tests.distributed.test_data_parallel import TOL, assert_same_training
+from tests.harness import JobSpec, run_distributed_jobs, run_job
+from tests.hf_models import FAMILIES, HFCausalLM
+
+pytestmark = pytest.mark.distributed
+
+pytest.importorskip("transformers")
+
+STEPS = 3
+BATCH = 4  # per data-parallel replica
+VAL_BATCH = 8  # per replica: not the training batch size
+MICROBATCHES = {"microbatches": 2}
+
+#: layout name -> (ranks, data-parallel size, strategy, strategy options)
+LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
+    "dp2": (2, 2, "data", {}),
+    "tp2": (2, 1, "tensor", {}),
+    "pp2": (2, 1, "pipeline", MICROBATCHES),
+    "tp2×pp2": (4, 1, "hybrid", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
+    "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
+}
+#: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
+MATRIX: dict[str, tuple[str, ...]] = {
+    "dp2": tuple(FAMILIES),
+    "tp2": tuple(FAMILIES),
+    "pp2": tuple(FAMILIES),
+    "tp2×pp2": tuple(FAMILIES),
+    "dp2×tp2×pp2": ("qwen2", "phi3"),
+}
+#: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
+ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2")}
+#: TP jobs that save a checkpoint, wipe the weights and validate from it (fused layers, Conv1D, GQA).
+ROUND_TRIP = {("gpt2", "tp2"), ("phi3", "tp2"), ("llama", "tp2")}
+
+
+def job(family: str, layout: str) -> JobSpec:
+    devices, _, strategy, options = LAYOUTS[layout]
+    return JobSpec(
+        model=f"hf_{family}", strategy=strategy, devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH,
+        accumulate=2 if (family, layout) in ACCUMULATE else 1, steps=STEPS, validate=True,
+        checkpoint_round_trip=(family, layout) in ROUND_TRIP, strategy_kwargs={"timeout": 120, **options},
+    )
+
+
+@cache
+def reference(family: str, dp: int, accumulate: int) -> dict:
+    return run_job(
+        JobSpec(model=f"hf_{family}", batch_size=BATCH * dp * accumulate, val_batch_size=VAL_BATCH * dp, steps=STEPS, validate=True)
+    )
+
+
+def assert_matches_single_device(family: str, layout: str, result: dict) -> None:
+    _, dp, _, _ = LAYOUTS[layout]
+    accumulate = 2 if (family, layout) in ACCUMULATE else 1
+    expected = reference(family, dp, accumulate)
+    assert_same_training(expected, result, steps=STEPS)
+    for key in ("val/loss", "val/accuracy"):
+        assert result["validation"][key] == pytest.approx(expected["validation"][key], abs=TOL), (family, layout, key)
+
+
+def run_layout(layouts: tuple[str, ...], tmp_path) -> dict[tuple[str, str], dict]:
+    """Every (family, layout) job of these layouts (one world size) in one launch."""
+    specs = {f"{family}-{layout}": job(family, layout) for layout in layouts for family in MATRIX[layout]}
+    results = run_distributed_jobs(specs, tmp_path, timeout=900)
+    return {(family, layout): results[f"{family}-{layout}"] for layout in layouts for family in MATRIX[layout]}
+
+
+def test_two_ranks_dp_tp_pp(tmp_path):
+    results = run_layout(("dp2", "tp2", "pp2"), tmp_path)
+    for (family, layout), result in results.items():
+        assert_matches_single_device(family, layout, result)
+    for family in MATRIX["tp2"]:
+        result = results[(family, "tp2")]
+        whole = sum(t.numel() for t in reference(family, 1, 1)["grads"][0].values())
+        local = sum(result["local_numel"].values())
+        # Every family splits its attention (fused or not) and MLP: well under the whole model per rank.
+        assert local <= 0.6 * whole, f"{family}: rank 0 holds {local / whole:.2f} of the parameters under tp2"
+    for family, layout in ROUND_TRIP:
+        assert_checkpoint_loads_into_the_plain_model(family, tmp_path / f"{family}-{layout}" / "final.ckpt", results[(family, layout)])
+
+
+def test_four_ranks_tp_pp(tmp_path):
+    for (family, layout), result in run_layout(("tp2×pp2",), tmp_path).items():
+        assert_matches_single_device(family, layout, result)
+
+
+def test_eight_ranks_dp_tp_pp(tmp_path):
+    for (family, layout), result in run_layout(("dp2×tp2×pp2",), tmp_path).items():
+        assert_matches_single_device(family, layout, result)
+
+
+def assert_checkpoint_loads_into_the_plain_model(family: str, path, result: dict) -> None:
+    """A checkpoint written under TP holds the module's own layout (fused rows in q|k|v order, Conv1D
+    as stored): it loads into the unsplit transformers model and equals the trained weights, and the
+    optimizer's momentum is the single-device one (sum of 0.9^k-weighted gradients, in module order)."""
+    from lightning_parallel import ParallelCheckpointIO
+
+    checkpoint = ParallelCheckpointIO().load_checkpoint(path)
+    plain = HFCausalLM(family).double()
+    plain.load_state_dict(checkpoint["state_dict"])  # strict: same names and whole shapes
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, result["states"][-1][name].double(), rtol=0, atol=TOL, msg=name)
+    momentum = checkpoint["optimizer_states"][0]["state"]
+    for name, buffer in momentum.items():
+        expected = sum(0.9 ** (len(result["grads"]) - 1 - k) * grads[name] for k, grads in enumerate(result["grads"]))
+        torch.testing.assert_close(buffer["momentum_buffer"].double(), expected.double(), rtol=0, atol=TOL, msg=name)
