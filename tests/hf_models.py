@@ -81,3 +81,30 @@ class HFCausalLM(L.LightningModule):
         # model, and Adam's per-element normalisation would blow those float32 roundings (1e-8) up to 1e-5
         # in the weights of elements with tiny gradients. SGD keeps a 1e-6 comparison meaningful.
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class DemoTransformer(L.LightningModule):
+    """Lightning's own demo model (``lightning.pytorch.demos.Transformer``: ``nn.Transformer`` encoder–decoder
+    with ``nn.MultiheadAttention``), small, with the demo's training step and a validation step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=VOCAB, ninp=16, nhead=2, nhid=32, nlayers=2, dropout=0.0)
+
+    def forward(self, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        inputs, target = batch
+        loss = F.nll_loss(self(inputs, target), target.reshape(-1))
+        self.log("train/loss_synced", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, target = batch
+        self.log("val/loss", F.nll_loss(self(inputs, target), target.reshape(-1)), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=0.1)

@@ -18,6 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 
+#: Keyword names under which a region (attention, MLP) receives its hidden states.
+HIDDEN_STATE_KEYWORDS = ("hidden_states", "x", "hidden", "input")
+
+
 class SharedRegionInput:
     """Converts each tensor entering the region's projections to a replicated DTensor once per region call.
 
@@ -32,9 +36,18 @@ class SharedRegionInput:
         self.arrives_as = arrives_as
         self._converted: list[tuple[Tensor, DTensor]] = []
 
-    def attach(self, region: nn.Module, projections: list[nn.Module]) -> None:
-        """Hook ``region`` (clears the cache per call) and its ``projections`` (share their input)."""
-        region.register_forward_pre_hook(self._clear)
+    def attach(self, region: nn.Module, projections: list[nn.Module], name: str = "") -> None:
+        """Hook ``region`` (clears the cache per call) and its ``projections`` (share their input).
+
+        Under sequence parallelism the region's hidden-state input is gathered on entry instead, since
+        the region may read its shape (``hidden_states.shape[:-1]`` to split heads): the first positional
+        tensor, or the keyword argument ``hidden_states`` (``x``, ``hidden``, ``input``).
+        """
+        self._name = name or type(region).__name__
+        if self.arrives_as.is_replicate():
+            region.register_forward_pre_hook(self._clear)
+        else:
+            region.register_forward_pre_hook(self._gather_on_entry, with_kwargs=True)
         region.register_forward_hook(self._clear_after)
         for projection in projections:
             # First among the projection's hooks: its own style then finds a DTensor already.
@@ -42,6 +55,25 @@ class SharedRegionInput:
 
     def _clear(self, *_: Any) -> None:
         self._converted = []
+
+    def _gather_on_entry(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        self._converted = []
+        if args and isinstance(args[0], Tensor):
+            return (self._replicated(args[0]), *args[1:]), kwargs
+        for key in HIDDEN_STATE_KEYWORDS:
+            if isinstance(kwargs.get(key), Tensor):
+                return args, {**kwargs, key: self._replicated(kwargs[key])}
+        raise TypeError(
+            f"sequence_parallel=True: {self._name} was called without its hidden states as the first positional argument "
+            f"or as one of the keywords {', '.join(HIDDEN_STATE_KEYWORDS)}; set sequence_parallel=False for this model."
+        )
+
+    def _replicated(self, tensor: Tensor) -> Tensor:
+        if isinstance(tensor, DTensor):
+            return tensor
+        shared = DTensor.from_local(tensor, self.mesh, [self.arrives_as], run_check=False).redistribute(placements=[Replicate()])
+        self._converted.append((tensor, shared))
+        return shared
 
     def _clear_after(self, *_: Any) -> None:
         self._converted = []

@@ -67,7 +67,7 @@ def sequence_parallel_plan(
         # gradients first and reduce-scatters once.
         all_regions += sorted(regions)
         for name, sub in modules[block].named_modules():
-            if isinstance(sub, _NORM_TYPES):
+            if _is_norm(sub):
                 plan[f"{block}.{name}"] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
     first, last = blocks[0], blocks[-1]
     scatter = {"input_layouts": (replicated,), "desired_input_layouts": (sharded,), "use_local_input": True}
@@ -79,6 +79,11 @@ def sequence_parallel_plan(
         plan[last] = PrepareModuleOutput(**gather)
     _check_sequence_length_on_entry(modules[first], tp_size, sequence_dim, first)
     return plan, all_regions
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """torch's LayerNorm/RMSNorm, or a model's own (``LlamaRMSNorm``, ``T5LayerNorm``): per-token norms."""
+    return isinstance(module, _NORM_TYPES) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
 def _trunk_blocks(modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -> list[str]:

@@ -298,7 +298,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         regions, arrives_as = shared_input_regions(resolved), Replicate()
     for region in regions:
         projections = [modules[fqn] for fqn, style in resolved.styles.items() if style in COLUMN_STYLES and fqn.rpartition(".")[0] == region]
-        SharedRegionInput(tp_mesh, arrives_as).attach(modules[region], projections)
+        SharedRegionInput(tp_mesh, arrives_as).attach(modules[region], projections, region)
     layouts = _order_fused_rank_major(modules, resolved, tp_size)
     parallelize_module(module, tp_mesh, torch_plan)
     for fqn, parameter_layouts in layouts.items():
