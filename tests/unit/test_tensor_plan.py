@@ -76,12 +76,28 @@ def test_auto_plan_for_other_names_swiglu_and_grouped_query_attention():
         check_plan(LlamaishBlock(), resolved, 4)
 
 
-def test_fused_qkv_and_multihead_attention_stay_replicated_with_a_warning():
+def test_fused_qkv_is_split_by_blocks_and_multihead_attention_stays_replicated():
     warnings = []
     model = nn.ModuleDict({"fused": FusedAttention(), "mha": nn.MultiheadAttention(8, 2)})
-    assert infer_plan(model, warn=warnings.append) == {}
-    assert any("fused.c_attn" in w and "replicated" in w for w in warnings)
+    assert infer_plan(model, warn=warnings.append) == {"fused.c_attn": "fused_qkv", "fused.c_proj": "rowwise"}
+    assert resolve_plan(model, infer_plan(model)).fused == {"fused.c_attn": (8, 8, 8)}
     assert any("mha" in w and "MultiheadAttention" in w for w in warnings)
+
+
+def test_fused_projection_of_unknown_layout_is_refused_or_left_whole():
+    class Ambiguous(nn.Module):  # query_key_value without a published plan: interleaved or blocks?
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads = 2
+            self.query_key_value, self.dense = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    warnings = []
+    assert infer_plan(Ambiguous(), warn=warnings.append) == {}
+    assert any("query_key_value" in w and "unknown layout" in w for w in warnings)
+    narrow = FusedAttention()
+    narrow.c_attn = nn.Linear(8, 20)  # not q|k|v for 2 heads of any width
+    with pytest.raises(ValueError, match=r"c_attn: out_features=20 is not q\|k\|v for 2 query and 2 key/value heads"):
+        resolve_plan(narrow, {"c_attn": "fused_qkv"})
 
 
 def test_patterns_resolve_to_module_names():
@@ -99,7 +115,7 @@ def test_pattern_matching_nothing_lists_near_matches():
 
 
 def test_unknown_style_and_conflicting_styles():
-    with pytest.raises(ValueError, match=r"style 'diagonal' is unknown\. Choose one of: colwise, rowwise"):
+    with pytest.raises(ValueError, match=r"style 'diagonal' is unknown\. Choose one of: colwise, colwise_gather_output"):
         resolve_plan(tiny_gpt(), {"ln_f": "diagonal"})
     with pytest.raises(ValueError, match="matched with two styles"):
         resolve_plan(tiny_gpt(), {"blocks.0.mlp.fc_in": "colwise", "blocks.*.mlp.fc_in": "rowwise"})
@@ -115,7 +131,7 @@ def test_sizes_not_divisible_name_module_and_numbers():
 
 
 def test_styles_must_fit_the_module_type():
-    with pytest.raises(TypeError, match=r"ln_f: style 'colwise' needs an nn.Linear, got LayerNorm"):
+    with pytest.raises(TypeError, match=r"ln_f: style 'colwise' needs an nn.Linear or a transformers Conv1D, got LayerNorm"):
         check_plan(tiny_gpt(), ResolvedPlan(styles={"ln_f": "colwise"}, head_attributes={}), 2)
 
 
