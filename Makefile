@@ -28,8 +28,10 @@ unit: venv
 	$(PY) -m pytest tests/unit $(ARGS)
 
 benchmark: venv
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
 	$(PY) benchmarks/dp_vs_ddp.py
 	$(PY) benchmarks/tp_vs_model_parallel.py
+	$(PY) benchmarks/tp_vs_hf_tp.py
 	$(PY) benchmarks/pp_efficiency.py
 	$(PY) benchmarks/hybrid_layouts.py
 	$(PY) benchmarks/checkpoint_io.py
