@@ -45,7 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 class JobSpec:
     # gpt | convnet | regressor (untraceable nn.Sequential) | regressor_loop (untraceable, no Sequential)
     # | hf_<family> (a transformers causal LM from a tiny config, see tests/hf_models.py)
-    # | demo_transformer (Lightning's demo nn.Transformer)
+    # | demo_transformer (Lightning's demo nn.Transformer) | view_attention (hand-written Llama-style LM)
     model: str = "gpt"
     strategy: str = "single"  # single | data | tensor | pipeline | hybrid
     devices: int = 1
@@ -258,7 +258,7 @@ def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> 
 
 def make_data(spec: JobSpec) -> L.LightningDataModule:
     """The job's data module (no shuffling)."""
-    if spec.model in ("gpt", "demo_transformer") or spec.model.startswith("hf_"):
+    if spec.model in ("gpt", "demo_transformer", "view_attention") or spec.model.startswith("hf_"):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -285,6 +285,10 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         from tests.hf_models import DemoTransformer
 
         return DemoTransformer()
+    if spec.model == "view_attention":
+        from tests.hf_models import ViewAttentionLM
+
+        return ViewAttentionLM()
     if spec.model.startswith("hf_"):
         from tests.hf_models import HFCausalLM
 

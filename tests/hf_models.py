@@ -108,3 +108,61 @@ class DemoTransformer(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+
+class ViewAttention(torch.nn.Module):
+    """Llama-style attention written by hand: heads split with ``view(B, L, self.n_heads, -1)`` and merged
+    with ``transpose(1, 2).reshape(B, L, -1)`` (no ``contiguous()``), GQA via ``repeat_interleave``."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = torch.nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = torch.nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.wq(x).view(B, L, self.n_heads, -1).transpose(1, 2)
+        k = self.wk(x).view(B, L, self.n_kv_heads, -1).transpose(1, 2)
+        v = self.wv(x).view(B, L, self.n_kv_heads, -1).transpose(1, 2)
+        groups = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, L, -1))
+
+
+class ViewBlock(torch.nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.attention = ViewAttention(dim)
+        self.w1, self.w3, self.w2 = torch.nn.Linear(dim, 64, bias=False), torch.nn.Linear(dim, 64, bias=False), torch.nn.Linear(64, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class ViewAttentionLM(L.LightningModule):
+    """A hand-written Llama-style LM (the shape of torchtitan's), trained like the transformers models."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.lr = lr
+        self.tok = torch.nn.Embedding(VOCAB, 32)
+        self.layers = torch.nn.ModuleList(ViewBlock() for _ in range(2))
+        self.norm, self.output = torch.nn.RMSNorm(32), torch.nn.Linear(32, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    training_step = HFCausalLM.training_step
+    validation_step = HFCausalLM.validation_step
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

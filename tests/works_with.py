@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.distributed.test_transformers import ACCUMULATE, DEMO, LAYOUTS, MATRIX, ROUND_TRIP, UNSUPPORTED
+from tests.distributed.test_transformers import ACCUMULATE, DEMO, LAYOUTS, MATRIX, ROUND_TRIP, UNSUPPORTED, VIEW
 from tests.hf_models import FAMILIES
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -23,6 +23,7 @@ DESCRIPTIONS = {
     "phi3": "Phi-3 (`Phi3ForCausalLM`: fused `qkv_proj` with GQA, fused `gate_up_proj`)",
     "gpt_neox": "GPT-NeoX (`GPTNeoXForCausalLM`: `query_key_value` interleaved per head)",
     DEMO: "Lightning demo `Transformer` (`nn.Transformer`, `nn.MultiheadAttention`)",
+    VIEW: "hand-written Llama-style LM (`view(B, L, self.n_heads, -1)`, GQA, `nn.RMSNorm`)",
 }
 
 
@@ -32,7 +33,7 @@ def render() -> str:
         "| model | " + " | ".join(layouts) + " |",
         "|---|" + "---|" * len(layouts),
     ]
-    for family in (*FAMILIES, DEMO):
+    for family in (*FAMILIES, DEMO, VIEW):
         cells = []
         for layout in layouts:
             if family in MATRIX[layout]:

@@ -34,14 +34,16 @@ LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     "tp2×pp2": (4, 1, "hybrid", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
 }
-#: Lightning's demo encoder–decoder (``nn.Transformer``), next to the transformers families.
+#: Lightning's demo encoder–decoder (``nn.Transformer``), and a hand-written Llama-style LM whose attention
+#: splits heads with ``view(B, L, self.n_heads, -1)``, next to the transformers families.
 DEMO = "demo_transformer"
+VIEW = "view_attention"
 #: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
 MATRIX: dict[str, tuple[str, ...]] = {
     "dp2": (*FAMILIES, DEMO),
-    "tp2": (*FAMILIES, DEMO),
-    "pp2": tuple(FAMILIES),
-    "tp2×pp2": tuple(FAMILIES),
+    "tp2": (*FAMILIES, DEMO, VIEW),
+    "pp2": (*FAMILIES, VIEW),
+    "tp2×pp2": (*FAMILIES, VIEW),
     "dp2×tp2×pp2": ("qwen2", "phi3"),
 }
 #: Layouts a family cannot use, with what the user is told (checked by test_demo_transformer_pipeline_is_refused).
@@ -53,7 +55,7 @@ ROUND_TRIP = {("gpt2", "tp2"), ("phi3", "tp2"), ("llama", "tp2")}
 
 
 def model_name(family: str) -> str:
-    return family if family == DEMO else f"hf_{family}"
+    return family if family in (DEMO, VIEW) else f"hf_{family}"
 
 
 def job(family: str, layout: str) -> JobSpec:
