@@ -9,7 +9,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.distributed.test_transformers import ACCUMULATE, DEMO, LAYOUTS, MATRIX, ROUND_TRIP, UNSUPPORTED, VIEW
+from tests.distributed.test_transformers import (
+    ACCUMULATE,
+    DEMO,
+    LAYOUTS,
+    MATRIX,
+    ROUND_TRIP,
+    UNSUPPORTED,
+    VIEW,
+)
 from tests.hf_models import FAMILIES
 
 README = Path(__file__).resolve().parents[1] / "README.md"

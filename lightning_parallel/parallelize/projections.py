@@ -28,7 +28,8 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def is_projection(module: nn.Module) -> bool:
-    return type(module) is nn.Linear or isinstance(module, nn.Linear) or is_conv1d(module)
+    """An ``nn.Linear`` (exactly: subclasses may compute something else) or a transformers ``Conv1D``."""
+    return type(module) is nn.Linear or is_conv1d(module)
 
 
 def features(module: nn.Module) -> tuple[int, int]:

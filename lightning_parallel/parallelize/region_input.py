@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
-
 #: Keyword names under which a region (attention, MLP) receives its hidden states.
 HIDDEN_STATE_KEYWORDS = ("hidden_states", "x", "hidden", "input")
 
@@ -27,13 +26,13 @@ class SharedRegionInput:
 
     Args:
         mesh: The tensor-parallel mesh.
-        arrives_as: How the input is laid out when it arrives: ``Replicate()`` (plain TP), or
+        arrives_as: How the input is laid out when it arrives: ``Replicate()`` (plain TP, the default), or
             ``Shard(sequence_dim)`` under sequence parallelism (then it is all-gathered here, once).
     """
 
-    def __init__(self, mesh: DeviceMesh, arrives_as: Placement = Replicate()) -> None:
+    def __init__(self, mesh: DeviceMesh, arrives_as: Placement | None = None) -> None:
         self.mesh = mesh
-        self.arrives_as = arrives_as
+        self.arrives_as = arrives_as if arrives_as is not None else Replicate()
         self._converted: list[tuple[Tensor, DTensor]] = []
 
     def attach(self, region: nn.Module, projections: list[nn.Module], name: str = "") -> None:

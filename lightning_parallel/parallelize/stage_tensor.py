@@ -135,7 +135,7 @@ def _reduce_after_embeddings(stage_module: nn.Module) -> None:
         for lookup in lookups:
             with graph.inserting_after(lookup):
                 reduced = graph.call_function(_replicate_partials, (lookup,))
-            lookup.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)
+            lookup.replace_all_uses_with(reduced, delete_user_cb=lambda user, reduced=reduced: user is not reduced)
             reduced.meta = dict(lookup.meta)
         if lookups:
             submodule.finalize()

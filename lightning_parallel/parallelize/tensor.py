@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_parallel.parallelize import fused as fused_layout
 from lightning_parallel.parallelize.projections import (
+    QUERY_HEADS,
     features,
     head_count,
     is_conv1d,
@@ -212,7 +213,7 @@ def _match_block(
             # The model's authors publish a plain column split: q, k and v are interleaved per head, so
             # contiguous rows are whole heads (their count is checked against the TP degree).
             return {ambiguous: "colwise", out: "rowwise"}
-        if qkv is not None and out is not None and head_count(sub, ("num_heads", "num_attention_heads", "n_head", "n_heads")):
+        if qkv is not None and out is not None and head_count(sub, QUERY_HEADS):
             return {qkv: "fused_qkv", out: "rowwise"}
         warn(f"{prefix}{fused}: fused q/k/v projection of unknown layout (or without head counts); left replicated.")
         return {}

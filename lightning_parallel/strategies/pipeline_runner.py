@@ -41,9 +41,9 @@ from lightning_parallel.parallelize.model_call import (
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.parallelize.pipeline_build import (
     LocalPipeline,
-    trace_stages,
     build_local_pipeline,
     check_split_points,
+    trace_stages,
 )
 from lightning_parallel.parallelize.pipeline_schedule import (
     build_forward_only_schedule,
@@ -65,7 +65,6 @@ from lightning_parallel.strategies.microbatches import (
     to_cpu,
     zero_like_output,
 )
-
 
 #: Evaluation pipelines kept for input shapes other than training's (least recently used dropped first).
 EVAL_SHAPES_KEPT = 8

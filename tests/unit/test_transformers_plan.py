@@ -10,7 +10,7 @@ from lightning_parallel.parallelize.tensor import TensorParallelConfig, check_pl
 
 pytest.importorskip("transformers")
 
-from tests.hf_models import HFCausalLM  # noqa: E402
+from tests.hf_models import HFCausalLM
 
 
 def plan_of(family: str):
