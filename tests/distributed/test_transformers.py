@@ -50,8 +50,8 @@ MATRIX: dict[str, tuple[str, ...]] = {
 UNSUPPORTED = {(DEMO, "pp2"): "could not trace", (DEMO, "tp2×pp2"): "could not trace", (DEMO, "dp2×tp2×pp2"): "could not trace"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
 ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2")}
-#: TP jobs that save a checkpoint, wipe the weights and validate from it (fused layers, Conv1D, GQA).
-ROUND_TRIP = {("gpt2", "tp2"), ("phi3", "tp2"), ("llama", "tp2")}
+#: TP jobs that save a checkpoint (in this format), wipe the weights and validate from it (fused layers, Conv1D, GQA).
+ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded"}
 
 
 def model_name(family: str) -> str:
@@ -63,7 +63,8 @@ def job(family: str, layout: str) -> JobSpec:
     return JobSpec(
         model=model_name(family), strategy=strategy, devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH,
         accumulate=2 if (family, layout) in ACCUMULATE else 1, steps=STEPS, validate=True,
-        checkpoint_round_trip=(family, layout) in ROUND_TRIP, strategy_kwargs={"timeout": 120, **options},
+        checkpoint_round_trip=(family, layout) in ROUND_TRIP,
+        strategy_kwargs={"timeout": 120, "save_format": ROUND_TRIP.get((family, layout), "sharded"), **options},
     )
 
 
