@@ -11,6 +11,7 @@ inputs (rotary tables, masks) must stay ordinary tensors. No Lightning here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
@@ -19,6 +20,26 @@ from torch.distributed.tensor import DTensor, Placement, Replicate
 
 #: Keyword names under which a region (attention, MLP) receives its hidden states.
 HIDDEN_STATE_KEYWORDS = ("hidden_states", "x", "hidden", "input")
+
+
+def map_hidden_states(
+    args: tuple[Any, ...], kwargs: dict[str, Any], fn: Callable[[Tensor], Tensor], name: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of a call with ``fn`` applied to its hidden states: the first positional tensor,
+    or the first of :data:`HIDDEN_STATE_KEYWORDS` given.
+
+    Raises:
+        TypeError: The call has neither (naming the module ``name``).
+    """
+    if args and isinstance(args[0], Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    for key in HIDDEN_STATE_KEYWORDS:
+        if isinstance(kwargs.get(key), Tensor):
+            return args, {**kwargs, key: fn(kwargs[key])}
+    raise TypeError(
+        f"sequence_parallel=True: {name} was called without its hidden states as the first positional argument "
+        f"or as one of the keywords {', '.join(HIDDEN_STATE_KEYWORDS)}; set sequence_parallel=False for this model."
+    )
 
 
 class SharedRegionInput:
@@ -57,15 +78,7 @@ class SharedRegionInput:
 
     def _gather_on_entry(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         self._converted = []
-        if args and isinstance(args[0], Tensor):
-            return (self._replicated(args[0]), *args[1:]), kwargs
-        for key in HIDDEN_STATE_KEYWORDS:
-            if isinstance(kwargs.get(key), Tensor):
-                return args, {**kwargs, key: self._replicated(kwargs[key])}
-        raise TypeError(
-            f"sequence_parallel=True: {self._name} was called without its hidden states as the first positional argument "
-            f"or as one of the keywords {', '.join(HIDDEN_STATE_KEYWORDS)}; set sequence_parallel=False for this model."
-        )
+        return map_hidden_states(args, kwargs, self._replicated, self._name)
 
     def _replicated(self, tensor: Tensor) -> Tensor:
         if isinstance(tensor, DTensor):

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
+from lightning_parallel.parallelize.region_input import map_hidden_states
 from lightning_parallel.parallelize.tensor_plan import ResolvedPlan, parallel_style
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
@@ -27,23 +28,19 @@ def sequence_parallel_plan(
 ) -> tuple[dict, list[str]]:
     """torch ``ParallelStyle``s for every module involved, ready for ``parallelize_module``, and the regions
     (attention, MLP) whose column-wise projections all-gather their sequence-sharded input once, together
-    (:class:`~lightning_parallel.parallelize.region_input.SharedRegionInput`).
+    (:class:`~lightning_parallel.parallelize.region_input.SharedRegionInput`). The trunk's ends are hooked
+    by :func:`split_trunk_sequence` once the plan is applied.
 
     Raises:
         ValueError: If the plan splits nothing inside an ``nn.ModuleList`` of blocks, or a block's split
             layers sit directly in the block (sequence parallelism needs attention/MLP submodules).
     """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        PrepareModuleOutput,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     modules = dict(module.named_modules())
     blocks = _trunk_blocks(modules, resolved.styles)
-    sharded, replicated = Shard(sequence_dim), Replicate()
+    sharded = Shard(sequence_dim)
     plan: dict = {}
     for fqn, style in resolved.styles.items():
         if style == "replicate":
@@ -69,16 +66,37 @@ def sequence_parallel_plan(
         for name, sub in modules[block].named_modules():
             if _is_norm(sub):
                 plan[f"{block}.{name}"] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
-    first, last = blocks[0], blocks[-1]
-    scatter = {"input_layouts": (replicated,), "desired_input_layouts": (sharded,), "use_local_input": True}
-    gather = {"output_layouts": (sharded,), "desired_output_layouts": (replicated,), "use_local_output": True}
-    if first == last:
-        plan[first] = PrepareModuleInputOutput(**scatter, **gather)
-    else:
-        plan[first] = PrepareModuleInput(input_layouts=scatter["input_layouts"], desired_input_layouts=scatter["desired_input_layouts"], use_local_output=True)
-        plan[last] = PrepareModuleOutput(**gather)
+    first = blocks[0]
     _check_sequence_length_on_entry(modules[first], tp_size, sequence_dim, first)
     return plan, all_regions
+
+
+def split_trunk_sequence(module: nn.Module, resolved: ResolvedPlan, mesh, sequence_dim: int = 1) -> None:
+    """The trunk's first block scatters its hidden states along the sequence, the last one gathers them.
+
+    Hooks rather than torch's ``PrepareModuleInput``: blocks are often called with more positional
+    inputs (GPT-2: ``block(hidden_states, cache, mask, ...)``) or with keywords only.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    modules = dict(module.named_modules())
+    blocks = _trunk_blocks(modules, resolved.styles)
+
+    def redistribute(tensor: torch.Tensor, source, target) -> torch.Tensor:
+        return DTensor.from_local(tensor, mesh, [source], run_check=False).redistribute(placements=[target]).to_local()
+
+    def scatter(_: nn.Module, args: tuple, kwargs: dict) -> tuple:
+        return map_hidden_states(args, kwargs, lambda t: redistribute(t, Replicate(), Shard(sequence_dim)), blocks[0])
+
+    def gather(_: nn.Module, __: tuple, output):
+        if isinstance(output, torch.Tensor):
+            return redistribute(output, Shard(sequence_dim), Replicate())
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            return type(output)([redistribute(output[0], Shard(sequence_dim), Replicate()), *output[1:]])
+        raise TypeError(f"sequence_parallel=True: {blocks[-1]} returned {type(output).__name__}, not its hidden states.")
+
+    modules[blocks[0]].register_forward_pre_hook(scatter, with_kwargs=True)
+    modules[blocks[-1]].register_forward_hook(gather)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -100,8 +118,8 @@ def _trunk_blocks(modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -
 
 
 def _check_sequence_length_on_entry(block: nn.Module, tp_size: int, sequence_dim: int, name: str) -> None:
-    def check(_module: nn.Module, args: tuple) -> None:
-        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    def check(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         if tensor is not None and tensor.size(sequence_dim) % tp_size != 0:
             raise ValueError(
                 f"sequence_parallel=True: the sequence length {tensor.size(sequence_dim)} entering {name} is not "
@@ -109,7 +127,7 @@ def _check_sequence_length_on_entry(block: nn.Module, tp_size: int, sequence_dim
             )
 
     # Registered first, so it runs before the scatter that would otherwise split unevenly.
-    block.register_forward_pre_hook(check, prepend=True)
+    block.register_forward_pre_hook(check, prepend=True, with_kwargs=True)
 
 
 def reduce_partial_gradients(parameters: Iterable[nn.Parameter]) -> int:

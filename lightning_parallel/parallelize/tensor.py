@@ -32,7 +32,7 @@ from lightning_parallel.parallelize.projections import (
 )
 from lightning_parallel.parallelize.published_plan import published_plan
 from lightning_parallel.parallelize.region_input import SharedRegionInput
-from lightning_parallel.parallelize.sequence import sequence_parallel_plan
+from lightning_parallel.parallelize.sequence import sequence_parallel_plan, split_trunk_sequence
 from lightning_parallel.parallelize.tensor_plan import (
     STYLE_ALIASES,
     STYLES,
@@ -302,6 +302,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         SharedRegionInput(tp_mesh, arrives_as).attach(modules[region], projections, region)
     layouts = _order_fused_rank_major(modules, resolved, tp_size)
     parallelize_module(module, tp_mesh, torch_plan)
+    if sequence_parallel:
+        split_trunk_sequence(module, resolved, tp_mesh)
     for fqn, parameter_layouts in layouts.items():
         fused_layout.mark(modules[fqn], parameter_layouts)
     for fqn, style in resolved.styles.items():

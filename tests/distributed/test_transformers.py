@@ -30,6 +30,7 @@ MICROBATCHES = {"microbatches": 2}
 LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     "dp2": (2, 2, "data", {}),
     "tp2": (2, 1, "tensor", {}),
+    "tp2+sp": (2, 1, "tensor", {"sequence_parallel": True}),
     "pp2": (2, 1, "pipeline", MICROBATCHES),
     "tp2×pp2": (4, 1, "hybrid", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
@@ -42,6 +43,7 @@ VIEW = "view_attention"
 MATRIX: dict[str, tuple[str, ...]] = {
     "dp2": (*FAMILIES, DEMO),
     "tp2": (*FAMILIES, DEMO, VIEW),
+    "tp2+sp": ("llama", "gpt2", "phi3"),
     "pp2": (*FAMILIES, VIEW),
     "tp2×pp2": (*FAMILIES, VIEW),
     "dp2×tp2×pp2": ("qwen2", "phi3"),
@@ -92,7 +94,7 @@ def run_layout(layouts: tuple[str, ...], tmp_path) -> dict[tuple[str, str], dict
 
 
 def test_two_ranks_dp_tp_pp(tmp_path):
-    results = run_layout(("dp2", "tp2", "pp2"), tmp_path)
+    results = run_layout(("dp2", "tp2", "tp2+sp", "pp2"), tmp_path)
     for (family, layout), result in results.items():
         assert_matches_single_device(family, layout, result)
     for family in FAMILIES:
