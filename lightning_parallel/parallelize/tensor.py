@@ -32,7 +32,10 @@ from lightning_parallel.parallelize.projections import (
 )
 from lightning_parallel.parallelize.published_plan import published_plan
 from lightning_parallel.parallelize.region_input import SharedRegionInput
-from lightning_parallel.parallelize.sequence import sequence_parallel_plan, split_trunk_sequence
+from lightning_parallel.parallelize.sequence import (
+    sequence_parallel_plan,
+    split_trunk_sequence,
+)
 from lightning_parallel.parallelize.tensor_plan import (
     STYLE_ALIASES,
     STYLES,
