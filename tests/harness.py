@@ -229,6 +229,7 @@ class Recorder(Callback):
             "reduce_scatters": _REDUCE_SCATTERS[0] - self._reduce_scatters_at_start,
             "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
+            "pipeline_training_rows": getattr(getattr(trainer.strategy, "pipeline_runner", None), "training_rows", None),
             "state_bytes": self.state_bytes,
             "scaling_steps": [asdict(step) for step in _monitor(trainer).steps] if _monitor(trainer) else None,
         }

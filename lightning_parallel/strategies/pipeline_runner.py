@@ -148,6 +148,11 @@ class PipelineRunner:
         return self._train_schedule
 
     @property
+    def training_rows(self) -> int:
+        """Rows per training batch the training stages were traced for (0 before the first batch)."""
+        return self._rows_per_batch
+
+    @property
     def holds_first_stage(self) -> bool:
         return self.stage_to_rank[0] == self.pp_rank
 
@@ -324,15 +329,16 @@ class PipelineRunner:
         meta = _meta(captured)
         m = self.config.microbatches
         if training:
-            if meta != self._traced_meta or total > self._rows_per_batch:
-                if self._train_shape_fixed:
-                    raise ValueError(
-                        f"The pipeline was traced for training inputs {self._describe(self._traced_meta, self._rows_per_batch)} "
-                        f"but this training batch gives {self._describe(meta, total)}. Training batches keep the shape of the "
-                        f"first one (pad sequences to one length); only an epoch's last batch may be smaller. Validation, "
-                        f"test and predict batches may have any shape."
-                    )
+            if not self._train_shape_fixed and (meta != self._traced_meta or total != self._rows_per_batch):
+                # Built on an evaluation batch (Lightning's sanity check): the first training batch sets the shape.
                 self._retrace_training(captured, total, meta)
+            elif meta != self._traced_meta or total > self._rows_per_batch:
+                raise ValueError(
+                    f"The pipeline was traced for training inputs {self._describe(self._traced_meta, self._rows_per_batch)} "
+                    f"but this training batch gives {self._describe(meta, total)}. Training batches keep the shape of the "
+                    f"first one (pad sequences to one length); only an epoch's last batch may be smaller. Validation, "
+                    f"test and predict batches may have any shape."
+                )
             self._train_shape_fixed = True
             return self._train_schedule, self._rows_per_batch
         fitting = [key for key in self._eval_schedules if key[0] == tuple(meta) and key[1] * m >= total]
