@@ -33,12 +33,20 @@ from torch.utils._pytree import tree_map
 import lightning_parallel.parallelize.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
 from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
 
-#: Placement of each parameter of a module, by style; anything not listed is replicated.
+#: Placement of each parameter of a module, by style; anything not listed is replicated. Fused projections
+#: are split along their output features in the module's own order: in the global view DTensor slices
+#: q, k and v out of the sharded output itself (gathering where a slice crosses ranks).
+_COLUMN = {"weight": Shard(0), "bias": Shard(0)}
 _PLACEMENTS: dict[str, dict[str, Placement]] = {
-    "colwise": {"weight": Shard(0), "bias": Shard(0)},
+    "colwise": _COLUMN,
+    "colwise_gather_output": _COLUMN,
+    "fused_qkv": _COLUMN,
+    "fused_gate_up": _COLUMN,
     "rowwise": {"weight": Shard(1)},
     "embedding_rowwise": {"weight": Shard(0)},
 }
+#: transformers' ``Conv1D`` stores its weight ``[in, out]``: the weight's split dimension is the other one.
+_CONV1D_WEIGHT = {Shard(0): Shard(1), Shard(1): Shard(0)}
 #: Styles whose meaning cannot be kept inside a traced stage.
 _UNSUPPORTED = {
     "loss_parallel": "the loss runs on whole logits after the last stage; use 'colwise' or 'replicate' for the head",
@@ -52,10 +60,12 @@ class StageTensorParallel:
     Attributes:
         mesh: The 1-D tensor-parallel mesh.
         styles: Module name (relative to the pipelined module) -> style.
+        conv1d: Names (relative) of split modules that are transformers' ``Conv1D``.
     """
 
     mesh: DeviceMesh
     styles: Mapping[str, str]
+    conv1d: frozenset[str] = frozenset()
 
     @classmethod
     def from_plan(cls, resolved: ResolvedPlan, root_name: str, mesh: DeviceMesh) -> StageTensorParallel:
@@ -77,12 +87,16 @@ class StageTensorParallel:
                     f"under pipeline parallelism only its layers can be split. Leave {fqn} replicated."
                 )
             styles[fqn[len(prefix) :]] = style
-        return cls(mesh, styles)
+        conv1d = frozenset(fqn[len(prefix) :] for fqn in resolved.conv1d if fqn.startswith(prefix))
+        return cls(mesh, styles, conv1d)
 
     def placement(self, name: str) -> Placement:
         """Where the parameter ``name`` (relative to the pipelined module) lives on the mesh."""
         module_name, _, attribute = name.rpartition(".")
-        return _PLACEMENTS.get(self.styles.get(module_name, ""), {}).get(attribute, Replicate())
+        placement = _PLACEMENTS.get(self.styles.get(module_name, ""), {}).get(attribute, Replicate())
+        if attribute == "weight" and module_name in self.conv1d:
+            return _CONV1D_WEIGHT.get(placement, placement)
+        return placement
 
     def distribute(self, name: str, param: Tensor) -> nn.Parameter:
         """A DTensor parameter holding this rank's part of ``param`` (every rank passes the same values)."""

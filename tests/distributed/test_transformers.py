@@ -123,9 +123,20 @@ def test_demo_transformer_pipeline_is_refused(tmp_path):
     assert "Make forward traceable" in proc.stderr
 
 
+#: A fused projection and a Conv1D MLP weight held by rank 0 (first stage) under tp2×pp2.
+SPLIT_IN_STAGES = {
+    "gpt2": ("net.transformer.h.0.attn.c_attn.weight", "net.transformer.h.0.mlp.c_fc.weight"),
+    "phi3": ("net.model.layers.0.self_attn.qkv_proj.weight", "net.model.layers.0.mlp.gate_up_proj.weight"),
+}
+
+
 def test_four_ranks_tp_pp(tmp_path):
     for (family, layout), result in run_layout(("tp2×pp2",), tmp_path).items():
         assert_matches_single_device(family, layout, result)
+        whole = reference(family, 1, 2 if (family, layout) in ACCUMULATE else 1)["grads"][0]
+        for name in SPLIT_IN_STAGES.get(family, ()):
+            # Fused and Conv1D layers are split inside pipeline stages too (half of each per TP rank).
+            assert result["local_numel"][name] == whole[name].numel() // 2, (family, name)
 
 
 def test_eight_ranks_dp_tp_pp(tmp_path):
