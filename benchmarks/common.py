@@ -42,6 +42,26 @@ class StepTimer(L.Callback):
             self.out.write_text(json.dumps({**self.extra, "step_times": self.times[self.warmup :], "world_size": trainer.world_size}))
 
 
+class CommCounter(L.Callback):
+    """Counts the collectives of one training step (forward, backward, optimizer) with torch's
+    ``CommDebugMode`` (DTensor's functional collectives and c10d's), by op name."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.mode, self.counts = step, None, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.step:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            self.mode = CommDebugMode()
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.mode is not None and batch_idx == self.step:
+            self.mode.__exit__(None, None, None)
+            self.counts = {str(op).rsplit(".", 1)[-1]: n for op, n in self.mode.get_comm_counts().items()}
+
+
 def run_worker_copies(script: Path, worker_args: list[str], outs: list[Path]) -> list[dict[str, Any]]:
     """Run ``len(outs)`` copies of ``script --worker ...`` at once (1 thread each); their JSON results."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}

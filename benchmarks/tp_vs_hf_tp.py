@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from benchmarks.common import (
     RESULTS,
+    CommCounter,
     StepTimer,
     median_step,
     run_worker_copies,
@@ -65,7 +66,6 @@ def worker(variant: str, path: Path, steps: int, warmup: int, out: Path) -> None
     import torch.nn.functional as F
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
     from transformers import AutoModelForCausalLM
 
     from lightning_parallel import TensorParallelStrategy
@@ -92,22 +92,6 @@ def worker(variant: str, path: Path, steps: int, warmup: int, out: Path) -> None
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-    class CommCounter(L.Callback):
-        """Counts the collectives of one training step (forward, backward, optimizer)."""
-
-        def __init__(self, step: int) -> None:
-            self.step, self.mode, self.counts = step, None, {}
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == self.step:
-                self.mode = CommDebugMode()
-                self.mode.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.mode is not None and batch_idx == self.step:
-                self.mode.__exit__(None, None, None)
-                self.counts = {str(op).rsplit(".", 1)[-1]: n for op, n in self.mode.get_comm_counts().items()}
 
     class Extras(L.Callback):
         def on_train_end(self, trainer, pl_module):

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 from benchmarks.common import (
     RESULTS,
+    CommCounter,
     StepTimer,
     median_step,
     run_worker_copies,
@@ -46,7 +47,6 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
     import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.debug import CommDebugMode
 
     from lightning_parallel import TensorParallelStrategy
     from recipes.data.chars import CharCorpusDataModule
@@ -72,22 +72,6 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
                 }
                 parallelize_module(block, tp_mesh, plan)
                 block.attn.n_head //= tp_mesh.size()
-
-    class CommCounter(L.Callback):
-        """Counts the DTensor collectives of one training step (forward, backward, optimizer)."""
-
-        def __init__(self, step: int) -> None:
-            self.step, self.mode, self.counts = step, None, {}
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if batch_idx == self.step:
-                self.mode = CommDebugMode()
-                self.mode.__enter__()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.mode is not None and batch_idx == self.step:
-                self.mode.__exit__(None, None, None)
-                self.counts = {str(op).rsplit(".", 1)[-1]: n for op, n in self.mode.get_comm_counts().items()}
 
     L.seed_everything(0)
     if variant == "lightning":
