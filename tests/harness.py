@@ -76,6 +76,9 @@ class JobSpec:
     precision: str = "64-true"  # Lightning's precision setting
     seed: int = 1234
     monitor: bool = False  # add a ScalingMonitor (its per-step figures land in the result's "scaling_steps")
+    # Build the model under trainer.init_module(empty_init=...): None builds it plainly (Lightning converts its
+    # dtype in setup), False eagerly in the precision's dtype, True with its parameters on the meta device.
+    empty_init: bool | None = None
 
 
 class FailingStep(RuntimeError):
@@ -306,8 +309,9 @@ def job_dir(save_path: Path | None) -> Path:
 def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModule, L.LightningDataModule, L.Trainer, Recorder]:
     """Module, data, and Trainer for ``spec`` (float64, no shuffling, no dropout)."""
     L.seed_everything(spec.seed, workers=True)
-    data, model = make_data(spec), make_model(spec)
-    if spec.perturb_other_ranks and int(os.environ.get("LOCAL_RANK", "0")) > 0:
+    data = make_data(spec)
+    model = make_model(spec) if spec.empty_init is None else None
+    if spec.perturb_other_ranks and model is not None and int(os.environ.get("LOCAL_RANK", "0")) > 0:
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(0.1)
@@ -351,6 +355,9 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    if model is None:
+        with trainer.init_module(empty_init=spec.empty_init):
+            model = make_model(spec)
     return model, data, trainer, recorder
 
 

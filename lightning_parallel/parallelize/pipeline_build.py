@@ -134,11 +134,19 @@ def build_local_pipeline(
     num_stages = len(stage_to_rank)
     local = stages_on(stage_to_rank, pp_rank)
     skeleton = meta_copy(module)
+    # A module built with meta parameters (deferred initialisation) is traced as its meta skeleton, and
+    # only this rank's stage tensors are allocated on the device.
+    deferred = any(p.is_meta for p in module.parameters())
+    traced = skeleton if deferred else module
+    inputs = on_meta((example_args, example_kwargs)) if deferred else (example_args, example_kwargs)
+    retarget = device if deferred else None
     try:
-        train_pipe = _trace(module, example_args, example_kwargs, split_points, training=True)
+        train_pipe = _trace(traced, *inputs, split_points, training=True, device=retarget)
     except Exception as error:
         if isinstance(module, nn.Sequential) and tensor_parallel is None:
+            allocated = _allocate_local_parts(module, split_points, local, device) if deferred else {}
             result = _slice_sequential(module, split_points, stage_to_rank, local, device, group)
+            result.replaced.update(allocated)
             result.note = f"torch.export cannot trace it ({_root_cause(error)}), so the nn.Sequential is sliced"
             return result
         fallback = (
@@ -156,17 +164,20 @@ def build_local_pipeline(
             f"split_points {list(split_points)} cut {type(module).__name__} into {train_pipe.num_stages} stages, not "
             f"{num_stages}: every split point must be a module that forward calls, in the order it calls them."
         )
-    eval_pipe = _trace(module, example_args, example_kwargs, split_points, training=False)
+    eval_pipe = _trace(traced, *inputs, split_points, training=False, device=retarget)
     originals = _originals(module)
     stage_uses = [
         {id(originals[name]) for name, _ in _named_tensors(train_pipe.get_stage_module(s)) if name in originals}
         for s in range(num_stages)
     ]
     canonical: dict[int, Tensor] = {}
+    allocate = device if deferred else None
     for s in local:
-        _share(train_pipe.get_stage_module(s), originals, canonical)
+        _share(train_pipe.get_stage_module(s), originals, canonical, allocate)
     for s in local:
-        _share(eval_pipe.get_stage_module(s), originals, canonical)
+        _share(eval_pipe.get_stage_module(s), originals, canonical, allocate)
+    if deferred:
+        _check_no_meta([pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local], type(module).__name__)
     if chained:
         _check_chain(train_pipe, type(module).__name__)
         train_stages = [PipelineStage(train_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
@@ -217,8 +228,7 @@ def trace_stages(
     """
     if local.skeleton is None:
         raise RuntimeError("Only traced pipelines are traced again for a new shape.")
-    meta_inputs = tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, (example_args, example_kwargs))
-    pipe = _trace(local.skeleton, *meta_inputs, split_points, training=training, device=device)
+    pipe = _trace(local.skeleton, *on_meta((example_args, example_kwargs)), split_points, training=training, device=device)
     num_stages = len(stage_to_rank)
     stages = []
     for s in local.stage_indices:
@@ -423,18 +433,72 @@ def _originals(module: nn.Module) -> dict[str, Tensor]:
     return dict(_named_tensors(module))
 
 
-def _share(stage_module: nn.Module, originals: dict[str, Tensor], canonical: dict[int, Tensor]) -> None:
+def _share(stage_module: nn.Module, originals: dict[str, Tensor], canonical: dict[int, Tensor], allocate: torch.device | None = None) -> None:
     """Make every tensor of ``stage_module`` the one object this rank holds for its original.
 
     Local stages (and the eval graphs) then share parameters: gradients of a weight used by two local
-    stages accumulate in one ``.grad``, and the eval graph sees the trained values.
+    stages accumulate in one ``.grad``, and the eval graph sees the trained values. With ``allocate``
+    (a trace of the meta skeleton) that object is new: uninitialised memory on ``allocate`` for a meta
+    original, the original itself on that device otherwise (a buffer built in ``__init__``).
     """
     for name, tensor in list(_named_tensors(stage_module)):
         if name not in originals:
             continue
-        keep = canonical.setdefault(id(originals[name]), tensor)
+        key = id(originals[name])
+        if key not in canonical:
+            canonical[key] = tensor if allocate is None else _allocated(originals[name], allocate)
+        keep = canonical[key]
         if keep is not tensor:
             _set_by_name(stage_module, name, keep)
+
+
+def _allocated(original: Tensor, device: torch.device) -> Tensor:
+    value = torch.empty_like(original, device=device) if original.is_meta else original.detach().to(device)
+    return nn.Parameter(value, requires_grad=original.requires_grad) if isinstance(original, nn.Parameter) else value
+
+
+def on_meta(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by an empty one of its shape on the meta device."""
+    return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, tree)
+
+
+def _check_no_meta(stage_modules: list[nn.Module], module_name: str) -> None:
+    left = sorted({name for m in stage_modules for name, t in _named_tensors(m) if t.is_meta and t.numel() > 0})
+    if left:
+        raise RuntimeError(
+            f"Cutting {module_name} (built on the meta device) into stages found tensors that are neither parameters nor "
+            f"buffers ({left[:8]}): their values cannot be recovered. Register them as buffers, or build the module "
+            f"without trainer.init_module(empty_init=True)."
+        )
+
+
+def _allocate_local_parts(module: nn.Sequential, split_points: Sequence[str], local: list[int], device: torch.device) -> dict[int, Tensor]:
+    """Give the layers of this rank's slices of a meta ``nn.Sequential`` memory on ``device`` (in place)."""
+    children = [name for name, _ in module.named_children()]
+    bounds = [0, *(children.index(p) for p in split_points if p in children), len(children)]
+    replaced: dict[int, Tensor] = {}
+    for s in local:
+        for layer in list(module)[bounds[s]:bounds[s + 1]] if s + 1 < len(bounds) else []:
+            replaced.update(allocate_meta_in_place(layer, device))
+    return replaced
+
+
+def allocate_meta_in_place(module: nn.Module, device: torch.device) -> dict[int, Tensor]:
+    """Replace every meta parameter and buffer of ``module`` with uninitialised memory on ``device``.
+
+    Returns:
+        ``id(old parameter) -> new parameter`` (for optimizers built over the old ones).
+    """
+    replaced: dict[int, Tensor] = {}
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and tensor.is_meta:
+                    new = _allocated(tensor, device)
+                    store[name] = new
+                    if isinstance(tensor, nn.Parameter):
+                        replaced[id(tensor)] = new
+    return replaced
 
 
 def _rebind(

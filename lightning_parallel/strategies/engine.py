@@ -34,6 +34,7 @@ from lightning_parallel.checkpoint.replica_sampler import split_custom_sampler
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.measure.comm import CommStats
 from lightning_parallel.parallelize.data import DataParallelConfig
+from lightning_parallel.parallelize.deferred_init import parameters_on_meta
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
 from lightning_parallel.parallelize.periodic_sync import SyncConfig
 from lightning_parallel.parallelize.pipeline import PipelineConfig
@@ -45,6 +46,7 @@ from lightning_parallel.strategies.components import (
     ActivationCheckpointingComponent,
     Component,
     DataParallelComponent,
+    ModelPlacement,
     NonFiniteGuard,
     PipelineComponent,
     ProgressReport,
@@ -98,7 +100,14 @@ class ParallelEngineStrategy(MeshStrategy):
             module. Any layout resumes from either. Checkpoints appear under their name only when complete.
         async_save: Write checkpoints in the background while training goes on (tensors are copied to host
             memory first); each save is completed before the next one, before a load and at the end.
+        weights_from: Pretrained weights read into this rank's part of the model before training (each rank
+            reads only the slices it holds): a full checkpoint file, a sharded checkpoint directory, or a Hugging
+            Face model directory (``*.safetensors``, sharded with ``model.safetensors.index.json`` or not).
         checkpoint_io: Defaults to :class:`~lightning_parallel.checkpoint.io.ParallelCheckpointIO` (atomic files).
+
+    A module built under ``with trainer.init_module(empty_init=True):`` has its parameters on the meta device
+    (no memory); setup splits it there and allocates and initialises only this rank's part, with the values
+    eager construction gives (see :mod:`lightning_parallel.parallelize.deferred_init`).
     """
 
     #: Presets: engine argument -> config dataclass whose fields they take as flat keywords (see options.py).
@@ -133,6 +142,7 @@ class ParallelEngineStrategy(MeshStrategy):
         timeout: float | timedelta = DEFAULT_TIMEOUT_S,
         save_format: CheckpointFormat = "sharded",
         async_save: bool = False,
+        weights_from: str | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -163,6 +173,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self.tensor_parallel = TensorParallelComponent(self, tensor_parallel or TensorParallelConfig())
         self.pipeline_parallel = PipelineComponent(self, pipeline or PipelineConfig())
         self.activation_checkpointing = ActivationCheckpointingComponent(self, activation_checkpointing)
+        self.placement = ModelPlacement(self, None if weights_from is None else str(weights_from))
         self.data_parallel = DataParallelComponent(
             self, data_parallel or DataParallelConfig(), periodic_sync or SyncConfig(), sync_batchnorm
         )
@@ -173,12 +184,13 @@ class ParallelEngineStrategy(MeshStrategy):
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → data), after
-        the record of where each rank is (outermost: a pipeline runs steps without the inner components) and
-        before the check of every step's loss and gradients (innermost around the optimizer step)."""
+        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → this rank's
+        part onto its device → data), after the record of where each rank is (outermost: a pipeline runs
+        steps without the inner components) and before the check of every step's loss and gradients
+        (innermost around the optimizer step)."""
         return (
             self.progress, self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing,
-            self.data_parallel, self.nonfinite,
+            self.placement, self.data_parallel, self.nonfinite,
         )
 
     @property
@@ -243,7 +255,7 @@ class ParallelEngineStrategy(MeshStrategy):
         for component in self.components:
             component.prepare(trainer, fitting)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        # No model_to_device() here: the placement component moves only this rank's part, after the split.
         for component in self.components:
             component.apply(trainer, fitting)
         if fitting:
@@ -260,6 +272,18 @@ class ParallelEngineStrategy(MeshStrategy):
     @override
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module()``: with ``empty_init=True`` parameters are built on the meta device (no
+        memory; buffers as usual) and each rank materialises only its part in setup."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with parameters_on_meta(), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

@@ -43,6 +43,8 @@ from lightning_parallel.parallelize.pipeline_build import (
     LocalPipeline,
     build_local_pipeline,
     check_split_points,
+    meta_copy,
+    on_meta,
     trace_stages,
 )
 from lightning_parallel.parallelize.pipeline_schedule import (
@@ -292,6 +294,14 @@ class PipelineRunner:
             check_split_points(root, relative, self.num_stages, self.root_name or "")
             return SplitPlan(tuple(relative))
         # Measured balance differs between ranks: rank 0 decides and everyone follows (or fails with it).
+        if any(p.is_meta for p in root.parameters()):
+            if self.config.balance == "time":
+                raise ValueError(
+                    "balance='time' times each layer on a real batch, but the model was built on the meta device "
+                    "(trainer.init_module(empty_init=True)); use balance='params' or name split_points."
+                )
+            # Only which modules run before and after the trunk is needed: follow a meta copy.
+            root, (args, kwargs) = meta_copy(root), on_meta((args, kwargs))
         holder: list[Any] = [None]
         if dist.get_rank() == 0:
             try:

@@ -81,16 +81,17 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
             self.lm_head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
         # GPT-2's scaled init of the projections that write into the residual stream.
-        for name, param in self.named_parameters():
-            if name.endswith(("out_proj.weight", "fc_out.weight")):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        self.residual_std = 0.02 / math.sqrt(2 * n_layer)
+        for block in self.blocks:
+            block.attn.out_proj.residual_projection = block.mlp.fc_out.residual_projection = True
+        self.apply(self._init_weights)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module) -> None:
+        """One module's initial weights (applied to each module: the convention deferred initialisation replays)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            residual = getattr(module, "residual_projection", False)
+            nn.init.normal_(module.weight, mean=0.0, std=self.residual_std if residual else 0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -1,7 +1,7 @@
 """Each parallelism the engine runs, as a component with one small interface (see :class:`Component`).
 
 The engine holds one of each and calls them in a fixed order — tensor, pipeline, activation
-checkpointing, data — as torchtitan applies ``apply_tp`` → ``apply_ac`` → ``apply_fsdp``. A new dimension is
+checkpointing, placement (this rank's part onto its device), data — as torchtitan applies ``apply_tp`` → ``apply_ac`` → ``apply_fsdp``. A new dimension is
 one more axis in :mod:`lightning_parallel.layout` plus one component here.
 """
 
@@ -15,6 +15,7 @@ from lightning_parallel.strategies.components.nonfinite import (
     NonFiniteGuard,
 )
 from lightning_parallel.strategies.components.pipeline import PipelineComponent
+from lightning_parallel.strategies.components.placement import ModelPlacement
 from lightning_parallel.strategies.components.progress import ProgressReport
 from lightning_parallel.strategies.components.tensor import TensorParallelComponent
 
@@ -22,6 +23,7 @@ __all__ = [
     "ActivationCheckpointingComponent",
     "Component",
     "DataParallelComponent",
+    "ModelPlacement",
     "NONFINITE_MODES",
     "NonFiniteGuard",
     "PipelineComponent",

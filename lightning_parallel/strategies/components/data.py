@@ -129,7 +129,7 @@ class DataParallelComponent(Component):
         if engine.parameters_are_dtensors:
             # Sharded replicas, or DTensor parameters (which DDP cannot take): FSDP2 over the dp axes.
             if not self.sharded_units:
-                if engine.layout.tensor_parallel_size == 1:
+                if engine.layout.tensor_parallel_size == 1 and not engine.placement.deferred:
                     # FSDP2 shards each rank's own copy (DDP would broadcast rank 0's): start all from rank 0's
                     # weights. (Tensor parallelism synced them before splitting.)
                     _sync_module_states(engine.lightning_module)
@@ -139,6 +139,7 @@ class DataParallelComponent(Component):
                     reshard_after_forward=self.config.reshard_after_forward,
                     mp_policy=fsdp_mixed_precision(engine.precision_plugin),
                 )
+            engine.placement.place()  # after sharding: only this rank's shards are allocated
             return
         if self.sync.is_periodic:
             # Replicas step on their own gradients: no DDP. They start from rank 0's weights.

@@ -22,10 +22,15 @@ from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
+from lightning_parallel.parallelize.pipeline_build import (
+    LocalPipeline,
+    allocate_meta_in_place,
+    remap_optimizer,
+)
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
 from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
 from lightning_parallel.strategies.components.base import Component
+from lightning_parallel.strategies.components.placement import local_targets
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 
 if TYPE_CHECKING:
@@ -73,7 +78,7 @@ class PipelineComponent(Component):
             raise ValueError("Trainer(sync_batchnorm=True) is not supported with pipeline parallelism; remove it.")
         # Stages are cut on the first batch (tracing needs real inputs); until then every rank holds the
         # whole module, starting from rank 0's weights so that replicas agree.
-        if not self.staged:
+        if not self.staged and not engine.placement.deferred:
             _sync_module_states(engine.model)
         if self.runner is None:
             mesh, layout = engine.device_mesh, engine.layout
@@ -128,8 +133,20 @@ class PipelineComponent(Component):
             self._reduce_gradients()
 
     def _on_built(self, local: LocalPipeline) -> None:
-        for optimizer in self.engine.optimizers:
+        engine = self.engine
+        module = engine.lightning_module
+        placement = engine.placement
+        if placement.deferred:
+            # Tensors outside the pipelined module (if any) get memory here; the stages' were allocated in the cut.
+            local.replaced.update(allocate_meta_in_place(module, engine.root_device))
+        for optimizer in engine.optimizers:
             remap_optimizer(unwrap_optimizer(optimizer), local.replaced)
+        if placement.deferred or placement.weights_from is not None:
+            prefix = f"{self.runner.root_name}." if self.runner.root_name else ""
+            targets = {prefix + name: tensor for name, tensor in local.local_tensors.items()}
+            outside = local_targets(module)
+            targets.update((name, t) for name, t in outside.items() if not name.startswith(prefix) and name not in targets)
+            placement.fill(targets)
 
     def _reduce_gradients(self) -> None:
         engine = self.engine

@@ -67,7 +67,8 @@ class TensorParallelComponent(Component):
         check_plan(module, resolved, size)
         # Neither TP (outside the split layers) nor FSDP2 copies weights between ranks: start every rank
         # from rank 0's weights, as DDP would, even if the module was not built from one seed everywhere.
-        _sync_module_states(module)
+        if not self.engine.placement.deferred:  # a meta module gets the same values on every rank when placed
+            _sync_module_states(module)
         apply_tensor_parallel(module, self.engine.device_mesh["tp"], resolved, self.config.sequence_parallel)
         self._split_module = module
         if "loss_parallel" in resolved.styles.values():

@@ -1,0 +1,206 @@
+"""Pretrained weights read straight into this rank's tensors (``weights_from``), never the whole model.
+
+Three sources: a full checkpoint file (memory-mapped: only the slices a rank copies are read), a sharded
+checkpoint directory of this library (DCP's planner reads what each rank's shards cover) and a Hugging
+Face model directory (``safetensors``' ``get_slice``; one file or sharded with an index). Names are
+matched first — the source's names may lack a prefix of the module's (a Hugging Face model held as
+``self.model`` in a LightningModule) — and checked: missing, unexpected and mis-shaped tensors are listed
+before anything is read. Values are converted to the dtype of the tensor they go into.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_parallel.checkpoint.sharded import MODEL_KEY, load_states, stored_shapes, stored_tensors
+from lightning_parallel.checkpoint.state import copy_whole_into, describe_mismatch
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class SlicedSource(Protocol):
+    """Stored tensors that can be read in part."""
+
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def read(self, name: str, index: tuple[slice, ...] | None) -> Tensor: ...
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    targets: Mapping[str, Tensor],
+    fused: Mapping[str, Any] | None,
+    *,
+    whole_shapes: Mapping[str, tuple[int, ...]],
+    aliases: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Copy the weights stored at ``path`` into ``targets`` (this rank's tensors by full name).
+
+    Args:
+        path: A full checkpoint file, a sharded checkpoint directory, or a Hugging Face model directory.
+        targets: This rank's parameters and buffers (whole, DTensor shards, or its pipeline stages').
+        fused: Fused projections trained rank-major, by name (values are reordered before the copy).
+        whole_shapes: Name -> shape of every tensor of the whole module: what the source must hold.
+        aliases: Tied names -> the name they share a tensor with (a source may store only one of them).
+
+    Returns:
+        The target names written.
+
+    Raises:
+        FileNotFoundError: Nothing at ``path``.
+        ValueError: ``path`` is none of the three sources.
+        RuntimeError: The stored tensors do not fit the module (all differences listed); nothing is read then.
+    """
+    path = Path(path)
+    fused, aliases = fused or {}, aliases or {}
+    if not path.exists():
+        raise FileNotFoundError(f"weights_from={str(path)!r}: nothing there. Pass a checkpoint file or directory.")
+    sharded = path.is_dir() and (path / ".metadata").is_file()
+    source: SlicedSource | None = None
+    if sharded:
+        found = stored_shapes(path)
+    else:
+        source = _open_sliced(path)
+        found = source.shapes()
+    prefix = _prefix(found, whole_shapes)
+    expected = {k[len(prefix):]: v for k, v in whole_shapes.items() if k.startswith(prefix)}
+    stored_alias = {k[len(prefix):]: v[len(prefix):] for k, v in aliases.items() if k.startswith(prefix) and v.startswith(prefix)}
+    # A tied weight stored under one of its names only is complete.
+    present = {**found, **{k: found[v] for k, v in stored_alias.items() if k not in found and v in found}}
+    message = describe_mismatch(expected, present, strict=True)
+    if message:
+        raise RuntimeError(
+            f"weights_from={str(path)!r} does not fit this model (names relative to {prefix or 'the module'!r}): "
+            f"{message}. Build the model from the same configuration the weights were saved with."
+        )
+    wanted = {}
+    for name in targets:
+        stored = name[len(prefix):] if name.startswith(prefix) else None
+        if stored in found:
+            wanted[name] = stored
+        elif stored in stored_alias and stored_alias[stored] in found:
+            wanted[name] = stored_alias[stored]
+        # else: a buffer that is not saved (non-persistent), or a tensor outside the stored module
+    if sharded:
+        _load_sharded(path, targets, fused, wanted)
+    else:
+        for name, stored in wanted.items():
+            _copy_sliced(source, stored, targets[name], fused.get(name))  # type: ignore[arg-type]
+    return list(wanted)
+
+
+def _prefix(found: Mapping[str, tuple[int, ...]], whole: Mapping[str, tuple[int, ...]]) -> str:
+    """The prefix of the module's names under which the stored names lie ("" when they match as they are)."""
+    if not found or any(name in whole for name in found):
+        return ""
+    sample = next(iter(sorted(found)))
+    candidates = {name[: -len(sample)] for name in whole if name.endswith("." + sample)}
+    best = max(candidates, key=lambda p: sum(p + n in whole for n in found), default="")
+    return best
+
+
+def _copy_sliced(source: SlicedSource, stored: str, target: Tensor, layout: Any) -> None:
+    """Read the part of ``stored`` that ``target`` holds (all of it for rank-major fused layers)."""
+    with torch.no_grad():
+        if isinstance(target, DTensor) and layout is None and all(type(p) in (Shard, Replicate) for p in target.placements):
+            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            target.to_local().copy_(source.read(stored, index))
+            return
+        value = source.read(stored, None)
+        copy_whole_into(target, layout.to_rank_major(value) if layout is not None else value)
+
+
+def _load_sharded(path: Path, targets: Mapping[str, Tensor], fused: Mapping[str, Any], wanted: Mapping[str, str]) -> None:
+    """DCP reads, for each target, the chunks it covers (rank-major fused layers: the whole tensor)."""
+    dtypes = {k.removeprefix(MODEL_KEY + "."): getattr(torch, v["dtype"]) for k, v in stored_tensors(path).items()}
+    staged: dict[str, Tensor] = {}
+    for name, stored in wanted.items():
+        target = targets[name]
+        if stored in staged:
+            continue
+        if name in fused:
+            staged[stored] = torch.empty(tuple(target.shape), dtype=dtypes[stored], device="cpu")
+        elif target.dtype != dtypes[stored]:
+            staged[stored] = torch.empty_like(target, dtype=dtypes[stored])  # a DTensor keeps its placements
+        else:
+            staged[stored] = target
+    load_states({MODEL_KEY: staged}, path, allow_partial=True)
+    with torch.no_grad():
+        for name, stored in wanted.items():
+            target, value = targets[name], staged[stored]
+            if value is not target:
+                layout = fused.get(name)
+                copy_whole_into(target, layout.to_rank_major(value) if layout is not None else value)
+
+
+def _open_sliced(path: Path) -> SlicedSource:
+    if path.is_file() and path.suffix == ".safetensors":
+        return SafetensorsFiles({None: path})
+    if path.is_dir():
+        index = path / SAFETENSORS_INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return SafetensorsFiles({name: path / file for name, file in weight_map.items()})
+        files = sorted(path.glob("*.safetensors"))
+        if len(files) == 1:
+            return SafetensorsFiles({None: files[0]})
+        raise ValueError(
+            f"weights_from={str(path)!r} is a directory with {len(files)} .safetensors files and no {SAFETENSORS_INDEX}, "
+            "and not a sharded checkpoint: pass a Hugging Face model directory, a sharded checkpoint or a checkpoint file."
+        )
+    return TorchFile(path)
+
+
+class SafetensorsFiles:
+    """Tensors in ``.safetensors`` files; ``files`` maps each name to its file (``None``: all in one)."""
+
+    def __init__(self, files: Mapping[str | None, Path]) -> None:
+        from safetensors import safe_open
+
+        self._handles = {str(p): safe_open(str(p), framework="pt") for p in set(files.values())}
+        if None in files:
+            (handle,) = self._handles.values()
+            self._where = {name: handle for name in handle.keys()}
+        else:
+            self._where = {name: self._handles[str(p)] for name, p in files.items()}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(handle.get_slice(name).get_shape()) for name, handle in self._where.items()}
+
+    def read(self, name: str, index: tuple[slice, ...] | None) -> Tensor:
+        part = self._where[name].get_slice(name)
+        return part[index] if index is not None else part[:]
+
+
+class TorchFile:
+    """A ``torch.save`` file (a Lightning checkpoint's ``state_dict``, or a plain state dict), memory-mapped."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        except Exception as error:
+            raise ValueError(
+                f"weights_from={str(path)!r} could not be read as a checkpoint file ({type(error).__name__}: {error}); "
+                "pass a checkpoint file, a sharded checkpoint directory or a Hugging Face model directory."
+            ) from error
+        state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
+        if not isinstance(state, dict):
+            raise ValueError(f"weights_from={str(path)!r} holds a {type(loaded).__name__}, not a state dict or a Lightning checkpoint.")
+        self._tensors = {k: v for k, v in state.items() if isinstance(v, Tensor)}
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self._tensors.items()}
+
+    def read(self, name: str, index: tuple[slice, ...] | None) -> Tensor:
+        value = self._tensors[name]
+        return value[index] if index is not None else value

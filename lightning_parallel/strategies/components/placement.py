@@ -1,0 +1,167 @@
+"""Where the module's tensors come to live: only this rank's part on its device, with its starting values.
+
+A module built under ``trainer.init_module(empty_init=True)`` has its parameters on the meta device. The
+tensor-parallel plan and FSDP2 split it there; this component then allocates only this rank's shards on
+its device, gives them the values eager construction would have (``parallelize/deferred_init.py``) and,
+with ``weights_from``, reads pretrained weights into them (``checkpoint/pretrained.py``). Pipeline stages
+are placed the same way when the pipeline is cut, on the first batch. A module built eagerly is split on
+the host first and moved to the device afterwards, so no device holds more than its part either
+(pipelines excepted: they are cut on the first batch, with the module on the device until then).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+
+from lightning_parallel.checkpoint.pretrained import load_pretrained
+from lightning_parallel.parallelize.deferred_init import (
+    InitialValues,
+    allocate_local,
+    has_meta_tensors,
+)
+from lightning_parallel.parallelize.fused import fused_layouts
+from lightning_parallel.strategies.components.base import Component
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+
+
+class ModelPlacement(Component):
+    """Allocates and initialises this rank's part of the model; loads ``weights_from`` into it.
+
+    Args:
+        engine: The strategy.
+        weights_from: Pretrained weights read into this rank's tensors before training: a full checkpoint
+            file, a sharded checkpoint directory of this library, or a Hugging Face model directory
+            (``*.safetensors``, one file or sharded with ``model.safetensors.index.json``).
+    """
+
+    def __init__(self, engine: ParallelEngineStrategy, weights_from: str | None = None) -> None:
+        super().__init__(engine)
+        self.weights_from = weights_from
+        self.initial_values: InitialValues | None = None
+        self._whole_shapes: dict[str, tuple[int, ...]] | None = None
+        self._aliases: dict[str, str] = {}
+        self._construction_stream: Tensor | None = None  # the generator state to initialise from, if not the current one
+        self._placed = False
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the module was built with its parameters on the meta device (and not yet placed)."""
+        return self.initial_values is not None and not self._placed
+
+    def prepare(self, trainer: Trainer, fitting: bool) -> None:
+        module = self.engine.lightning_module
+        if self._whole_shapes is not None:
+            return  # set up before (fit, then validate): the module is split already
+        # Recorded before any split: the whole module's names and shapes, and eager construction's order.
+        self._whole_shapes = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+        self._aliases = tied_aliases(module)
+        if has_meta_tensors(module):
+            self.initial_values = InitialValues.of(module)
+            if self.engine.pipeline_parallel.enabled:
+                # Stages are placed on the first batch, after Lightning and the data loaders have drawn random
+                # numbers: keep the generator state eager construction started from, and leave it where
+                # construction would have (a first pass that draws the same numbers and copies nothing).
+                with rank_zero_random_stream():
+                    self._construction_stream = torch.get_rng_state()
+                    self.initial_values.write({})
+
+    def apply(self, trainer: Trainer, fitting: bool) -> None:
+        engine = self.engine
+        if engine.pipeline_parallel.enabled:
+            if not self.deferred:
+                engine.model_to_device()  # a pipeline is cut on the first batch, on the device
+            return
+        if engine.data_parallel.shards:
+            return  # FSDP2 shards the module first and calls place() (data component)
+        self.place()
+
+    def place(self) -> None:
+        """Put this rank's part of the (already split) module on its device, with its starting values."""
+        engine = self.engine
+        module = engine.lightning_module
+        if self._placed or (not self.deferred and self.weights_from is None):
+            self._placed = True
+            engine.model_to_device()
+            return
+        if self.deferred:
+            allocate_local(module, engine.root_device)
+        else:
+            engine.model_to_device()
+        self.fill(local_targets(module), fused_layouts(module))
+        self._placed = True
+
+    def fill(self, targets: Mapping[str, Tensor], fused: Mapping[str, object] | None = None) -> None:
+        """Give this rank's tensors (by full name) their starting values: eager init, then ``weights_from``."""
+        if self.deferred:
+            with rank_zero_random_stream(), _drawing_from(self._construction_stream):
+                written = self.initial_values.write(targets, fused)  # type: ignore[union-attr,arg-type]
+            rank_zero_info(f"lightning_parallel: initialised {len(set(written))} tensors of this rank's part of the model on its device.")
+        if self.weights_from is not None:
+            loaded = load_pretrained(self.weights_from, targets, fused, whole_shapes=self._whole_shapes or {}, aliases=self._aliases)
+            rank_zero_info(f"lightning_parallel: read {len(loaded)} tensors of this rank's part from {self.weights_from!r}.")
+        self._placed = True
+
+
+def local_targets(module: nn.Module) -> dict[str, Tensor]:
+    """This rank's parameters and buffers by every full name (tied aliases included), as they train."""
+    targets = dict(module.named_parameters(remove_duplicate=False))
+    targets.update((name, b) for name, b in module.named_buffers(remove_duplicate=False) if b is not None)
+    return targets
+
+
+@contextmanager
+def _drawing_from(state: Tensor | None) -> Iterator[None]:
+    """Draw from ``state`` (if given), then give the generator its current state back."""
+    if state is None:
+        yield
+        return
+    current = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(current)
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Every further name of a tied parameter -> its first name."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        kept = first.setdefault(id(param), name)
+        if kept != name:
+            aliases[name] = kept
+    return aliases
+
+
+@contextmanager
+def rank_zero_random_stream() -> Iterator[None]:
+    """Draw from rank 0's generator state on every rank (initial values must agree across ranks).
+
+    A rank whose own state was rank 0's keeps the advanced state (as after eager construction); one that
+    had its own gets it back.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    own = torch.get_rng_state()
+    state = [own if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(state, src=0)
+    same = torch.equal(state[0], own)
+    torch.set_rng_state(state[0])
+    try:
+        yield
+    finally:
+        if not same:
+            torch.set_rng_state(own)
