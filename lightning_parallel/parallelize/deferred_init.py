@@ -94,42 +94,46 @@ def init_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, sub) for name, sub in module.named_modules() if any(True for _ in sub.parameters(recurse=False))]
 
 
-def module_initializer(module: nn.Module) -> tuple[str, Callable[[nn.Module], None]] | None:
-    """The per-module initialisation the model applies after building, if it declares one.
+def initializers(module: nn.Module) -> list[nn.Module]:
+    """Modules that initialise their own subtree after building it with ``_init_weights(module)``.
 
-    Two conventions: a Hugging Face ``PreTrainedModel`` (its ``_init_weights``), and a module defining
-    ``_init_weights(module)`` that it applies to itself with ``self.apply`` (nanoGPT's convention). The
-    topmost such module is used, over its own modules, in ``nn.Module.apply``'s order.
+    Two conventions: a Hugging Face ``PreTrainedModel`` (``post_init`` at the end of its ``__init__``;
+    nested models initialise their own modules first), and a module that ends its ``__init__`` with
+    ``self.apply(self._init_weights)`` (nanoGPT's).
     """
-    for prefix, sub in module.named_modules():
-        init = getattr(sub, "_init_weights", None)
-        if callable(init):
-            return prefix, init
-    return None
+    return [sub for sub in module.modules() if callable(getattr(sub, "_init_weights", None))]
 
 
 class InitialValues:
     """Replays eager initialisation on the host, one module at a time, and copies out this rank's parts.
 
-    Eager construction runs each layer's ``reset_parameters()`` as it is built (registration order), then,
-    if the model declares one, a per-module ``_init_weights`` over the model (``nn.Module.apply``'s order,
-    children first). Both are replayed with the random stream in step: every module's ``reset_parameters``
-    draws from the generator state it had in the first pass, the ``_init_weights`` calls continue one
-    stream of their own. The same seed therefore gives the same weights as building on one device, under
-    every layout; the generator ends where eager construction leaves it.
+    Eager construction is a sequence of initialisations, in the order modules finish building (children
+    before their parent, in registration order): each module's ``reset_parameters()`` (torch's layers
+    call it in ``__init__``), and, where a module initialises its subtree (:func:`initializers`), its
+    ``_init_weights`` over every module of it not initialised by a nested one (``nn.Module.apply``'s
+    order). A first pass replays that sequence, drawing the same random numbers but keeping nothing, and
+    records the generator state before each step; the second materialises each module alone, replays its
+    own steps from those states and copies this rank's part out. The same seed therefore gives the same
+    weights as building on one device, under every layout, and the generator ends where construction
+    leaves it. Tied weights take the value of the last step that initialised them, as in eager.
 
     Args:
         skeleton: A meta-device copy of the whole module taken before it was split (no memory).
+
+    Raises:
+        TypeError: A module holds parameters that neither its ``reset_parameters`` nor an ``_init_weights``
+            above it initialises.
     """
 
     def __init__(self, skeleton: nn.Module) -> None:
         self.skeleton = skeleton
         self.units = init_units(skeleton)
-        self.initializer = module_initializer(skeleton)
+        owners = initializers(skeleton)
+        covered = {id(m) for owner in owners for m in owner.modules()}
         uncovered = [
             f"{name or '<root>'} ({type(unit).__name__})"
             for name, unit in self.units
-            if not callable(getattr(unit, "reset_parameters", None)) and not self._covered(name)
+            if _reset_method(unit) is None and id(unit) not in covered
         ]
         if uncovered:
             raise TypeError(
@@ -138,12 +142,7 @@ class InitialValues:
                 f"parameters (torch's convention for deferred initialisation), or build the model without "
                 f"trainer.init_module(empty_init=True)."
             )
-
-    def _covered(self, name: str) -> bool:
-        if self.initializer is None:
-            return False
-        prefix = self.initializer[0]
-        return not prefix or name == prefix or name.startswith(prefix + ".")
+        self.steps = _construction_steps(skeleton, {id(u) for _, u in self.units}, {id(o) for o in owners})
 
     @classmethod
     def of(cls, module: nn.Module) -> InitialValues:
@@ -156,47 +155,70 @@ class InitialValues:
         """Initialise every tensor in ``targets`` (this rank's, by full name) as eager construction would.
 
         Args:
-            targets: This rank's parameters by full name (aliases of tied weights included).
+            targets: This rank's parameters by full name (aliases of tied weights included); empty to only
+                advance the generator as construction does.
             fused: Fused projections trained rank-major (their values are reordered before the copy).
 
         Returns:
             The names written.
         """
         fused = fused or {}
+        reset_state: dict[int, Tensor] = {}
+        init_state: dict[int, tuple[Tensor, Callable[[nn.Module], None]]] = {}
+        last_step: dict[int, int] = {}
+        for index, (kind, unit, owner) in enumerate(self.steps):  # first pass: draws only
+            state = torch.get_rng_state()
+            if kind == "reset":
+                reset_state[id(unit)] = state
+                with _materialised(unit):
+                    _reset(unit)
+            else:
+                init_state[id(unit)] = (state, owner._init_weights)  # type: ignore[union-attr]
+                with _materialised(unit):
+                    owner._init_weights(unit)  # type: ignore[union-attr]
+            last_step[id(unit)] = index
+        if not targets:
+            return []
+        end = torch.get_rng_state()
         written: list[str] = []
-        first_pass_states: dict[str, Tensor] = {}
-        given: set[int] = set()  # tied weights keep the value of their first module (tying follows construction)
-        for name, unit in self.units:
-            first_pass_states[name] = torch.get_rng_state()
+        names = {id(u): n for n, u in self.units}
+        # The order in which a tied weight's final value is decided: modules only reset keep the first
+        # module's value (tying follows construction), initialised ones the last initialisation's.
+        reset_only = [u for _, u in reversed(self.units) if id(u) not in init_state]
+        initialised = sorted((u for _, u in self.units if id(u) in init_state), key=lambda u: last_step[id(u)])
+        for unit in [*reset_only, *initialised]:
             with _materialised(unit):
+                torch.set_rng_state(reset_state[id(unit)])
                 _reset(unit)
-                if self.initializer is None:
-                    written += _copy_out(name, unit, targets, fused, skip=given)
-        if self.initializer is None:
-            return written
-        prefix, initialize = self.initializer
-        root = self.skeleton.get_submodule(prefix)
-        by_module = {id(unit): name for name, unit in self.units}
-        for sub in _apply_order(root):
-            name = by_module.get(id(sub))
-            if name is None:
-                continue  # no parameters of its own: nothing to give values to
-            stream = torch.get_rng_state()
-            torch.set_rng_state(first_pass_states[name])
-            with _materialised(sub):
-                _reset(sub)
-                torch.set_rng_state(stream)
-                initialize(sub)
-                written += _copy_out(name, sub, targets, fused)
-        outside = [(n, u) for n, u in self.units if not self._covered(n)]
-        for name, unit in outside:  # modules above the initialised model keep their reset values
-            stream = torch.get_rng_state()
-            torch.set_rng_state(first_pass_states[name])
-            with _materialised(unit):
-                _reset(unit)
-                written += _copy_out(name, unit, targets, fused, skip=given)
-            torch.set_rng_state(stream)
+                if id(unit) in init_state:
+                    state, initialize = init_state[id(unit)]
+                    torch.set_rng_state(state)
+                    initialize(unit)
+                written += _copy_out(names[id(unit)], unit, targets, fused)
+        torch.set_rng_state(end)
         return written
+
+
+def _construction_steps(
+    module: nn.Module, units: set[int], owners: set[int]
+) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    """Eager construction's initialisation steps: ``("reset", unit, None)`` and ``("init", module, owner)``."""
+    steps: list[tuple[str, nn.Module, nn.Module | None]] = []
+    initialised: set[int] = set()
+
+    def build(sub: nn.Module) -> None:
+        for child in sub.children():
+            build(child)
+        if id(sub) in units:
+            steps.append(("reset", sub, None))
+        if id(sub) in owners:
+            for inner in _apply_order(sub):
+                if id(inner) not in initialised:
+                    initialised.add(id(inner))
+                    steps.append(("init", inner, sub))
+
+    build(module)
+    return steps
 
 
 def meta_skeleton(module: nn.Module) -> nn.Module:
@@ -216,9 +238,18 @@ def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
+def _reset_method(unit: nn.Module) -> Callable[[], None] | None:
+    """``reset_parameters`` (torch's convention; ``nn.MultiheadAttention`` names it ``_reset_parameters``)."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        method = getattr(unit, name, None)
+        if callable(method):
+            return method
+    return None
+
+
 def _reset(unit: nn.Module) -> None:
-    reset = getattr(unit, "reset_parameters", None)
-    if callable(reset):
+    reset = _reset_method(unit)
+    if reset is not None:
         reset()
 
 
@@ -227,7 +258,6 @@ def _materialised(unit: nn.Module) -> Iterator[None]:
     """``unit``'s own parameters whole on the host (NaN until initialised), back on the meta device after."""
     params = unit._parameters
     saved = dict(params)
-    unit.__dict__["_lightning_parallel_meta_parameters"] = saved  # which skeleton parameter each host copy is
     for name, param in saved.items():
         if param is not None:
             host = torch.empty_like(param, device="cpu")
@@ -238,42 +268,23 @@ def _materialised(unit: nn.Module) -> Iterator[None]:
         yield
     finally:
         params.update(saved)
-        del unit.__dict__["_lightning_parallel_meta_parameters"]
 
 
-def _copy_out(
-    prefix: str, unit: nn.Module, targets: Targets, fused: Mapping[str, FusedLayout], skip: set[int] | None = None
-) -> list[str]:
-    """Copy ``unit``'s own parameters into the targets this rank holds; refuse values left uninitialised.
-
-    ``skip``: ids of the (skeleton's) parameters already given their value, which are left as they are;
-    the ones copied here are added to it. Without it, every copy overwrites.
-    """
+def _copy_out(prefix: str, unit: nn.Module, targets: Targets, fused: Mapping[str, FusedLayout]) -> list[str]:
+    """Copy ``unit``'s own parameters into the targets this rank holds; refuse values left uninitialised."""
     written = []
-    originals = unit.__dict__.get("_lightning_parallel_meta_parameters", {})
     for local_name, value in unit._parameters.items():
         if value is None:
             continue
-        key = id(originals.get(local_name, value))
-        if skip is not None:
-            if key in skip:
-                continue
-            skip.add(key)
         name = f"{prefix}.{local_name}" if prefix else local_name
-        aliases = [n for n in _names_of(name, targets)]
-        if not aliases:
-            continue
+        if name not in targets:
+            continue  # held by another rank (another pipeline stage)
         if value.is_floating_point() and torch.isnan(value).any():
             raise TypeError(
                 f"{name} ({type(unit).__name__}) was not initialised by its reset_parameters() or the model's "
                 f"_init_weights: give {type(unit).__name__} a reset_parameters() that sets every parameter it owns."
             )
-        for alias in aliases:
-            layout = fused.get(alias)
-            copy_whole_into(targets[alias], layout.to_rank_major(value) if layout is not None else value)
-            written.append(alias)
+        layout = fused.get(name)
+        copy_whole_into(targets[name], layout.to_rank_major(value) if layout is not None else value)
+        written.append(name)
     return written
-
-
-def _names_of(name: str, targets: Targets) -> list[str]:
-    return [name] if name in targets else []

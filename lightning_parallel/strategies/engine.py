@@ -423,9 +423,10 @@ class ParallelEngineStrategy(MeshStrategy):
         failure = sys.exc_info()[1]  # Lightning tears down inside its handler when the run failed
         try:
             super().teardown()
-        except RuntimeError as error:
+        except (RuntimeError, NotImplementedError) as error:
             # Lightning moves the module to the CPU; DTensor parameters that a failed step's autograd graph
             # still references cannot be swapped. Let the failure that ended the run surface, not this.
-            if failure is None or "Couldn't swap" not in str(error):
+            # A failure before setup placed a model built on the meta device: it cannot be moved either.
+            if failure is None or not any(text in str(error) for text in ("Couldn't swap", "meta tensor")):
                 raise
             log.debug("teardown after a failure could not move DTensor parameters: %s", error)
