@@ -79,6 +79,8 @@ class JobSpec:
     # Build the model under trainer.init_module(empty_init=...): None builds it plainly (Lightning converts its
     # dtype in setup), False eagerly in the precision's dtype, True with its parameters on the meta device.
     empty_init: bool | None = None
+    # A file holding {"state_dict": ...} loaded into the whole module before training (a reference for weights_from).
+    initial_weights: str | None = None
 
 
 class FailingStep(RuntimeError):
@@ -358,6 +360,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     if model is None:
         with trainer.init_module(empty_init=spec.empty_init):
             model = make_model(spec)
+    if spec.initial_weights is not None:
+        model.load_state_dict(torch.load(spec.initial_weights, weights_only=True)["state_dict"])
     return model, data, trainer, recorder
 
 

@@ -177,7 +177,7 @@ def build_local_pipeline(
     for s in local:
         _share(eval_pipe.get_stage_module(s), originals, canonical, allocate)
     if deferred:
-        _check_no_meta([pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local], type(module).__name__)
+        _check_no_meta([pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local], type(module).__name__, device)
     if chained:
         _check_chain(train_pipe, type(module).__name__)
         train_stages = [PipelineStage(train_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
@@ -462,8 +462,13 @@ def on_meta(tree: Any) -> Any:
     return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, tree)
 
 
-def _check_no_meta(stage_modules: list[nn.Module], module_name: str) -> None:
-    left = sorted({name for m in stage_modules for name, t in _named_tensors(m) if t.is_meta and t.numel() > 0})
+def _check_no_meta(stage_modules: list[nn.Module], module_name: str, device: torch.device) -> None:
+    """Refuse stage tensors of a meta trace that no original holds; empty ones (HF's empty KV cache) get memory."""
+    for stage_module in stage_modules:
+        for name, tensor in list(_named_tensors(stage_module)):
+            if tensor.is_meta and tensor.numel() == 0:
+                _set_by_name(stage_module, name, torch.empty_like(tensor, device=device))
+    left = sorted({name for m in stage_modules for name, t in _named_tensors(m) if t.is_meta})
     if left:
         raise RuntimeError(
             f"Cutting {module_name} (built on the meta device) into stages found tensors that are neither parameters nor "
