@@ -18,11 +18,9 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_parallel.checkpoint.sharded import MODEL_KEY, load_states, stored_shapes, stored_tensors
-from lightning_parallel.checkpoint.state import copy_whole_into, describe_mismatch
+from lightning_parallel.checkpoint.state import copy_part_into, copy_whole_into, describe_mismatch
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -110,14 +108,10 @@ def _prefix(found: Mapping[str, tuple[int, ...]], whole: Mapping[str, tuple[int,
 
 def _copy_sliced(source: SlicedSource, stored: str, target: Tensor, layout: Any) -> None:
     """Read the part of ``stored`` that ``target`` holds (all of it for rank-major fused layers)."""
-    with torch.no_grad():
-        if isinstance(target, DTensor) and layout is None and all(type(p) in (Shard, Replicate) for p in target.placements):
-            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-            target.to_local().copy_(source.read(stored, index))
-            return
-        value = source.read(stored, None)
-        copy_whole_into(target, layout.to_rank_major(value) if layout is not None else value)
+    if layout is not None:
+        copy_whole_into(target, layout.to_rank_major(source.read(stored, None)))
+    else:
+        copy_part_into(target, lambda index: source.read(stored, index))
 
 
 def _load_sharded(path: Path, targets: Mapping[str, Tensor], fused: Mapping[str, Any], wanted: Mapping[str, str]) -> None:

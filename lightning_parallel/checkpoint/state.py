@@ -7,7 +7,7 @@ the plain module with ``load_state_dict`` (the ``full`` save format; ``sharded.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.optim import Optimizer
 
 
@@ -141,6 +142,20 @@ def local_named_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[
         "state": {k: v for k, v in state["state"].items() if k in names},
         "param_groups": [dict(g, params=[p for p in g["params"] if p in names]) for g in state["param_groups"]],
     }
+
+
+@torch.no_grad()
+def copy_part_into(target: Tensor, read: Callable[[tuple[slice, ...] | None], Tensor]) -> None:
+    """Copy into ``target`` (a DTensor: this rank's part only) from ``read(index)``, the whole tensor's slice.
+
+    ``index`` is this rank's block of the whole tensor, or ``None`` (all of it) when the target is whole or
+    its placements are not plain shards (the whole value is then split here, without communication).
+    """
+    if isinstance(target, DTensor) and all(type(p) in (Shard, Replicate) for p in target.placements):
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        target.to_local().copy_(read(tuple(slice(o, o + n) for o, n in zip(offset, shape))))
+    else:
+        copy_whole_into(target, read(None))
 
 
 @torch.no_grad()

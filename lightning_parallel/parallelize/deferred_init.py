@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_parallel.checkpoint.state import copy_whole_into, listing
+from lightning_parallel.checkpoint.state import copy_part_into, copy_whole_into, listing
 from lightning_parallel.parallelize.fused import FusedLayout
 
 #: A target tensor by full name: a parameter or buffer this rank holds (whole, a DTensor shard, a stage's).
@@ -163,6 +163,7 @@ class InitialValues:
             The names written.
         """
         fused = fused or {}
+        scratch = HostScratch()
         reset_state: dict[int, Tensor] = {}
         init_state: dict[int, tuple[Tensor, Callable[[nn.Module], None]]] = {}
         last_step: dict[int, int] = {}
@@ -170,11 +171,11 @@ class InitialValues:
             state = torch.get_rng_state()
             if kind == "reset":
                 reset_state[id(unit)] = state
-                with _materialised(unit):
+                with _materialised(unit, scratch):
                     _reset(unit)
             else:
                 init_state[id(unit)] = (state, owner._init_weights)  # type: ignore[union-attr]
-                with _materialised(unit):
+                with _materialised(unit, scratch):
                     owner._init_weights(unit)  # type: ignore[union-attr]
             last_step[id(unit)] = index
         if not targets:
@@ -187,7 +188,7 @@ class InitialValues:
         reset_only = [u for _, u in reversed(self.units) if id(u) not in init_state]
         initialised = sorted((u for _, u in self.units if id(u) in init_state), key=lambda u: last_step[id(u)])
         for unit in [*reset_only, *initialised]:
-            with _materialised(unit):
+            with _materialised(unit, scratch):
                 torch.set_rng_state(reset_state[id(unit)])
                 _reset(unit)
                 if id(unit) in init_state:
@@ -253,17 +254,41 @@ def _reset(unit: nn.Module) -> None:
         reset()
 
 
+class HostScratch:
+    """One host buffer that every module is materialised in, in turn.
+
+    Allocating and freeing each module's tensors would leave the allocator's heap fragmented: resident
+    memory then grows towards the whole model although only one module is alive at a time.
+    """
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def tensors(self, like: list[Tensor]) -> list[Tensor]:
+        """Uninitialised host tensors shaped and typed like ``like``, views of the buffer (valid until the next call)."""
+        sizes = [-(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN for t in like]
+        if sum(sizes) > self._buffer.numel():
+            self._buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        views, offset = [], 0
+        for t, size in zip(like, sizes):
+            raw = self._buffer[offset : offset + t.numel() * t.element_size()]
+            views.append(raw.view(t.dtype).view(t.shape))
+            offset += size
+        return views
+
+
 @contextmanager
-def _materialised(unit: nn.Module) -> Iterator[None]:
+def _materialised(unit: nn.Module, scratch: HostScratch) -> Iterator[None]:
     """``unit``'s own parameters whole on the host (NaN until initialised), back on the meta device after."""
     params = unit._parameters
     saved = dict(params)
-    for name, param in saved.items():
-        if param is not None:
-            host = torch.empty_like(param, device="cpu")
-            if host.is_floating_point():
-                host.fill_(math.nan)
-            params[name] = nn.Parameter(host, requires_grad=param.requires_grad)
+    present = [(name, p) for name, p in saved.items() if p is not None]
+    for (name, param), host in zip(present, scratch.tensors([p for _, p in present])):
+        if host.is_floating_point():
+            host.fill_(math.nan)
+        params[name] = nn.Parameter(host, requires_grad=param.requires_grad)
     try:
         yield
     finally:
@@ -285,6 +310,9 @@ def _copy_out(prefix: str, unit: nn.Module, targets: Targets, fused: Mapping[str
                 f"_init_weights: give {type(unit).__name__} a reset_parameters() that sets every parameter it owns."
             )
         layout = fused.get(name)
-        copy_whole_into(targets[name], layout.to_rank_major(value) if layout is not None else value)
+        if layout is not None:
+            copy_whole_into(targets[name], layout.to_rank_major(value))
+        else:
+            copy_part_into(targets[name], lambda index, value=value: value if index is None else value[index])
         written.append(name)
     return written
