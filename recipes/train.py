@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from lightning.pytorch.utilities.rank_zero import (
 from omegaconf import DictConfig
 
 from lightning_parallel import ScalingMonitor, latest_checkpoint, training_job
+from lightning_parallel.strategies.engine import ParallelEngineStrategy
 from lightning_parallel.plan.config import (
     configured_layout,
     hardware_from_config,
@@ -48,9 +50,17 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> dict[s
     check_single_device(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model)
     strategy = instantiate(cfg.strategy)
     trainer = instantiate(cfg.trainer, strategy=strategy)
+    empty_init = bool(cfg.get("empty_init", False))
+    if empty_init and not isinstance(strategy, ParallelEngineStrategy):
+        raise ValueError(
+            f"empty_init=true builds the model on the meta device, which only lightning_parallel's strategies "
+            f"materialise (strategy={cfg.strategy.get('_target_', cfg.strategy)!r} would train uninitialised weights). "
+            "Use strategy=data|tensor|pipeline|hybrid, or empty_init=false."
+        )
+    with trainer.init_module(empty_init=True) if empty_init else nullcontext():
+        model = instantiate(cfg.model)
     trainer.callbacks.extend(extra_callbacks)
     attach_prediction(cfg, trainer)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), Path(cfg.paths.output_dir) / "checkpoints")

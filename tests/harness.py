@@ -359,6 +359,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     )
     if model is None:
         with trainer.init_module(empty_init=spec.empty_init):
+            if spec.perturb_other_ranks and int(os.environ.get("LOCAL_RANK", "0")) > 0:
+                torch.manual_seed(spec.seed + 1)  # other ranks draw other initial weights, unless rank 0's are used
             model = make_model(spec)
     if spec.initial_weights is not None:
         model.load_state_dict(torch.load(spec.initial_weights, weights_only=True)["state_dict"])

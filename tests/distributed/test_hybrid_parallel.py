@@ -29,18 +29,21 @@ SPLIT_BY_TP = (".q_proj.", ".k_proj.", ".v_proj.", ".fc_in.", ".out_proj.weight"
 
 
 @cache
-def reference(accumulate: int = 1, clip: float | None = None) -> dict:
+def reference(accumulate: int = 1, clip: float | None = None, empty_init: bool | None = None) -> dict:
     return run_job(
-        JobSpec(batch_size=GLOBAL_BATCH, steps=STEPS, n_layer=LAYERS, accumulate=accumulate, gradient_clip_val=clip, validate=True)
+        JobSpec(batch_size=GLOBAL_BATCH, steps=STEPS, n_layer=LAYERS, accumulate=accumulate, gradient_clip_val=clip, validate=True,
+                empty_init=empty_init)
     )
 
 
-def hybrid_job(devices: int, accumulate: int = 1, clip: float | None = None, round_trip: bool = False, **strategy) -> JobSpec:
+def hybrid_job(
+    devices: int, accumulate: int = 1, clip: float | None = None, round_trip: bool = False, empty_init: bool | None = None, **strategy
+) -> JobSpec:
     dp = strategy.get("data_parallel_size", 1)
     return JobSpec(
         strategy="hybrid", devices=devices, batch_size=GLOBAL_BATCH // dp, steps=STEPS, n_layer=LAYERS,
         accumulate=accumulate, gradient_clip_val=clip, validate=True, perturb_other_ranks=True,
-        checkpoint_round_trip=round_trip, strategy_kwargs=strategy,
+        checkpoint_round_trip=round_trip, empty_init=empty_init, strategy_kwargs=strategy,
     )
 
 
@@ -74,10 +77,14 @@ STAGE_0 = ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.1.
 
 
 def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(tmp_path):
-    """The issue's 8-rank layout: 2 replicas of a 2-stage pipeline whose stages are split over 2 ranks."""
-    ref = reference(accumulate=2, clip=0.05)
+    """The issue's 8-rank layout: 2 replicas of a 2-stage pipeline whose stages are split over 2 ranks.
+
+    The model is built on the meta device (``trainer.init_module(empty_init=True)``; other ranks seeded
+    differently): each rank allocates only its part, with the values of building it eagerly on one device.
+    """
+    ref = reference(accumulate=2, clip=0.05, empty_init=False)
     spec = hybrid_job(
-        8, accumulate=2, clip=0.05, round_trip=True, data_parallel_size=2, tensor_parallel_size=2,
+        8, accumulate=2, clip=0.05, round_trip=True, empty_init=True, data_parallel_size=2, tensor_parallel_size=2,
         pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"],
     )
     result = run_distributed(spec, tmp_path, timeout=420)

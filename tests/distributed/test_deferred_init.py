@@ -1,0 +1,115 @@
+"""Models bigger than one device: built on the meta device, set up per rank, pretrained weights read into shards.
+
+Every job builds its model under ``trainer.init_module(empty_init=True)`` (unless it says eager) and must
+train exactly like the same model built eagerly on one device (float64, losses, gradients and parameters
+after every step); with ``weights_from`` like the whole module with those weights loaded. The 8-rank
+dp2 × tp2 × pp2 case is ``test_hybrid_parallel.test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping``.
+The memory each rank adds during setup is measured in fresh processes (``benchmarks/setup_memory.py``).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from tests.distributed.test_data_parallel import assert_same_training
+from tests.harness import JobSpec, make_model, run_distributed_jobs, run_job
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def saved_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Weights of a recipe GPT and a transformers Llama in every format ``weights_from`` reads (float32,
+    drawn from another seed than the jobs', so that loading them shows)."""
+    pytest.importorskip("transformers")
+    from lightning_parallel.checkpoint.sharded import write_whole
+
+    folder = tmp_path_factory.mktemp("weights")
+    L.seed_everything(7)
+    gpt = make_model(JobSpec())
+    gpt_state = {k: v.detach().clone() for k, v in gpt.state_dict().items()}
+    torch.save({"state_dict": gpt_state}, folder / "gpt.ckpt")
+    write_whole({"state_dict": gpt_state}, folder / "gpt_sharded.ckpt")
+    llama = make_model(JobSpec(model="hf_llama"))
+    torch.save({"state_dict": llama.state_dict()}, folder / "llama.ckpt")
+    llama.net.save_pretrained(folder / "llama_hf_sharded", max_shard_size="20KB")  # several files + index
+    llama.net.save_pretrained(folder / "llama_hf")  # one model.safetensors
+    assert (folder / "llama_hf_sharded" / "model.safetensors.index.json").is_file()
+    return {p.name.removesuffix(".ckpt"): p for p in folder.iterdir()}
+
+
+@cache
+def reference(model: str = "gpt", batch_size: int = 4, accumulate: int = 1, initial_weights: str | None = None) -> dict:
+    """One device, the model built eagerly (in float64, as the deferred jobs build theirs)."""
+    return run_job(JobSpec(model=model, batch_size=batch_size * accumulate, steps=STEPS, empty_init=False, initial_weights=initial_weights))
+
+
+def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
+    w = {name: str(path) for name, path in saved_weights.items()}
+    replicate = {"data_parallel_mode": "replicate"}
+    shard = {"data_parallel_mode": "shard"}
+    # name -> (job, reference arguments)
+    jobs: dict[str, tuple[JobSpec, dict]] = {
+        "tp2": (JobSpec(strategy="tensor", devices=2, steps=STEPS, empty_init=True, strategy_kwargs=replicate), {}),
+        "pp2_accumulate2": (
+            JobSpec(strategy="pipeline", devices=2, steps=STEPS, accumulate=2, empty_init=True, strategy_kwargs={"microbatches": 2}),
+            {"accumulate": 2},
+        ),
+        "dp2_shard": (JobSpec(strategy="data", devices=2, batch_size=2, steps=STEPS, empty_init=True, strategy_kwargs=shard), {}),
+        "llama_tp2": (JobSpec(model="hf_llama", strategy="tensor", devices=2, steps=STEPS, empty_init=True, strategy_kwargs=replicate),
+                      {"model": "hf_llama"}),
+        "tp2_from_full_file": (
+            JobSpec(strategy="tensor", devices=2, steps=STEPS, empty_init=True, strategy_kwargs={**replicate, "weights_from": w["gpt"]}),
+            {"initial_weights": w["gpt"]},
+        ),
+        "pp2_from_sharded_checkpoint": (
+            JobSpec(strategy="pipeline", devices=2, steps=STEPS, empty_init=True, strategy_kwargs={"weights_from": w["gpt_sharded"]}),
+            {"initial_weights": w["gpt"]},
+        ),
+        "dp2_shard_eager_from_full_file": (
+            JobSpec(strategy="data", devices=2, batch_size=2, steps=STEPS, strategy_kwargs={**shard, "weights_from": w["gpt"]}),
+            {"initial_weights": w["gpt"]},
+        ),
+        "llama_tp2_from_sharded_safetensors": (
+            JobSpec(model="hf_llama", strategy="tensor", devices=2, steps=STEPS, empty_init=True,
+                    strategy_kwargs={**replicate, "weights_from": w["llama_hf_sharded"]}),
+            {"model": "hf_llama", "initial_weights": w["llama"]},
+        ),
+        "llama_pp2_from_safetensors": (
+            JobSpec(model="hf_llama", strategy="pipeline", devices=2, steps=STEPS, empty_init=True,
+                    strategy_kwargs={"weights_from": w["llama_hf"], "microbatches": 2}),
+            {"model": "hf_llama", "initial_weights": w["llama"]},
+        ),
+        "llama_dp2_shard_from_safetensors": (
+            JobSpec(model="hf_llama", strategy="data", devices=2, batch_size=2, steps=STEPS, empty_init=True,
+                    strategy_kwargs={**shard, "weights_from": w["llama_hf_sharded"]}),
+            {"model": "hf_llama", "initial_weights": w["llama"]},
+        ),
+    }
+    results = run_distributed_jobs({name: job for name, (job, _) in jobs.items()}, tmp_path, timeout=600)
+    for name, (job, reference_arguments) in jobs.items():
+        try:
+            assert_same_training(reference(**reference_arguments), results[name], steps=STEPS)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+    # The loaded weights are not the ones the seed draws: loading them was not a no-op.
+    assert not torch.equal(reference()["step_losses"], reference(initial_weights=w["gpt"])["step_losses"])
+    # Under tp2 each rank holds half of every split layer (the memory claim is measured below).
+    numel = results["tp2"]["local_numel"]
+    assert numel["model.blocks.0.mlp.fc_in.weight"] * 2 == 4 * 16 * 16
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_shard"])
+def test_setup_adds_at_most_six_tenths_of_the_model_per_rank(layout, tmp_path):
+    """Peak resident memory a rank adds from building the model to training (a 1.3 GB model, fresh processes)."""
+    from benchmarks.setup_memory import MODEL, run_variant
+
+    result = run_variant(layout, 2, True, MODEL, tmp_path / layout)
+    assert result["max_fraction"] <= 0.6, f"{layout}: ranks added {result['fractions']} of the whole model during setup"
