@@ -41,8 +41,8 @@ VARIANTS: dict[str, tuple[str, int, bool]] = {
     "Lightning ModelParallelStrategy + fully_shard (meta init)": ("lightning_fsdp2", 2, True),
 }
 #: The model: the recipe GPT, 12 blocks of width 1536 (340M parameters, 1.3 GB in float32). Setup has costs
-#: that do not grow with the model (the process group; a pipeline's traced graphs, ~50 MB here): a model
-#: of this size shows what grows with it.
+#: that do not grow with the model (the process group, a pipeline's traced graphs, the host buffer one
+#: layer is initialised in: ~100 MB together here): a model of this size shows what grows with it.
 MODEL = {"vocab_size": 128, "block_size": 16, "n_layer": 12, "n_head": 12, "n_embd": 1536, "dropout": 0.0}
 
 
