@@ -214,7 +214,8 @@ class ScalingMonitor(Callback):
 
         layout = _planned_layout(trainer)
         accumulate = trainer.accumulate_grad_batches
-        workload = Workload(trainer.num_devices, trainer.num_nodes, self._batch_rows * layout.dp * accumulate, accumulate)
+        built_on_meta = getattr(getattr(trainer.strategy, "placement", None), "initial_values", None) is not None
+        workload = Workload(trainer.num_devices, trainer.num_nodes, self._batch_rows * layout.dp * accumulate, accumulate, built_on_meta)
         try:
             return predict(self.profile, layout, workload, self.hardware)
         except ValueError as error:

@@ -59,7 +59,10 @@ def workload_from_config(cfg: DictConfig, global_batch: int | None = None) -> Wo
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
     if global_batch is None:
         global_batch = cfg.data.batch_size * configured_layout(cfg).dp * accumulate
-    return Workload(devices_per_node=devices, num_nodes=nodes, global_batch=global_batch, accumulate=accumulate)
+    return Workload(
+        devices_per_node=devices, num_nodes=nodes, global_batch=global_batch, accumulate=accumulate,
+        empty_init=bool(cfg.get("empty_init", False)),
+    )
 
 
 def tensor_parallel_config(cfg: DictConfig) -> TensorParallelConfig:

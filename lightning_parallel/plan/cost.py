@@ -43,6 +43,7 @@ class RankMemory:
     optimizer: float
     activations: float
     transient: float = 0.0  # gathered FSDP parameters, recomputed layer under checkpointing
+    setup: float = 0.0  # held while the strategy sets the model up, before training
 
     @property
     def state(self) -> float:
@@ -52,8 +53,13 @@ class RankMemory:
     def total(self) -> float:
         return self.state + self.activations + self.transient
 
+    @property
+    def peak(self) -> float:
+        """The most this rank holds: in training or during setup."""
+        return max(self.total, self.setup)
+
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "state": self.state, "total": self.total}
+        return {**asdict(self), "state": self.state, "total": self.total, "peak": self.peak}
 
 
 @dataclass(frozen=True)
@@ -84,7 +90,7 @@ class Prediction:
 
     @property
     def peak_memory(self) -> float:
-        return max(m.total for m in self.memory)
+        return max(m.peak for m in self.memory)
 
     @property
     def fits(self) -> bool:
@@ -205,6 +211,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 optimizer=optimizer / shards,
                 activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
+                setup=_setup_bytes(step, params / shards, layout, workload),
             )
         )
         micro_times.append(seconds + tp_t + p2p_t)
@@ -380,8 +387,22 @@ def _pp_crosses(layout: Layout, workload: Workload) -> bool:
     return layout.pp > 1 and layout.dp * layout.tp * layout.pp > workload.devices_per_node
 
 
+def _setup_bytes(step: StepProfile, local_parameters: float, layout: Layout, workload: Workload) -> float:
+    """Device bytes a rank holds while the model is set up: its part, or (a pipeline built eagerly) the whole model.
+
+    A module built on the meta device, or split by TP / FSDP2 on the host before it moves, puts only this
+    rank's part on the device (the host holds one layer at a time while it is initialised); a pipeline is
+    cut on the first batch, with the whole module on the device until then unless it was built on meta.
+    """
+    if layout.pp > 1 and not workload.empty_init:
+        return float(sum(step.parameter_bytes.values()))
+    return local_parameters
+
+
 def _notes(layout: Layout, workload: Workload, hardware: HardwareProfile) -> list[str]:
     notes = []
+    if layout.pp > 1 and not workload.empty_init:
+        notes.append("every rank holds the whole model until the first batch cuts the pipeline: build it with empty_init=true")
     if layout.tp > 1 and _tp_crosses(layout, workload):
         notes.append(f"tp={layout.tp} spans nodes: its all-reduces run at {hardware.inter_node_gbps:g} GB/s instead of {hardware.intra_node_gbps:g}")
     return notes

@@ -30,12 +30,15 @@ class Workload:
         num_nodes: Nodes (``trainer.num_nodes``).
         global_batch: Samples per optimizer step, over all replicas and accumulated batches.
         accumulate: Batches accumulated per optimizer step (``trainer.accumulate_grad_batches``).
+        empty_init: The model is built on the meta device (``trainer.init_module(empty_init=True)``): each rank
+            only ever holds its part. Otherwise pipelines hold the whole model until the first batch cuts it.
     """
 
     devices_per_node: int
     num_nodes: int
     global_batch: int
     accumulate: int = 1
+    empty_init: bool = False
 
     def __post_init__(self) -> None:
         for name in ("devices_per_node", "num_nodes", "global_batch", "accumulate"):

@@ -98,13 +98,13 @@ def explain(result: Plan) -> list[str]:
     """Why the recommended layout: memory, each dimension's cost and placement, the runner-up."""
     best, hardware, workload = result.recommended, result.hardware, result.workload
     layout = best.layout
-    fullest = max(best.memory, key=lambda m: m.total)
-    reasons = [
-        (
-            f"fits: {best.peak_memory / GIB:.2f} GiB on the fullest rank of {hardware.usable_memory_bytes / GIB:.2f} GiB usable "
-            f"({_share(fullest.state, fullest.total)} of it parameters, gradients and optimizer state)"
-        )
-    ]
+    fullest = max(best.memory, key=lambda m: m.peak)
+    held = (
+        f"during setup: the whole model until the first batch cuts the pipeline (empty_init=true avoids it)"
+        if fullest.setup > fullest.total
+        else f"{_share(fullest.state, fullest.total)} of it parameters, gradients and optimizer state"
+    )
+    reasons = [f"fits: {best.peak_memory / GIB:.2f} GiB on the fullest rank of {hardware.usable_memory_bytes / GIB:.2f} GiB usable ({held})"]
     if layout.tp > 1:
         where = "inside a node" if layout.tp <= workload.devices_per_node else "across nodes"
         link = hardware.intra_node_gbps if layout.tp <= workload.devices_per_node else hardware.inter_node_gbps

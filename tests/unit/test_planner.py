@@ -177,3 +177,20 @@ def test_cli_refuses_an_impossible_request_clearly(capsys):
     status, output = run_cli(capsys, "trainer.devices=4", "--tp", "3")
     assert status == 2
     assert "tp=3 does not divide the world size 4" in " ".join(output.split())
+
+
+def test_setup_peak_counts_the_whole_model_for_a_pipeline_built_eagerly():
+    """A pipeline is cut on the first batch: built eagerly, each rank holds the whole model until then;
+    built on the meta device (empty_init), only its stages."""
+    layout = Layout(1, 1, 2, schedule="1f1b", microbatches=2)
+    eager = predict(profile(), layout, Workload(2, 1, 8), ANY_HARDWARE)
+    meta = predict(profile(), layout, Workload(2, 1, 8, empty_init=True), ANY_HARDWARE)
+    whole = predict(profile(), Layout(1, 1, 1), Workload(1, 1, 8), ANY_HARDWARE).memory[0].parameters
+    assert [m.setup for m in eager.memory] == [whole, whole]
+    assert [m.setup for m in meta.memory] == [m.parameters for m in meta.memory]
+    assert all(m.setup < whole for m in meta.memory)
+    assert eager.peak_memory >= whole and any("empty_init=true" in note for note in eager.notes)
+    assert not any("empty_init" in note for note in meta.notes)
+    # Tensor parallelism splits on the host before the move: its setup is its part only.
+    tp = predict(profile(), Layout(1, 2, 1), Workload(2, 1, 8), ANY_HARDWARE)
+    assert tp.memory[0].setup == tp.memory[0].parameters
