@@ -10,7 +10,9 @@ Every optimizer step's wall time (first batch start to last batch end) is split 
   other stages, and the transfers between them (:class:`~lightning_parallel.observe.pipeline_events.PipelineEvents`);
 - *compute*: the rest (forward, backward, optimizer, framework).
 
-FSDP2's collectives (sharded data parallelism) have no hook and count as compute. Steps after the warm-up
+FSDP2's collectives (sharded data parallelism) have no hook and count as compute. Throughput is logged as
+``scaling/tokens_per_s`` (global and ``_per_device``) and, given a model profile and hardware, model FLOPs
+utilisation as ``scaling/mfu`` (:mod:`~lightning_parallel.measure.utilization`). Steps after the warm-up
 are logged to the Trainer's loggers under ``scaling/``; when training ends a table compares the means with
 the planner's prediction for the same layout (given a model profile and hardware), the figures go to
 ``scaling.json`` and, under pipeline parallelism, a timeline of one step to ``pipeline_timeline.png``.
@@ -33,6 +35,13 @@ from typing_extensions import override
 
 from lightning_parallel.measure.collectives import DTensorCollectives
 from lightning_parallel.observe.pipeline_events import PipelineEvents, StageEvent
+from lightning_parallel.measure.utilization import (
+    Utilization,
+    model_flops_per_sample,
+    tokens_in,
+    training_dtype,
+    utilization,
+)
 from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout
 
@@ -50,6 +59,7 @@ class StepTiming:
     samples: int
     dp_bytes: int
     tp_bytes: int
+    tokens: int = 0
 
 
 class ScalingMonitor(Callback):
@@ -91,7 +101,9 @@ class ScalingMonitor(Callback):
         self._exit = ExitStack()
         self._step_start: dict[str, float] = {}
         self._samples = 0
+        self._tokens = 0
         self._batch_rows = 0
+        self._mfu_warned = False
 
     def not_counted(self) -> Any:
         """Context manager: DTensor collectives issued inside are left out (your own metrics, debugging gathers)."""
@@ -118,7 +130,7 @@ class ScalingMonitor(Callback):
                 self._pipeline.record_next_step()
             self._pipeline.take_totals()
             self._step_start = self._counters(trainer)
-            self._samples = 0
+            self._samples = self._tokens = 0
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -126,6 +138,7 @@ class ScalingMonitor(Callback):
             return
         rows = extract_batch_size(batch)
         self._samples += rows
+        self._tokens += tokens_in(batch)
         self._batch_rows = max(self._batch_rows, rows)
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
@@ -143,6 +156,7 @@ class ScalingMonitor(Callback):
             samples=self._samples,
             dp_bytes=int(delta["dp_bytes"]),
             tp_bytes=int(delta["tp_bytes"]),
+            tokens=self._tokens,
         )
         self._step_start = {}
         # global_step has advanced past the step just finished.
@@ -155,6 +169,12 @@ class ScalingMonitor(Callback):
             metrics["scaling/samples_per_s"] = timing.samples * replicas / timing.step_s
             metrics["scaling/samples_per_s_per_replica"] = timing.samples / timing.step_s
             metrics["scaling/efficiency"] = timing.compute_s / timing.step_s
+            metrics["scaling/tokens_per_s"] = timing.tokens * replicas / timing.step_s
+            metrics["scaling/tokens_per_s_per_device"] = timing.tokens * replicas / timing.step_s / trainer.world_size
+            used = self._utilization(trainer, timing.samples * replicas, timing.tokens * replicas, timing.step_s)
+            if used is not None:
+                metrics["scaling/mfu"] = used.mfu
+                metrics["scaling/model_tflops_per_s"] = used.model_tflops_per_s
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -169,6 +189,14 @@ class ScalingMonitor(Callback):
         if not trainer.is_global_zero:
             return
         measured = _means(ranks[0]["steps"], _replicas(trainer))
+        if measured:
+            replicas = _replicas(trainer)
+            measured["tokens_per_s_per_device"] = measured["tokens_per_s"] / trainer.world_size
+            used = self._utilization(trainer, measured["samples"] * replicas, measured["tokens"] * replicas, measured["step_s"])
+            if used is not None:
+                measured.update(mfu=used.mfu, model_tflops_per_s=used.model_tflops_per_s,
+                                peak_tflops_per_device=used.peak_tflops_per_device, mfu_dtype=used.dtype,
+                                peak_measured=used.measured_peak)
         prediction = self._predict(trainer)
         self.summary = {
             "layout": _describe(trainer),
@@ -205,6 +233,24 @@ class ScalingMonitor(Callback):
             "tp_s": tally.seconds,
             "tp_bytes": tally.bytes,
         }
+
+    def _utilization(self, trainer: Trainer, samples: float, tokens: float, step_s: float) -> Utilization | None:
+        """MFU and throughput of ``samples`` trained globally in ``step_s`` (``None`` without profile and hardware)."""
+        if self.profile is None or self.hardware is None or step_s <= 0:
+            return None
+        try:
+            dtype = training_dtype(trainer.precision)
+            used = utilization(model_flops_per_sample(self.profile), samples, tokens, step_s, trainer.world_size,
+                               self.hardware, dtype, processes_on_node=trainer.num_devices)
+        except ValueError as error:
+            if not self._mfu_warned:
+                rank_zero_warn(f"ScalingMonitor: no MFU ({error})")
+                self._mfu_warned = True
+            return None
+        if used.mfu > 1 and not self._mfu_warned:
+            rank_zero_warn(f"ScalingMonitor: MFU {used.mfu:.2f} > 1 is impossible; a FLOP count or the peak is wrong.")
+            self._mfu_warned = True
+        return used
 
     def _predict(self, trainer: Trainer) -> Any:
         if self.profile is None or self.hardware is None or not self._batch_rows:
@@ -275,6 +321,7 @@ def _means(steps: list[dict[str, Any]], replicas: int) -> dict[str, float]:
     mean = {key: sum(s[key] for s in steps) / count for key in steps[0]}
     mean["steps"] = count
     mean["samples_per_s"] = mean["samples"] * replicas / mean["step_s"]
+    mean["tokens_per_s"] = mean["tokens"] * replicas / mean["step_s"]
     mean["samples_per_s_per_replica"] = mean["samples"] / mean["step_s"]
     mean["efficiency"] = mean["compute_s"] / mean["step_s"]
     mean["bubble_fraction"] = mean["bubble_s"] / mean["pipeline_span_s"] if mean["pipeline_span_s"] else 0.0

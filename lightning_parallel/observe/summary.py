@@ -1,4 +1,4 @@
-"""One line at the end of training: steps, loss, throughput, layout."""
+"""One line at the end of training: steps, loss, throughput (samples and tokens per second, MFU), layout."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+
+from lightning_parallel.measure.utilization import tokens_in
 
 
 class TrainingSummary(Callback):
@@ -25,6 +27,7 @@ class TrainingSummary(Callback):
         self._start_time = 0.0
         self._start_step = 0
         self._local_samples = 0
+        self._local_tokens = 0
         self._step_loss_sum: torch.Tensor | None = None
         self._last_step_loss: torch.Tensor | None = None
         self._seen_step = 0
@@ -33,7 +36,7 @@ class TrainingSummary(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start_time = time.perf_counter()
         self._start_step = self._seen_step = trainer.global_step
-        self._local_samples = 0
+        self._local_samples = self._local_tokens = 0
         self._step_loss_sum = self._last_step_loss = None
 
     @override
@@ -41,6 +44,7 @@ class TrainingSummary(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._local_samples += extract_batch_size(batch)
+        self._local_tokens += tokens_in(batch)
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             # Lightning divides the returned loss by accumulate_grad_batches; summing the micro-batches of
@@ -64,6 +68,7 @@ class TrainingSummary(Callback):
             "loss": loss,
             "seconds": elapsed,
             "samples_per_s": samples / elapsed if elapsed > 0 else float("nan"),
+            "tokens_per_s": self._local_tokens * replicas / elapsed if elapsed > 0 else float("nan"),
             "data_parallel_replicas": replicas,
             "world_size": trainer.world_size,
         }
@@ -74,10 +79,31 @@ class TrainingSummary(Callback):
         layout = getattr(trainer.strategy, "layout", None)
         where = layout.describe() if layout is not None else f"{type(trainer.strategy).__name__}"
         loss_text = f"{loss:.4f}" if loss is not None else "n/a"
+        mfu = _monitored_mfu(trainer)
+        if mfu is not None:
+            self.summary["mfu"] = mfu["mfu"]
+        mfu_text = (
+            f" · MFU {mfu['mfu']:.1%} of {mfu['peak_tflops_per_device']:.3g} TFLOP/s {mfu['mfu_dtype']}"
+            f"{' (measured peak)' if mfu['peak_measured'] else ''} per device"
+            if mfu is not None else ""
+        )
         rank_zero_info(
             f"lightning_parallel summary: {steps} steps{skipped} · final loss {loss_text} · "
-            f"{self.summary['samples_per_s']:.1f} samples/s over {replicas} replica(s) · {elapsed:.1f}s · {where}"
+            f"{self.summary['samples_per_s']:.1f} samples/s, {self.summary['tokens_per_s']:.0f} tokens/s over {replicas} "
+            f"replica(s){mfu_text} · {elapsed:.1f}s · {where}"
         )
         for logger in trainer.loggers:
             numeric = {f"summary/{k}": v for k, v in self.summary.items() if isinstance(v, (int, float))}
             logger.log_metrics(numeric, step=trainer.global_step)
+
+
+def _monitored_mfu(trainer: Trainer) -> dict[str, Any] | None:
+    """The MFU a ScalingMonitor measured (it holds the model's FLOPs and the hardware's peak), if any."""
+    from lightning_parallel.observe.monitor import ScalingMonitor
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, ScalingMonitor):
+            measured = callback.summary.get("measured") or {}
+            if "mfu" in measured:
+                return measured
+    return None

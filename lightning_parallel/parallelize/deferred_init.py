@@ -77,16 +77,22 @@ def allocate_local(module: nn.Module, device: torch.device) -> None:
     sharded parameters are re-registered; tied parameters (which ``_apply`` gives one new tensor per
     module) are tied again.
     """
+    aliases = tied_aliases(module)
+    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    for alias, name in aliases.items():
+        owner, _, attribute = alias.rpartition(".")
+        (module.get_submodule(owner) if owner else module)._parameters[attribute] = module.get_parameter(name)
+
+
+def tied_aliases(module: nn.Module) -> dict[str, str]:
+    """Every further name of a tied parameter -> its first name."""
     first: dict[int, str] = {}
-    aliases: list[tuple[str, str]] = []
+    aliases = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         kept = first.setdefault(id(param), name)
         if kept != name:
-            aliases.append((name, kept))
-    module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
-    for alias, name in aliases:
-        owner, _, attribute = alias.rpartition(".")
-        (module.get_submodule(owner) if owner else module)._parameters[attribute] = module.get_parameter(name)
+            aliases[name] = kept
+    return aliases
 
 
 def init_units(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -7,6 +7,7 @@ No torch here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -32,6 +33,10 @@ class HardwareProfile:
         node_tflops: Compute of a whole node shared by its processes (CPU cores); ``None`` when every device
             computes on its own (GPUs). Each process then gets ``node_tflops / processes on the node``, at most
             ``peak_tflops``.
+        peak_dtype: The dtype ``peak_tflops`` is for (``bf16``, ``fp16``, ``fp32``, ``fp64``).
+        peak_tflops_by_dtype: Dense peaks of other dtypes, TFLOP/s (MFU divides by the training dtype's).
+        measured_peak: The peaks are this machine's, measured with a matmul benchmark when MFU is first
+            computed (a CPU): ``peak_tflops`` and ``node_tflops`` are then only the planner's estimates.
         description: Free text (where the numbers come from).
     """
 
@@ -46,6 +51,9 @@ class HardwareProfile:
     inter_node_latency_us: float = 20.0
     memory_reserve_fraction: float = 0.1
     node_tflops: float | None = None
+    peak_dtype: str = "bf16"
+    peak_tflops_by_dtype: Mapping[str, float] | None = None
+    measured_peak: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -89,8 +97,37 @@ class HardwareProfile:
             peak = min(peak, self.node_tflops / max(1, processes_on_node))
         return peak * 1e12 * self.achievable_fraction
 
+    def peak_flops(self, dtype: str, processes_on_node: int) -> float:
+        """Dense peak FLOP/s of one process in ``dtype`` when ``processes_on_node`` share a node (what MFU divides by).
+
+        Raises:
+            ValueError: The profile gives no peak for ``dtype`` (dividing by another dtype's would be wrong).
+        """
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {list(DTYPES)}.")
+        if self.measured_peak:
+            from lightning_parallel.measure.peak import measured_matmul_tflops
+
+            per_process = measured_matmul_tflops(dtype)
+            cores = os.cpu_count() or 1
+            return min(per_process, per_process * cores / max(1, processes_on_node)) * 1e12
+        peaks = {self.peak_dtype: self.peak_tflops, **(self.peak_tflops_by_dtype or {})}
+        if dtype not in peaks:
+            raise ValueError(
+                f"hardware {self.name!r} gives a peak for {sorted(peaks)} but training runs in {dtype}: add "
+                f"peak_tflops_by_dtype.{dtype} to its profile (MFU against another dtype's peak would be wrong)."
+            )
+        peak = peaks[dtype]
+        if self.node_tflops is not None:
+            peak = min(peak, self.node_tflops * peak / self.peak_tflops / max(1, processes_on_node))
+        return peak * 1e12
+
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(bytes per second, seconds of latency) of the links a group uses."""
         if crosses_nodes:
             return self.inter_node_gbps * 1e9, self.inter_node_latency_us * 1e-6
         return self.intra_node_gbps * 1e9, self.intra_node_latency_us * 1e-6
+
+
+#: Dtype names a peak is given for.
+DTYPES = ("bf16", "fp16", "fp32", "fp64")

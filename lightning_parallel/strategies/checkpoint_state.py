@@ -125,6 +125,13 @@ class CheckpointState:
     def after_setup(self) -> None:
         """Called by the engine at the end of ``setup``: load a checkpoint's model state restored before it."""
         self.set_up = True
+        if self._deferred_model_state is not None and self.engine.placement.deferred:
+            # Only a pipeline is still unplaced here (its stages are allocated on the first batch).
+            raise RuntimeError(
+                "Resuming a pipeline whose model was built on the meta device (trainer.init_module(empty_init=True)) is not "
+                "supported yet: its stages exist only from the first batch on. Build the model without empty_init to resume, "
+                "or pass the checkpoint as weights_from to start from its weights."
+            )
         if self._deferred_model_state is not None:
             (checkpoint, strict), self._deferred_model_state = self._deferred_model_state, None
             self._load_model_state(checkpoint, strict)

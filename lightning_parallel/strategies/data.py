@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.compile import CompileConfig
 from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.periodic_sync import SyncConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
@@ -50,7 +51,7 @@ class DataParallelStrategy(ParallelEngineStrategy):
         >>> trainer = Trainer(devices=4, strategy=DataParallelStrategy(comm_hook="fp16"))  # doctest: +SKIP
     """
 
-    preset_configs = {"data_parallel": DataParallelConfig, "periodic_sync": SyncConfig}
+    preset_configs = {"data_parallel": DataParallelConfig, "periodic_sync": SyncConfig, "compilation": CompileConfig}
 
     def __init__(self, data_parallel_size: int = -1, **options: Any) -> None:
         super().__init__(layout=ParallelLayout(data_parallel_size=data_parallel_size), **self.preset_options(options))

@@ -33,6 +33,7 @@ from lightning_parallel.checkpoint.files import CheckpointFormat
 from lightning_parallel.checkpoint.replica_sampler import split_custom_sampler
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.measure.comm import CommStats
+from lightning_parallel.parallelize.compile import CompileConfig
 from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.deferred_init import parameters_on_meta
 from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
@@ -44,6 +45,7 @@ from lightning_parallel.strategies.checkpoint_files import CheckpointFiles
 from lightning_parallel.strategies.checkpoint_state import CheckpointState
 from lightning_parallel.strategies.components import (
     ActivationCheckpointingComponent,
+    CompileComponent,
     Component,
     DataParallelComponent,
     ModelPlacement,
@@ -60,7 +62,7 @@ from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 log = logging.getLogger(__name__)
 
 #: Engine arguments that presets fill from their flat options (never passed by users of a preset).
-CONFIG_ARGUMENTS = ("layout", "data_parallel", "tensor_parallel", "pipeline", "periodic_sync")
+CONFIG_ARGUMENTS = ("layout", "data_parallel", "tensor_parallel", "pipeline", "periodic_sync", "compilation")
 
 
 class ParallelEngineStrategy(MeshStrategy):
@@ -84,6 +86,8 @@ class ParallelEngineStrategy(MeshStrategy):
             (relative to the LightningModule), or ``None``/``[]`` (off).
         periodic_sync: How often replicas synchronize (default every step, exact); local SGD and DiLoCo
             need replicated data parallelism without tp or pp.
+        compilation: ``compile`` (``torch.compile`` each block of the trunk, after TP and checkpointing, before
+            data parallelism; in pipelines the stages' blocks), ``compile_options`` and ``compile_exclude``.
         sync_batchnorm: Compute BatchNorm statistics over the whole data-parallel batch (as
             ``Trainer(sync_batchnorm=True)`` does; either switch turns it on).
         track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
@@ -134,6 +138,7 @@ class ParallelEngineStrategy(MeshStrategy):
         pipeline: PipelineConfig | None = None,
         activation_checkpointing: str | Sequence[str] | None = None,
         periodic_sync: SyncConfig | None = None,
+        compilation: CompileConfig | None = None,
         sync_batchnorm: bool = False,
         track_communication: bool = True,
         nonfinite: str = "error",
@@ -162,7 +167,8 @@ class ParallelEngineStrategy(MeshStrategy):
         )
         for name, value, expected in (("data_parallel", data_parallel, DataParallelConfig),
                                       ("tensor_parallel", tensor_parallel, TensorParallelConfig),
-                                      ("pipeline", pipeline, PipelineConfig), ("periodic_sync", periodic_sync, SyncConfig)):
+                                      ("pipeline", pipeline, PipelineConfig), ("periodic_sync", periodic_sync, SyncConfig),
+                                      ("compilation", compilation, CompileConfig)):
             if value is not None and not isinstance(value, expected):
                 raise TypeError(f"{name} must be a {expected.__name__}, got {type(value).__name__}.")
         self.checkpoint_files = CheckpointFiles(self, save_format, async_save, self._timeout)
@@ -173,6 +179,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self.tensor_parallel = TensorParallelComponent(self, tensor_parallel or TensorParallelConfig())
         self.pipeline_parallel = PipelineComponent(self, pipeline or PipelineConfig())
         self.activation_checkpointing = ActivationCheckpointingComponent(self, activation_checkpointing)
+        self.compile = CompileComponent(self, compilation or CompileConfig())
         self.placement = ModelPlacement(self, None if weights_from is None else str(weights_from))
         self.data_parallel = DataParallelComponent(
             self, data_parallel or DataParallelConfig(), periodic_sync or SyncConfig(), sync_batchnorm
@@ -184,13 +191,13 @@ class ParallelEngineStrategy(MeshStrategy):
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → this rank's
-        part onto its device → data), after the record of where each rank is (outermost: a pipeline runs
+        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → compile →
+        this rank's part onto its device → data), after the record of where each rank is (outermost: a pipeline runs
         steps without the inner components) and before the check of every step's loss and gradients
         (innermost around the optimizer step)."""
         return (
             self.progress, self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing,
-            self.placement, self.data_parallel, self.nonfinite,
+            self.compile, self.placement, self.data_parallel, self.nonfinite,
         )
 
     @property

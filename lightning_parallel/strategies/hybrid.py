@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.compile import CompileConfig
 from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.periodic_sync import SyncConfig
 from lightning_parallel.parallelize.pipeline import PipelineConfig
@@ -59,6 +60,7 @@ class HybridParallelStrategy(ParallelEngineStrategy):
         "periodic_sync": SyncConfig,
         "tensor_parallel": TensorParallelConfig,
         "pipeline": PipelineConfig,
+        "compilation": CompileConfig,
     }
 
     def __init__(

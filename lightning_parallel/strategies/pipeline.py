@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.compile import CompileConfig
 from lightning_parallel.parallelize.pipeline import PipelineConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
@@ -41,7 +42,7 @@ class PipelineParallelStrategy(ParallelEngineStrategy):
         >>> Trainer(devices=2, strategy=PipelineParallelStrategy(2, schedule="1f1b", microbatches=8))  # doctest: +SKIP
     """
 
-    preset_configs = {"pipeline": PipelineConfig}
+    preset_configs = {"pipeline": PipelineConfig, "compilation": CompileConfig}
 
     def __init__(self, pipeline_parallel_size: int = -1, **options: Any) -> None:
         layout = ParallelLayout(

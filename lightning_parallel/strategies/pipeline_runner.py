@@ -104,6 +104,8 @@ class PipelineRunner:
             tensor-parallel mesh (``None``: stages hold whole layers).
         activation_checkpointing: ``("auto",)`` or module-name patterns (relative to the LightningModule)
             to checkpoint inside the training stages.
+        compile_stages: Given the LightningModule and the name of the module being cut, what compiles a
+            stage's module (``None``: stages run eagerly).
     """
 
     def __init__(
@@ -116,8 +118,11 @@ class PipelineRunner:
         device: torch.device,
         tensor_parallel: Callable[[str], StageTensorParallel] | None = None,
         activation_checkpointing: Sequence[str] = (),
+        compile_stages: Callable[[nn.Module, str], Callable[[nn.Module], None] | None] | None = None,
     ) -> None:
         self.config = config
+        self._compile_stages_for = compile_stages
+        self._compile: Callable[[nn.Module], None] | None = None
         self._tensor_parallel_for = tensor_parallel
         self._activation_checkpointing = tuple(activation_checkpointing)
         self.tensor_parallel: StageTensorParallel | None = None
@@ -249,6 +254,9 @@ class PipelineRunner:
         self._checkpointed = checkpointed
         for stage in self.local.train_stages:
             apply_activation_checkpointing(stage.submod, checkpointed)
+        if self._compile_stages_for is not None:
+            self._compile = self._compile_stages_for(module, captured.name)
+        self._compile_all([*self.local.train_stages, *self.local.eval_stages])
         self._rows_per_batch = rows
         self._traced_meta = _meta(captured)
         self._train_shape_fixed = training  # a first evaluation batch does not fix the training shape
@@ -356,9 +364,9 @@ class PipelineRunner:
             key = min(fitting, key=lambda k: k[1])
         else:
             key = (tuple(meta), -(-total // m))
-            self._eval_schedules[key] = build_forward_only_schedule(
-                self._traced_stages(captured, total, key[1], training=False), m, self._loss_fn, self.stage_to_rank
-            )
+            stages = self._traced_stages(captured, total, key[1], training=False)
+            self._compile_all(stages)
+            self._eval_schedules[key] = build_forward_only_schedule(stages, m, self._loss_fn, self.stage_to_rank)
             self._note_new_shape("evaluation", meta, key[1])
             if len(self._eval_schedules) > EVAL_SHAPES_KEPT:
                 self._eval_schedules.popitem(last=False)
@@ -375,9 +383,15 @@ class PipelineRunner:
         stages = self._traced_stages(captured, total, total // m, training=True)
         for stage in stages:
             apply_activation_checkpointing(stage.submod, self._checkpointed)
+        self._compile_all(stages)
         self._train_schedule = build_schedule(self.config.schedule, stages, m, self._loss_fn)
         self._traced_meta, self._rows_per_batch = meta, total
         self._note_new_shape("training", meta, total // m)
+
+    def _compile_all(self, stages: Sequence[Any]) -> None:
+        if self._compile is not None:
+            for stage in stages:
+                self._compile(stage.submod)
 
     def _traced_stages(self, captured: CapturedModelCall, total: int, per_microbatch: int, training: bool) -> list[Any]:
         """This rank's stages traced for micro-batches of ``per_microbatch`` rows of ``captured``'s inputs."""

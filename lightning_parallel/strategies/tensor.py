@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.compile import CompileConfig
 from lightning_parallel.parallelize.data import DataParallelConfig
 from lightning_parallel.parallelize.tensor import TensorParallelConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
@@ -43,7 +44,7 @@ class TensorParallelStrategy(ParallelEngineStrategy):
         ...                                                          "model.blocks.*.mlp.fc_out": "rowwise"}))  # doctest: +SKIP
     """
 
-    preset_configs = {"tensor_parallel": TensorParallelConfig, "data_parallel": DataParallelConfig}
+    preset_configs = {"tensor_parallel": TensorParallelConfig, "data_parallel": DataParallelConfig, "compilation": CompileConfig}
     # Split parameters are DTensors, which DDP cannot replicate: FSDP2 shards the TP group's replicas.
     preset_defaults = {"data_parallel_mode": "shard"}
 

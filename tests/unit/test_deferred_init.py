@@ -12,8 +12,9 @@ from lightning_parallel.parallelize.deferred_init import (
     InitialValues,
     allocate_local,
     parameters_on_meta,
+    tied_aliases,
 )
-from lightning_parallel.strategies.components.placement import local_targets, tied_aliases
+from lightning_parallel.strategies.components.placement import local_targets
 from tests.harness import JobSpec, make_model
 
 #: Models whose every random draw at construction is a reset_parameters() or an _init_weights (the contract).

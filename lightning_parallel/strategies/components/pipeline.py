@@ -92,6 +92,7 @@ class PipelineComponent(Component):
                 device=engine.root_device,
                 tensor_parallel=tensor.stage_plan if tensor.enabled else None,
                 activation_checkpointing=engine.activation_checkpointing.patterns,
+                compile_stages=engine.compile.stage_compiler if engine.compile.enabled else None,
             )
         # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.
         engine.precision_plugin.clip_grad_by_norm = partial(_clip_pipeline, self)

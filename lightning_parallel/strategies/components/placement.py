@@ -25,6 +25,7 @@ from lightning_parallel.parallelize.deferred_init import (
     InitialValues,
     allocate_local,
     has_meta_tensors,
+    tied_aliases,
 )
 from lightning_parallel.parallelize.fused import fused_layouts
 from lightning_parallel.strategies.components.base import Component
@@ -132,17 +133,6 @@ def _drawing_from(state: Tensor | None) -> Iterator[None]:
         yield
     finally:
         torch.set_rng_state(current)
-
-
-def tied_aliases(module: nn.Module) -> dict[str, str]:
-    """Every further name of a tied parameter -> its first name."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        kept = first.setdefault(id(param), name)
-        if kept != name:
-            aliases[name] = kept
-    return aliases
 
 
 @contextmanager
