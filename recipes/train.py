@@ -35,13 +35,13 @@ from lightning.pytorch.utilities.rank_zero import (
 from omegaconf import DictConfig
 
 from lightning_parallel import ScalingMonitor, latest_checkpoint, training_job
-from lightning_parallel.strategies.engine import ParallelEngineStrategy
 from lightning_parallel.plan.config import (
     configured_layout,
     hardware_from_config,
     preserved_random_state,
     profile_from_config,
 )
+from lightning_parallel.strategies.engine import ParallelEngineStrategy
 from lightning_parallel.strategies.launch import restart_attempt
 
 

@@ -235,6 +235,7 @@ class Recorder(Callback):
             "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
             "pipeline_training_rows": getattr(getattr(trainer.strategy, "pipeline_runner", None), "training_rows", None),
+            "compiled_blocks": list(getattr(getattr(trainer.strategy, "compile", None), "compiled", [])),
             "state_bytes": self.state_bytes,
             "scaling_steps": [asdict(step) for step in _monitor(trainer).steps] if _monitor(trainer) else None,
         }

@@ -19,8 +19,17 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lightning_parallel.checkpoint.sharded import MODEL_KEY, load_states, stored_shapes, stored_tensors
-from lightning_parallel.checkpoint.state import copy_part_into, copy_whole_into, describe_mismatch
+from lightning_parallel.checkpoint.sharded import (
+    MODEL_KEY,
+    load_states,
+    stored_shapes,
+    stored_tensors,
+)
+from lightning_parallel.checkpoint.state import (
+    copy_part_into,
+    copy_whole_into,
+    describe_mismatch,
+)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

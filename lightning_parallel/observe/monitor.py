@@ -34,7 +34,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel.measure.collectives import DTensorCollectives
-from lightning_parallel.observe.pipeline_events import PipelineEvents, StageEvent
 from lightning_parallel.measure.utilization import (
     Utilization,
     model_flops_per_sample,
@@ -42,6 +41,7 @@ from lightning_parallel.measure.utilization import (
     training_dtype,
     utilization,
 )
+from lightning_parallel.observe.pipeline_events import PipelineEvents, StageEvent
 from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout
 

@@ -100,7 +100,7 @@ def explain(result: Plan) -> list[str]:
     layout = best.layout
     fullest = max(best.memory, key=lambda m: m.peak)
     held = (
-        f"during setup: the whole model until the first batch cuts the pipeline (empty_init=true avoids it)"
+        "during setup: the whole model until the first batch cuts the pipeline (empty_init=true avoids it)"
         if fullest.setup > fullest.total
         else f"{_share(fullest.state, fullest.total)} of it parameters, gradients and optimizer state"
     )

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.parallelize.compile import CompileConfig, compile_blocks, trunk_blocks
+from lightning_parallel.parallelize.compile import (
+    CompileConfig,
+    compile_blocks,
+    trunk_blocks,
+)
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
