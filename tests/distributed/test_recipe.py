@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_parallel.measure.utilization import check_mfu
+
 from tests.harness import REPO_ROOT
 
 pytestmark = pytest.mark.distributed
@@ -59,6 +61,13 @@ def test_train_recipe_with_data_parallel_strategy(tmp_path):
     assert "ScalingMonitor · dp=2 × tp=1 × pp=1" in output
     scaling = json.loads((tmp_path / "scaling.json").read_text())
     assert scaling["measured"]["steps"] == 2 and scaling["predicted"]["layout"]["dp"] == 2
+    # MFU against this CPU's measured fp32 peak, and tokens/s, in scaling.json, the CSV log and the summary line.
+    measured = scaling["measured"]
+    check_mfu(measured["mfu"], "recipe dp=2")
+    assert measured["mfu"] > 0 and measured["mfu_dtype"] == "fp32" and measured["peak_measured"]
+    assert measured["tokens_per_s"] == pytest.approx(measured["samples_per_s"] * 64)  # data.block_size=64
+    assert any(row.get("scaling/mfu") for row in rows) and any(row.get("scaling/tokens_per_s") for row in rows)
+    assert "tokens/s over 2 replica(s) · MFU" in output and "(measured peak)" in output
 
     # The same run, resumed under another layout from its newest checkpoint, trains on to step 5 (one replica:
     # twice the per-replica batch keeps the global batch, which a resume must).
