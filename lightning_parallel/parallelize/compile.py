@@ -100,10 +100,23 @@ def compile_blocks(module: nn.Module, names: Sequence[str], config: CompileConfi
         if getattr(block, "_compiled_call_impl", None) is not None:
             compiled.append(full)  # compiled already (fit, then validate)
             continue
-        block.compile(**dict(config.options or {}))
+        block.compile(**_options_for(block, config.options or {}))
         block._compiled_call_impl = _naming_errors(full, block._compiled_call_impl)
         compiled.append(full)
     return compiled
+
+
+def _options_for(block: nn.Module, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` keywords for ``block``: inductor's FX graph cache is off for blocks with DTensor
+    parameters, whose graphs call collectives by process-group name; a cached graph from another run (or
+    another layout) names a group this process numbered differently ("Could not resolve the process group")."""
+    options = dict(options)
+    from torch.distributed.tensor import DTensor
+
+    inductor = options.get("backend", "inductor") == "inductor"
+    if inductor and any(isinstance(p, DTensor) for p in block.parameters()):
+        options["options"] = {"fx_graph_cache": False, **dict(options.get("options") or {})}
+    return options
 
 
 def _naming_errors(name: str, compiled: Callable[..., Any]) -> Callable[..., Any]:

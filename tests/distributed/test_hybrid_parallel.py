@@ -81,13 +81,14 @@ def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(tmp_path):
 
     The model is built on the meta device (``trainer.init_module(empty_init=True)``; other ranks seeded
     differently): each rank allocates only its part, with the values of building it eagerly on one device.
+    The stages' blocks are compiled (``compile=True``, inductor).
     """
     ref = reference(accumulate=2, clip=0.05, empty_init=False)
     spec = hybrid_job(
         8, accumulate=2, clip=0.05, round_trip=True, empty_init=True, data_parallel_size=2, tensor_parallel_size=2,
-        pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"],
+        pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"], compile=True,
     )
-    result = run_distributed(spec, tmp_path, timeout=420)
+    result = run_distributed(spec, tmp_path, timeout=600)
     assert_same_training(ref, result)
     assert_planner_predicts_state(spec, result)
     for key in ("val/loss", "val/accuracy"):
@@ -97,6 +98,7 @@ def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(tmp_path):
     # One gradient round over the replicas per optimizer step, not per micro-batch.
     assert result["comm"]["rounds"] == STEPS
     assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
+    assert result["compiled_blocks"] == ["model.blocks.0", "model.blocks.1"]  # rank 0's stage
 
 
 PAIRS = {
