@@ -21,6 +21,15 @@ from tests.harness import JobSpec, make_model
 REPLAYED = ["gpt", "view_attention", "hf_llama", "hf_qwen2", "hf_phi3", "hf_gpt_neox"]
 
 
+class WithTable(nn.Module):
+    """A layer and a buffer computed in __init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("table", torch.arange(4.0))
+
+
 def _built_on_meta(build) -> tuple[nn.Module, InitialValues]:
     with parameters_on_meta():
         module = build()
@@ -53,12 +62,6 @@ def test_meta_built_model_gets_the_eager_initial_values(model):
 
 
 def test_buffers_are_built_and_parameters_are_not():
-    class WithTable(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(4, 4)
-            self.register_buffer("table", torch.arange(4.0))
-
     with parameters_on_meta():
         module = WithTable()
     assert module.proj.weight.is_meta and not module.table.is_meta
@@ -84,20 +87,10 @@ def test_parameters_without_an_initialiser_are_refused():
 
 
 def test_a_module_built_on_the_meta_device_with_its_buffers_is_refused():
-    class WithTable(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(4, 4)
-            self.register_buffer("table", torch.arange(4.0))
-
     with torch.device("meta"):
         module = WithTable()
     with pytest.raises(RuntimeError, match=r"buffers .*table.* are on the meta device.*init_module\(empty_init=True\)"):
         InitialValues.of(module)
-
-
-def _targets(module: nn.Module) -> dict[str, torch.Tensor]:
-    return local_targets(module)
 
 
 def test_weights_from_refuses_a_checkpoint_that_does_not_fit_before_reading_anything(tmp_path):
@@ -111,7 +104,7 @@ def test_weights_from_refuses_a_checkpoint_that_does_not_fit_before_reading_anyt
     before = {k: v.clone() for k, v in target.state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in target.state_dict().items()}
     with pytest.raises(RuntimeError) as raised:
-        load_pretrained(tmp_path / "wrong.ckpt", _targets(target), None, whole_shapes=shapes)
+        load_pretrained(tmp_path / "wrong.ckpt", local_targets(target), None, whole_shapes=shapes)
     message = str(raised.value)
     assert "weights_from=" in message and "missing (1) ['1.bias']" in message and "unexpected (1) ['2.weight']" in message
     assert "1.weight: (3, 8) in the checkpoint vs (2, 8)" in message
@@ -131,7 +124,7 @@ def test_weights_from_finds_the_module_under_a_prefix_and_converts_dtype(tmp_pat
 
     wrapper = Wrapper()
     shapes = {k: tuple(v.shape) for k, v in wrapper.state_dict().items()}
-    written = load_pretrained(tmp_path, _targets(wrapper), None, whole_shapes=shapes)
+    written = load_pretrained(tmp_path, local_targets(wrapper), None, whole_shapes=shapes)
     assert sorted(written) == sorted(shapes)
     for name, value in inner.state_dict().items():
         assert wrapper.state_dict()[f"net.{name}"].dtype == torch.float64
@@ -142,11 +135,11 @@ def test_weights_from_tells_what_it_cannot_read(tmp_path):
     module = nn.Linear(2, 2)
     shapes = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     with pytest.raises(FileNotFoundError, match="weights_from='.*missing'"):
-        load_pretrained(tmp_path / "missing", _targets(module), None, whole_shapes=shapes)
+        load_pretrained(tmp_path / "missing", local_targets(module), None, whole_shapes=shapes)
     (tmp_path / "a.safetensors").write_bytes(b"")
     (tmp_path / "b.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="2 .safetensors files and no model.safetensors.index.json"):
-        load_pretrained(tmp_path, _targets(module), None, whole_shapes=shapes)
+        load_pretrained(tmp_path, local_targets(module), None, whole_shapes=shapes)
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="could not be read as a checkpoint file"):
-        load_pretrained(tmp_path / "notes.txt", _targets(module), None, whole_shapes=shapes)
+        load_pretrained(tmp_path / "notes.txt", local_targets(module), None, whole_shapes=shapes)
