@@ -46,9 +46,12 @@ def saved_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @cache
-def reference(model: str = "gpt", batch_size: int = 4, accumulate: int = 1, initial_weights: str | None = None) -> dict:
-    """One device, the model built eagerly (in float64, as the deferred jobs build theirs)."""
-    return run_job(JobSpec(model=model, batch_size=batch_size * accumulate, steps=STEPS, empty_init=False, initial_weights=initial_weights))
+def reference(model: str = "gpt", batch_size: int = 4, accumulate: int = 1, initial_weights: str | None = None,
+              val_batch_size: int | None = None) -> dict:
+    """One device, the model built eagerly (in float64, as the deferred jobs build theirs); validated when
+    ``val_batch_size`` is given."""
+    return run_job(JobSpec(model=model, batch_size=batch_size * accumulate, steps=STEPS, empty_init=False, initial_weights=initial_weights,
+                           validate=val_batch_size is not None, val_batch_size=val_batch_size))
 
 
 def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
@@ -92,6 +95,12 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
                     strategy_kwargs={**shard, "weights_from": w["llama_hf_sharded"]}),
             {"model": "hf_llama", "initial_weights": w["llama"]},
         ),
+        # Built on meta and first cut by Lightning's sanity check (validation batches of 8), then trained on 4.
+        "llama_pp2_first_batch_a_validation_one": (
+            JobSpec(model="hf_llama", strategy="pipeline", devices=2, steps=STEPS, empty_init=True, validate=True, val_batch_size=8,
+                    sanity_val_steps=1, strategy_kwargs={"microbatches": 2}),
+            {"model": "hf_llama", "val_batch_size": 8},
+        ),
     }
     results = run_distributed_jobs({name: job for name, (job, _) in jobs.items()}, tmp_path, timeout=600)
     for name, (job, reference_arguments) in jobs.items():
@@ -99,6 +108,10 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
             assert_same_training(reference(**reference_arguments), results[name], steps=STEPS)
         except AssertionError as error:
             raise AssertionError(f"{name}: {error}") from None
+    validated, expected = results["llama_pp2_first_batch_a_validation_one"], reference(model="hf_llama", val_batch_size=8)
+    assert validated["pipeline_training_rows"] == 4
+    for key in ("val/loss", "val/accuracy"):
+        assert validated["validation"][key] == pytest.approx(expected["validation"][key], abs=1e-6), key
     # The loaded weights are not the ones the seed draws: loading them was not a no-op.
     assert not torch.equal(reference()["step_losses"], reference(initial_weights=w["gpt"])["step_losses"])
     # Under tp2 each rank holds half of every split layer (the memory claim is measured below).
