@@ -22,15 +22,10 @@ from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.pipeline_build import (
-    LocalPipeline,
-    allocate_meta_in_place,
-    remap_optimizer,
-)
+from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
 from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
 from lightning_parallel.strategies.components.base import Component
-from lightning_parallel.strategies.components.placement import local_targets
 from lightning_parallel.strategies.pipeline_runner import PipelineRunner
 
 if TYPE_CHECKING:
@@ -134,20 +129,11 @@ class PipelineComponent(Component):
             self._reduce_gradients()
 
     def _on_built(self, local: LocalPipeline) -> None:
-        engine = self.engine
-        module = engine.lightning_module
-        placement = engine.placement
-        if placement.deferred:
-            # Tensors outside the pipelined module (if any) get memory here; the stages' were allocated in the cut.
-            local.replaced.update(allocate_meta_in_place(module, engine.root_device))
-        for optimizer in engine.optimizers:
+        placement = self.engine.placement
+        local.replaced.update(placement.allocate_outside_stages())
+        for optimizer in self.engine.optimizers:
             remap_optimizer(unwrap_optimizer(optimizer), local.replaced)
-        if placement.deferred or placement.weights_from is not None:
-            prefix = f"{self.runner.root_name}." if self.runner.root_name else ""
-            targets = {prefix + name: tensor for name, tensor in local.local_tensors.items()}
-            outside = local_targets(module)
-            targets.update((name, t) for name, t in outside.items() if not name.startswith(prefix) and name not in targets)
-            placement.fill(targets)
+        placement.place_stages(local.local_tensors, self.runner.root_name or "")
 
     def _reduce_gradients(self) -> None:
         engine = self.engine

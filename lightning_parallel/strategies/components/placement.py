@@ -28,6 +28,7 @@ from lightning_parallel.parallelize.deferred_init import (
     tied_aliases,
 )
 from lightning_parallel.parallelize.fused import fused_layouts
+from lightning_parallel.parallelize.pipeline_build import allocate_meta_in_place
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
@@ -101,6 +102,24 @@ class ModelPlacement(Component):
             engine.model_to_device()
         self.fill(local_targets(module), fused_layouts(module))
         self._placed = True
+
+    def allocate_outside_stages(self) -> dict[int, Tensor]:
+        """A pipeline was cut (its stages' tensors allocated in the cut): give memory to the module's tensors
+        outside them, if any. Returns ``id(old parameter) -> new`` for the optimizers."""
+        if not self.deferred:
+            return {}
+        return allocate_meta_in_place(self.engine.lightning_module, self.engine.root_device)
+
+    def place_stages(self, stage_tensors: Mapping[str, Tensor], root_name: str) -> None:
+        """Starting values for this rank's pipeline stages (``stage_tensors``: names relative to ``root_name``)
+        and for the module's tensors outside the pipelined module."""
+        if not self.deferred and self.weights_from is None:
+            return
+        prefix = f"{root_name}." if root_name else ""
+        targets = {prefix + name: tensor for name, tensor in stage_tensors.items()}
+        outside = local_targets(self.engine.lightning_module)
+        targets.update((name, t) for name, t in outside.items() if not name.startswith(prefix) and name not in targets)
+        self.fill(targets)
 
     def fill(self, targets: Mapping[str, Tensor], fused: Mapping[str, object] | None = None) -> None:
         """Give this rank's tensors (by full name) their starting values: eager init, then ``weights_from``."""
