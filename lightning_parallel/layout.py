@@ -23,8 +23,14 @@ if TYPE_CHECKING:
 #: Mesh axes, outermost first (row-major rank order, as DeviceMesh lays them out).
 AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-#: Names that address several axes at once, flattened in mesh order.
-FLATTENED_AXES: dict[str, tuple[str, ...]] = {"dp": ("dp_replicate", "dp_shard")}
+#: Names that address several axes at once, flattened in mesh order. ``dp_cp``: every rank holding a replica
+#: of the same parameters (context-parallel peers hold the same weights and see other parts of one sequence);
+#: ``dp_shard_cp``: the ranks that shard one replica's state under context parallelism.
+FLATTENED_AXES: dict[str, tuple[str, ...]] = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
 
 #: The user-facing size of each dimension (``dp`` is split in replicate × shard by the data-parallel mode).
 SIZE_FIELDS: dict[str, str] = {
@@ -58,7 +64,7 @@ class ParallelLayout:
         data_parallel_size: Ranks that see different data (model replicas, or shards of one).
         tensor_parallel_size: Ranks that split each layer's weights.
         pipeline_parallel_size: Pipeline ranks.
-        context_parallel_size: Ranks that split each sequence (reserved: 1 until context parallelism lands).
+        context_parallel_size: Ranks that split each sequence (context parallelism: ring attention).
         data_parallel_shard_size: Of the data-parallel ranks, how many shard one replica's state (1:
             replicate; ``data_parallel_size``: fully sharded; in between: hybrid sharding). Must divide
             ``data_parallel_size``; the data-parallel mode sets it.
@@ -81,10 +87,6 @@ class ParallelLayout:
                 raise TypeError(f"{f.name} must be an int, got {value!r} ({type(value).__name__}).")
             if value == 0 or value < -1 or (value == -1 and f.name == "data_parallel_shard_size"):
                 raise ValueError(f"{f.name}={value} is invalid: use a positive size, or -1 to fill the remaining ranks.")
-        if self.context_parallel_size != 1:
-            raise ValueError(
-                f"context_parallel_size={self.context_parallel_size}: context parallelism is not available yet; use 1."
-            )
         filled = [name for name in SIZE_FIELDS.values() if getattr(self, name) == -1]
         if len(filled) > 1:
             raise ValueError(
@@ -220,13 +222,17 @@ class ParallelLayout:
 
         ``dp`` (replicate × shard flattened) is created too, while every rank is here: see
         :func:`data_parallel_mesh`. ``mesh["dp_replicate", "dp_shard"]`` is what hybrid sharding (HSDP)
-        replicates and shards over.
+        replicates and shards over. With context parallelism, ``dp_cp`` and ``dp_shard_cp`` too (see
+        :func:`replica_mesh`).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         self._require_resolved("build_mesh")
         mesh = init_device_mesh(device_type, tuple(self.axis_sizes.values()), mesh_dim_names=AXES)
         data_parallel_mesh(mesh)
+        if self.context_parallel_size > 1:
+            for name in ("dp_cp", "dp_shard_cp"):
+                mesh[FLATTENED_AXES[name]]._flatten(name)
         return mesh
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -255,3 +261,17 @@ class ParallelLayout:
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of all data-parallel ranks (``dp_replicate × dp_shard`` flattened; created once, then cached)."""
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def replica_mesh(mesh: DeviceMesh, sharded: bool = False) -> DeviceMesh:
+    """The ranks that hold replicas of the same parameters and average their gradients.
+
+    Data-parallel ranks, and context-parallel peers too (same weights, other parts of each sequence: their
+    gradients are partial sums, see :mod:`lightning_parallel.parallelize.context`). ``sharded``: the 2-D
+    ``(dp_replicate, dp_shard[×cp])`` mesh FSDP2 replicates and shards over (context-parallel peers shard one
+    replica's state, as torchtitan does); otherwise the 1-D mesh of them all (DDP's group).
+    """
+    context_parallel = "cp" in (mesh.mesh_dim_names or ()) and mesh["cp"].size() > 1
+    if sharded:
+        return mesh["dp_replicate", "dp_shard_cp" if context_parallel else "dp_shard"]
+    return mesh["dp_cp"] if context_parallel else data_parallel_mesh(mesh)

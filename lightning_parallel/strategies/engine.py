@@ -47,6 +47,7 @@ from lightning_parallel.strategies.components import (
     ActivationCheckpointingComponent,
     CompileComponent,
     Component,
+    ContextParallelComponent,
     DataParallelComponent,
     ModelPlacement,
     NonFiniteGuard,
@@ -180,6 +181,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self.pipeline_parallel = PipelineComponent(self, pipeline or PipelineConfig())
         self.activation_checkpointing = ActivationCheckpointingComponent(self, activation_checkpointing)
         self.compile = CompileComponent(self, compilation or CompileConfig())
+        self.context_parallel = ContextParallelComponent(self)
         self.placement = ModelPlacement(self, None if weights_from is None else str(weights_from))
         self.data_parallel = DataParallelComponent(
             self, data_parallel or DataParallelConfig(), periodic_sync or SyncConfig(), sync_batchnorm
@@ -192,12 +194,12 @@ class ParallelEngineStrategy(MeshStrategy):
     @property
     def components(self) -> tuple[Component, ...]:
         """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → compile →
-        this rank's part onto its device → data), after the record of where each rank is (outermost: a pipeline runs
+        context (the sequence split at each model call) → this rank's part onto its device → data), after the record of where each rank is (outermost: a pipeline runs
         steps without the inner components) and before the check of every step's loss and gradients
         (innermost around the optimizer step)."""
         return (
             self.progress, self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing,
-            self.compile, self.placement, self.data_parallel, self.nonfinite,
+            self.compile, self.context_parallel, self.placement, self.data_parallel, self.nonfinite,
         )
 
     @property

@@ -1,4 +1,4 @@
-"""``HybridParallelStrategy``: data × tensor × pipeline parallelism on one DeviceMesh, with memory options."""
+"""``HybridParallelStrategy``: data × context × tensor × pipeline parallelism on one DeviceMesh, with memory options."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 
 class HybridParallelStrategy(ParallelEngineStrategy):
-    """Any mix of data, tensor and pipeline parallelism (3-D), for an unmodified LightningModule.
+    """Any mix of data, context, tensor and pipeline parallelism, for an unmodified LightningModule.
 
-    Ranks form a ``(pp, dp, tp)`` mesh: tensor-parallel peers are adjacent ranks (inside a node, where
-    the fast links are), data-parallel replicas next, pipeline stages outermost. Applied in this order:
+    Ranks form a ``(pp, dp, cp, tp)`` mesh: tensor-parallel peers are adjacent ranks (inside a node, where
+    the fast links are), context-parallel peers next, data-parallel replicas next, pipeline stages outermost. Applied in this order:
     the tensor-parallel plan (resolved on the whole module) → the pipeline split (each stage's parameters
     then placed on the ``tp`` mesh by the plan) → activation checkpointing → data parallelism per stage.
     Each size may be 1; one may be ``-1`` (the remaining ranks). The Data/Tensor/Pipeline strategies are
@@ -27,6 +27,11 @@ class HybridParallelStrategy(ParallelEngineStrategy):
         data_parallel_size: Replicas (``-1``: the ranks the other sizes leave).
         tensor_parallel_size: Ranks that split each layer.
         pipeline_parallel_size: Pipeline ranks.
+        context_parallel_size: Ranks that split each sequence (context parallelism): the model call's
+            ``[batch, sequence, ...]`` inputs are cut head-tail along dim 1, ``F.scaled_dot_product_attention``
+            runs as ring attention, outputs are gathered whole for the step's loss. Sequence lengths must be
+            multiples of ``2 × context_parallel_size``; not with pipeline parallelism, sequence parallelism,
+            ``loss_parallel``, ``compile`` or periodic sync yet.
         data_parallel_mode: ``"replicate"`` (ZeRO-0: DDP, or gradient all-reduce per stage),
             ``"shard"`` (ZeRO-3 through FSDP2; ZeRO-2-like with ``reshard_after_forward=False``) or
             ``"hybrid_shard"`` (HSDP: shard within ``data_parallel_shard_size`` ranks, replicate across).
@@ -64,11 +69,17 @@ class HybridParallelStrategy(ParallelEngineStrategy):
     }
 
     def __init__(
-        self, data_parallel_size: int = -1, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, **options: Any
+        self,
+        data_parallel_size: int = -1,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
+        **options: Any,
     ) -> None:
         layout = ParallelLayout(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
         )
         super().__init__(layout=layout, **self.preset_options(options))

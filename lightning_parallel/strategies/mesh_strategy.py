@@ -31,6 +31,7 @@ from lightning_parallel.layout import (
     ParallelLayout,
     RankCoordinates,
     data_parallel_mesh,
+    replica_mesh,
 )
 from lightning_parallel.strategies.collectives import GroupCollectivesMixin
 from lightning_parallel.strategies.launch import (
@@ -162,9 +163,20 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
         return self._mesh["tp"].get_group() if self._mesh is not None else None
 
     @property
+    def context_parallel_group(self) -> dist.ProcessGroup | None:
+        """Process group of the ranks that split each sequence (``None`` before the mesh exists)."""
+        return self._mesh["cp"].get_group() if self._mesh is not None else None
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """Process group of the ranks holding replicas of the same parameters, which average gradients: the
+        data-parallel replicas and, under context parallelism, their cp peers (``None`` before the mesh exists)."""
+        return replica_mesh(self._mesh).get_group() if self._mesh is not None else None
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Replicas see different data; tensor- and pipeline-parallel peers must see the same batch.
+        # Replicas see different data; tensor-, context- and pipeline-parallel peers must see the same batch.
         return {"num_replicas": self.layout.data_parallel_size, "rank": self.coordinates.dp}
 
     def layout_for(self, world_size: int, devices_per_node: int, world_description: str | None = None) -> ParallelLayout:

@@ -98,9 +98,16 @@ def test_layout_round_trips_through_checkpoint_metadata():
     assert ParallelLayout.from_dict({"pp": 2, "dp": 2, "tp": 1}) == ParallelLayout(2, 1, 2)
 
 
-def test_context_parallel_axis_is_reserved():
-    with pytest.raises(ValueError, match="context parallelism is not available yet"):
-        ParallelLayout(context_parallel_size=2)
+def test_context_parallel_peers_sit_between_tensor_and_data_parallel_ranks():
+    layout = ParallelLayout(data_parallel_size=2, tensor_parallel_size=2, context_parallel_size=2).resolve(8)
+    assert layout.describe() == "dp=2 × cp=2 × tp=2 × pp=1"
+    assert layout.coordinates(3) == RankCoordinates(pp=0, dp=0, cp=1, tp=1)
+    assert layout.group_ranks("tp", 0) == [0, 1]
+    assert layout.group_ranks("cp", 0) == [0, 2]
+    assert layout.group_ranks("dp", 0) == [0, 4]
+    # Replicas of the same weights: data-parallel ranks and their cp peers.
+    assert layout.group_ranks("dp_cp", 1) == [1, 3, 5, 7]
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
 
 
 def test_sizes_of_one_are_allowed_everywhere():

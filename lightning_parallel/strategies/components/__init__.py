@@ -1,7 +1,8 @@
 """Each parallelism the engine runs, as a component with one small interface (see :class:`Component`).
 
 The engine holds one of each and calls them in a fixed order — tensor, pipeline, activation
-checkpointing, compile, placement (this rank's part onto its device), data — as torchtitan applies ``apply_tp`` → ``apply_ac`` → ``apply_fsdp``. A new dimension is
+checkpointing, compile, context (sequence split, ring attention), placement (this rank's part onto
+its device), data — as torchtitan applies ``apply_tp`` → ``apply_ac`` → ``apply_fsdp``. A new dimension is
 one more axis in :mod:`lightning_parallel.layout` plus one component here.
 """
 
@@ -10,6 +11,7 @@ from lightning_parallel.strategies.components.checkpointing import (
     ActivationCheckpointingComponent,
 )
 from lightning_parallel.strategies.components.compile import CompileComponent
+from lightning_parallel.strategies.components.context import ContextParallelComponent
 from lightning_parallel.strategies.components.data import DataParallelComponent
 from lightning_parallel.strategies.components.nonfinite import (
     NONFINITE_MODES,
@@ -24,6 +26,7 @@ __all__ = [
     "ActivationCheckpointingComponent",
     "CompileComponent",
     "Component",
+    "ContextParallelComponent",
     "DataParallelComponent",
     "ModelPlacement",
     "NONFINITE_MODES",

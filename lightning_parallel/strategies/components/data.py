@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
-from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.layout import ParallelLayout, replica_mesh
 from lightning_parallel.parallelize.batchnorm import (
     convert_sync_batchnorm,
     revert_sync_batchnorm,
@@ -124,7 +124,8 @@ class DataParallelComponent(Component):
 
     def _wrap(self) -> None:
         engine = self.engine
-        if engine.layout.data_parallel_size == 1:
+        # Context-parallel peers hold the same weights too: gradients are averaged over dp × cp.
+        if engine.layout.data_parallel_size * engine.layout.context_parallel_size == 1:
             return
         if engine.parameters_are_dtensors:
             # Sharded replicas, or DTensor parameters (which DDP cannot take): FSDP2 over the dp axes.
@@ -135,7 +136,7 @@ class DataParallelComponent(Component):
                     _sync_module_states(engine.lightning_module)
                 self.sharded_units = shard_over_data_parallel(
                     engine.lightning_module,
-                    engine.device_mesh["dp_replicate", "dp_shard"],
+                    replica_mesh(engine.device_mesh, sharded=True),
                     reshard_after_forward=self.config.reshard_after_forward,
                     mp_policy=fsdp_mixed_precision(engine.precision_plugin),
                 )
@@ -147,7 +148,7 @@ class DataParallelComponent(Component):
             self.periodic_sync = PeriodicSync(self.sync, list(engine.lightning_module.parameters()), engine.data_parallel_group)
             return
         device_ids = None if engine.root_device.type == "cpu" else [engine.root_device.index]
-        engine.model = apply_ddp(engine.model, engine.data_parallel_group, self.config, device_ids, engine.comm_stats)
+        engine.model = apply_ddp(engine.model, engine.replica_group, self.config, device_ids, engine.comm_stats)
 
     def _reduce_metrics_over_data_parallel(self) -> None:
         # torchmetrics sync over the whole world by default; TP/PP peers hold the same samples, so

@@ -1,0 +1,316 @@
+"""Context parallelism: each sequence split across ranks, attention as a ring, outputs whole again.
+
+At the model call (the outermost call of the LightningModule or of one of its children), every tensor
+argument with the sequence dimension (dim 1 of ``[batch, sequence, ...]``: tokens, labels, position ids,
+masks) is cut head-tail — rank ``r`` of ``cp`` keeps chunks ``r`` and ``2·cp−1−r`` of ``2·cp``, so that under
+a causal mask every rank does the same work. Inside the call a torch function mode
+(:class:`ContextParallelMode`) makes the module see the whole sequence where it would otherwise see its part:
+
+* ``F.scaled_dot_product_attention`` runs as ring attention over the cp group (causal or not, GQA);
+* positions built from the local length — ``torch.arange(L_local)`` (the recipe GPT, Hugging Face's
+  ``cache_position``) and tables sliced ``table[:L_local]`` (rotary ``cos``/``sin`` buffers, position
+  embedding weights) — become this rank's global positions.
+
+The call's sequence-shaped outputs are gathered whole on every cp rank (differentiably), so the step's loss,
+``self.log`` values and metrics are those of the whole sequence, whatever the loss does (ignored tokens,
+weighting). The gather's backward hands each rank its slice of the (identical) output gradient, scaled by
+``cp``: data parallelism then averages gradients over ``dp × cp`` ranks, which sums the cp ranks' partial
+gradients and averages the data-parallel replicas. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_parallel.parallelize.ring_attention import ring_attention
+
+#: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
+SEQUENCE_DIM = 1
+
+
+def check_sequence_length(length: int, size: int) -> None:
+    """Refuse a sequence that does not split into ``2 × size`` equal chunks (``ValueError`` with the fix)."""
+    if length % (2 * size) != 0:
+        raise ValueError(
+            f"The sequence length {length} is not divisible by 2 × context_parallel_size = {2 * size}: each of the "
+            f"{size} context-parallel ranks takes two equal chunks (head and tail, for causal load balance). Use "
+            f"sequences whose length is a multiple of {2 * size} (pad them, or change the block size), or a "
+            f"context_parallel_size that divides {length // 2 if length % 2 == 0 else length}/2."
+        )
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which positions of a sequence of ``length`` each of ``size`` ranks holds (head-tail: chunks r, 2·size−1−r)."""
+
+    length: int
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_sequence_length(self.length, self.size)
+
+    @property
+    def local_length(self) -> int:
+        return self.length // self.size
+
+    def positions_of(self, rank: int, device: torch.device | str | None = None) -> Tensor:
+        """Global positions of ``rank``'s tokens, in its local order."""
+        chunk = self.length // (2 * self.size)
+        head, tail = rank * chunk, (2 * self.size - 1 - rank) * chunk
+        return torch.cat([torch.arange(head, head + chunk, device=device), torch.arange(tail, tail + chunk, device=device)])
+
+    def positions(self, device: torch.device | str | None = None) -> Tensor:
+        """Global positions of this rank's tokens, in local order."""
+        return self.positions_of(self.rank, device)
+
+    def global_order(self, device: torch.device | str | None = None) -> Tensor:
+        """For each global position, where it sits in the ranks' local slices concatenated in rank order."""
+        concatenated = torch.cat([self.positions_of(rank, device) for rank in range(self.size)])
+        return torch.argsort(concatenated)
+
+
+def split_sequence(tensor: Tensor, layout: SequenceLayout, dim: int = SEQUENCE_DIM) -> Tensor:
+    """This rank's head and tail chunks of ``tensor`` along ``dim`` (differentiable)."""
+    return tensor.index_select(dim, layout.positions(tensor.device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int) -> Tensor:
+        pieces = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(layout.size)]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        ctx.layout, ctx.dim = layout, dim
+        return torch.cat(pieces, dim).index_select(dim, layout.global_order(local.device))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        # Every cp rank computed the same loss from the same whole outputs, so the gradients are identical:
+        # no communication, this rank's slice, ×cp so that averaging over dp × cp sums the cp ranks' parts.
+        layout: SequenceLayout = ctx.layout
+        return split_sequence(grad, layout, ctx.dim) * layout.size, None, None, None
+
+
+def gather_sequence(tensor: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
+    """The whole sequence from every rank's slice of it, in global order (see the module docstring for the gradient)."""
+    return _GatherSequence.apply(tensor, layout, group, dim)
+
+
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+
+
+class ContextParallelMode(TorchFunctionMode):
+    """Inside the model call: attention as a ring over ``group``, and local positions made global.
+
+    Args:
+        layout: The sequence being processed and this rank's part of it.
+        group: The context-parallel ranks.
+        module_tensors: ``id()`` of the module's parameters and buffers: slicing one of them by the local
+            length (``cos[:L]``, ``pos_emb.weight[:L]``) reads this rank's global positions instead.
+    """
+
+    def __init__(self, layout: SequenceLayout, group: dist.ProcessGroup, module_tensors: set[int]) -> None:
+        super().__init__()
+        self.layout, self.group, self.module_tensors = layout, group, module_tensors
+        self.attention_calls = 0
+        self._positions: dict[torch.device, Tensor] = {}
+
+    def positions(self, device: torch.device) -> Tensor:
+        if device not in self._positions:
+            self._positions[device] = self.layout.positions(device)
+        return self._positions[device]
+
+    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        if func is torch.arange:
+            positions = self._global_arange(args, kwargs)
+            if positions is not None:
+                return positions
+        elif func is Tensor.__getitem__ and len(args) == 2 and id(args[0]) in self.module_tensors:
+            sliced = self._global_rows(args[0], args[1])
+            if sliced is not None:
+                return sliced
+        return func(*args, **kwargs)
+
+    def _attention(self, *args: Any, **kwargs: Any) -> Tensor:
+        call = {**_SDPA_DEFAULTS, **dict(zip(_SDPA_PARAMETERS, args)), **kwargs}
+        query, key, value = call["query"], call["key"], call["value"]
+        if call["attn_mask"] is not None:
+            raise TypeError(
+                f"scaled_dot_product_attention got an attn_mask (shape {tuple(call['attn_mask'].shape)}) under context "
+                "parallelism: ring attention supports is_causal=True or no mask. Drop the mask (Hugging Face models: "
+                "no padding in attention_mask, attn_implementation='sdpa') or set context_parallel_size=1."
+            )
+        if call["dropout_p"]:
+            raise ValueError(
+                f"scaled_dot_product_attention got dropout_p={call['dropout_p']} under context parallelism, which "
+                "has no attention dropout yet; set the model's attention dropout to 0."
+            )
+        local = self.layout.local_length
+        if query.size(-2) != local or key.size(-2) != local:
+            raise TypeError(
+                f"scaled_dot_product_attention got query length {query.size(-2)} and key length {key.size(-2)} under "
+                f"context parallelism, where this rank holds {local} positions of each sequence of {self.layout.length}: "
+                "ring attention needs self-attention over the split sequence (no cross-attention, no KV cache)."
+            )
+        self.attention_calls += 1
+        return ring_attention(query, key, value, self.group, is_causal=bool(call["is_causal"]), scale=call["scale"],
+                              enable_gqa=bool(call["enable_gqa"]))
+
+    def _global_arange(self, args: tuple, kwargs: dict) -> Tensor | None:
+        # torch.arange(end) or torch.arange(start, end[, step]), positionally or by keyword.
+        bounds = {name: kwargs[name] for name in ("start", "end", "step") if name in kwargs}
+        bounds.update({"end": args[0]} if len(args) == 1 else dict(zip(("start", "end", "step"), args)))
+        start, end, step = bounds.get("start", 0), bounds.get("end"), bounds.get("step", 1)
+        if "out" in kwargs or not all(isinstance(b, int) and not isinstance(b, bool) for b in (start, end, step)):
+            return None
+        if step != 1 or end - start != self.layout.local_length:
+            return None
+        device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else torch.get_default_device()
+        positions = self.positions(device) + start
+        dtype = kwargs.get("dtype")
+        return positions.to(dtype) if dtype is not None else positions
+
+    def _global_rows(self, table: Tensor, index: Any) -> Tensor | None:
+        parts = index if isinstance(index, tuple) else (index,)
+        position_dims = [d for d, part in enumerate(parts) if self._is_local_prefix(part)]
+        others_whole = all(part == slice(None) for d, part in enumerate(parts) if d not in position_dims)
+        if len(position_dims) != 1 or not others_whole or Ellipsis in parts:
+            return None
+        (dim,) = position_dims
+        if table.size(dim) < self.layout.length:
+            raise IndexError(
+                f"A table of {table.size(dim)} rows along dim {dim} is read at positions up to {self.layout.length - 1} "
+                "(the whole sequence, split by context parallelism); it is shorter than the sequence."
+            )
+        return table.index_select(dim, self.positions(table.device))
+
+    def _is_local_prefix(self, part: Any) -> bool:
+        return (
+            isinstance(part, slice) and part.start in (None, 0) and part.step in (None, 1)
+            and part.stop == self.layout.local_length
+        )
+
+
+class SequenceSplitter:
+    """Splits the model call's sequence inputs, runs it in :class:`ContextParallelMode`, gathers its outputs.
+
+    Hooks the ``root`` module and its children that hold parameters; only the outermost call a step makes
+    is split (a LightningModule's ``forward`` calling ``self.model`` is one call).
+
+    Args:
+        root: The module whose calls are model calls (the LightningModule).
+        group: The context-parallel ranks.
+        rank: This rank's index in ``group``.
+        size: Ranks in ``group``.
+    """
+
+    def __init__(self, root: nn.Module, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        self.root, self.group, self.rank, self.size = root, group, rank, size
+        self.mode: ContextParallelMode | None = None  # of the latest call (kept for its backward)
+        self.skip_root_calls = 0  # calls of the root that are not model calls (Lightning's DDP redirect)
+        self._depth = 0
+        self._handles: list[Any] = []
+        modules = [root] + [child for child in root.children() if any(True for _ in child.parameters())]
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(self._before_call, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._after_call, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if module is self.root and self.skip_root_calls:
+            self.skip_root_calls -= 1
+            return None
+        self._depth += 1
+        if self._depth > 1:
+            return None
+        layout = self._layout_of(module, args, kwargs)
+        batch = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim() >= 2).size(0)
+
+        def split(value: Any) -> Any:
+            if isinstance(value, Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.length \
+                    and value.size(0) in (batch, 1):
+                return split_sequence(value, layout)
+            return value
+
+        args, kwargs = tree_map(split, (args, kwargs))
+        # Looked up at each call: placement and sharding replace parameters and buffers after the hooks exist.
+        module_tensors = {id(t) for t in (*self.root.parameters(), *self.root.buffers())}
+        self.mode = ContextParallelMode(layout, self.group, module_tensors)
+        self.mode.__enter__()
+        return args, kwargs
+
+    def _after_call(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self._depth == 0:  # the skipped redirect call
+            return None
+        self._depth -= 1
+        if self._depth > 0:
+            return None
+        mode = self.mode
+        mode.__exit__(None, None, None)
+        if mode.attention_calls == 0:
+            raise RuntimeError(
+                f"{type(module).__name__} made no F.scaled_dot_product_attention call under context parallelism: "
+                "attention written by hand (or Hugging Face's attn_implementation='eager') would attend only within "
+                "this rank's part of the sequence. Use F.scaled_dot_product_attention (attn_implementation='sdpa'), "
+                "or set context_parallel_size=1."
+            )
+        return self._gather_outputs(module, output, mode.layout)
+
+    def _layout_of(self, module: nn.Module, args: tuple, kwargs: dict) -> SequenceLayout:
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        sequences = [t for t in tensors if t.dim() >= 2]
+        if not sequences:
+            shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or "no tensors"
+            raise TypeError(
+                f"Context parallelism splits the model call's [batch, sequence, ...] inputs along dim 1, but "
+                f"{type(module).__name__} was called with {shapes}."
+            )
+        return SequenceLayout(sequences[0].size(SEQUENCE_DIM), self.size, self.rank)
+
+    def _gather_outputs(self, module: nn.Module, output: Any, layout: SequenceLayout) -> Any:
+        def gather(value: Any) -> Any:
+            if not isinstance(value, Tensor):
+                return value
+            if value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.local_length:
+                return gather_sequence(value, layout, self.group)
+            if value.is_floating_point():
+                raise TypeError(
+                    f"{type(module).__name__} returned a tensor of shape {tuple(value.shape)} under context "
+                    f"parallelism, without the sequence dimension (dim 1 of length {layout.local_length} here): it was "
+                    "computed from this rank's part of the sequence only (a loss from labels passed to the model?). "
+                    "Return per-token outputs (logits) and compute the loss in the step, or set context_parallel_size=1."
+                )
+            return value
+
+        if isinstance(output, dict):  # Hugging Face ModelOutput too: replace its entries in place
+            for key in list(output.keys()):
+                output[key] = gather(output[key])
+            return output
+        return tree_map(gather, output)
+
+
+__all__ = [
+    "ContextParallelMode",
+    "SequenceLayout",
+    "SequenceSplitter",
+    "check_sequence_length",
+    "gather_sequence",
+    "split_sequence",
+]

@@ -1,0 +1,86 @@
+"""Context parallelism in the engine: each sequence split over the ``cp`` axis, attention as a ring.
+
+The transform is :mod:`lightning_parallel.parallelize.context`; this component decides when it applies
+(``context_parallel_size > 1``), refuses what it cannot combine with, and keeps its torch function mode
+active through backward, where activation checkpointing recomputes blocks (and their attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.context import SequenceSplitter
+from lightning_parallel.strategies.components.base import Component
+
+if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
+
+class ContextParallelComponent(Component):
+    """Splits the sequence of every model call over the ``cp`` ranks (see :mod:`~lightning_parallel.parallelize.context`)."""
+
+    splitter: SequenceSplitter | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.engine.layout.context_parallel_size > 1
+
+    def validate(self, layout: ParallelLayout) -> None:
+        cp = layout.context_parallel_size
+        if cp == 1:
+            return
+        engine = self.engine
+        refused = []
+        if layout.pipeline_parallel_size > 1:
+            refused.append((f"pipeline_parallel_size={layout.pipeline_parallel_size}", "pipeline_parallel_size=1"))
+        if engine.tensor_parallel_config.sequence_parallel:
+            refused.append(("sequence_parallel=True", "sequence_parallel=False"))
+        if engine.compile.config.enabled:
+            refused.append(("compile=True", "compile=False"))
+        if engine.data_parallel.sync.is_periodic:
+            refused.append((f"sync={engine.data_parallel.sync.method!r}", "sync='every_step'"))
+        if refused:
+            found = ", ".join(name for name, _ in refused)
+            fixes = ", ".join(fix for _, fix in refused)
+            raise ValueError(
+                f"context_parallel_size={cp} does not combine with {found} yet. Set {fixes}, or context_parallel_size=1."
+            )
+
+    def apply(self, trainer: Trainer, fitting: bool) -> None:
+        if not self.enabled or self.splitter is not None:
+            return
+        engine = self.engine
+        if engine.tensor_parallel.loss_parallel:
+            raise ValueError(
+                "context parallelism gathers the model's outputs over the sequence and does not combine with a "
+                "loss_parallel head (vocabulary-sharded logits) yet; use a plan without 'loss_parallel'."
+            )
+        cp_mesh = engine.device_mesh["cp"]
+        self.splitter = SequenceSplitter(
+            engine.lightning_module, cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
+        )
+
+    def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.splitter is not None:
+            engine = self.engine
+            # Lightning calls a wrapped model (DDP) with the step's batch, and the wrapper calls the
+            # LightningModule once before the step runs: that call is not the model call.
+            self.splitter.skip_root_calls = int(engine.model is not engine.lightning_module)
+        return run()
+
+    def around_backward(self, run: Callable[[], Tensor], loss: Tensor) -> Tensor:
+        mode = self.splitter.mode if self.splitter is not None else None
+        if mode is None:
+            return run()
+        # Activation checkpointing recomputes blocks during backward: their attention and positions again.
+        with mode:
+            return run()
+
+    def teardown(self) -> None:
+        if self.splitter is not None:
+            self.splitter.remove()
+            self.splitter = None
