@@ -44,8 +44,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @dataclass
 class JobSpec:
     # gpt | convnet | regressor (untraceable nn.Sequential) | regressor_loop (untraceable, no Sequential)
-    # | hf_<family> (a transformers causal LM from a tiny config, see tests/hf_models.py)
+    # | hf_<family> (a transformers causal LM from a tiny config, see tests/hf_models.py; hf_<family>:sdpa with
+    # attn_implementation="sdpa" instead of eager)
     # | demo_transformer (Lightning's demo nn.Transformer) | view_attention (hand-written Llama-style LM)
+    # | rotary_attention (view_attention with rotary tables sliced by length and enable_gqa attention)
     model: str = "gpt"
     strategy: str = "single"  # single | data | tensor | pipeline | hybrid
     devices: int = 1
@@ -265,7 +267,7 @@ def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> 
 
 def make_data(spec: JobSpec) -> L.LightningDataModule:
     """The job's data module (no shuffling)."""
-    if spec.model in ("gpt", "demo_transformer", "view_attention") or spec.model.startswith("hf_"):
+    if spec.model in ("gpt", "demo_transformer", "view_attention", "rotary_attention") or spec.model.startswith("hf_"):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -296,10 +298,15 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         from tests.hf_models import ViewAttentionLM
 
         return ViewAttentionLM()
+    if spec.model == "rotary_attention":
+        from tests.hf_models import RotaryLM
+
+        return RotaryLM()
     if spec.model.startswith("hf_"):
         from tests.hf_models import HFCausalLM
 
-        return HFCausalLM(spec.model.removeprefix("hf_"))
+        family, _, attention = spec.model.removeprefix("hf_").partition(":")
+        return HFCausalLM(family, attention=attention or "eager")
     raise ValueError(f"unknown model {spec.model!r}")
 
 

@@ -37,14 +37,14 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 16) -> Any:
+def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 16, attention: str = "eager") -> Any:
     import transformers
 
     class_name, fields = FAMILIES[family]
     config_class = getattr(transformers, class_name)
     positions = "n_positions" if family == "gpt2" else "max_position_embeddings"
     config = config_class(vocab_size=vocab_size, **{positions: max_positions}, **fields)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     for name in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "embd_pdrop"):
         if hasattr(config, name):
             setattr(config, name, 0.0)
@@ -54,12 +54,12 @@ def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 16) 
 class HFCausalLM(L.LightningModule):
     """A transformers causal LM trained on (input, target) token blocks, as a user would wrap one."""
 
-    def __init__(self, family: str = "llama", lr: float = 0.1) -> None:
+    def __init__(self, family: str = "llama", lr: float = 0.1, attention: str = "eager") -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
         self.save_hyperparameters()
-        self.net = AutoModelForCausalLM.from_config(build_config(family))
+        self.net = AutoModelForCausalLM.from_config(build_config(family, attention=attention))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(input_ids=x).logits
@@ -166,3 +166,48 @@ class ViewAttentionLM(L.LightningModule):
     validation_step = HFCausalLM.validation_step
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class RotaryAttention(torch.nn.Module):
+    """Llama-style attention with rotary embeddings read from tables sliced by the length (``cos[:L]``, as
+    torchtitan's and many hand-written models do) and grouped-query attention through ``enable_gqa``."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2, max_positions: int = 16) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = torch.nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = torch.nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)
+        self.register_buffer("sin", angles.sin().repeat(1, 2), persistent=False)
+
+    def rotate(self, x: torch.Tensor, length: int) -> torch.Tensor:
+        cos, sin = self.cos[:length].to(x.dtype), self.sin[:length].to(x.dtype)
+        half = x.size(-1) // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.rotate(self.wq(x).view(B, L, self.n_heads, -1).transpose(1, 2), L)
+        k = self.rotate(self.wk(x).view(B, L, self.n_kv_heads, -1).transpose(1, 2), L)
+        v = self.wv(x).view(B, L, self.n_kv_heads, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(o.transpose(1, 2).reshape(B, L, -1))
+
+
+class RotaryBlock(ViewBlock):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__(dim)
+        self.attention = RotaryAttention(dim)
+
+
+class RotaryLM(ViewAttentionLM):
+    """:class:`ViewAttentionLM` with rotary positions and ``enable_gqa`` attention."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__(lr)
+        self.layers = torch.nn.ModuleList(RotaryBlock() for _ in range(2))

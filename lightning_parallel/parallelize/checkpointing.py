@@ -11,7 +11,8 @@ traded for one more forward of it in backward. No Lightning here.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any
@@ -87,6 +88,42 @@ def apply_activation_checkpointing(module: nn.Module, names: Sequence[str]) -> l
     return done
 
 
+#: How many of this module's checkpointed forwards (or their recomputations) are running.
+_running = [0]
+
+
+def inside_mode_carrying_checkpoint() -> bool:
+    """Whether a block checkpointed here is running (its recomputation re-enters the forward's function modes)."""
+    return _running[0] > 0
+
+
+def _counted(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    _running[0] += 1
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        _running[0] -= 1
+
+
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
     # Non-reentrant: works with inputs that need no grad, keyword arguments, DDP and FSDP2.
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(partial(_counted, forward), *args, use_reentrant=False, context_fn=_same_function_modes, **kwargs)
+
+
+def _same_function_modes() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+    """Checkpoint contexts: the recomputation in backward runs under the torch function modes the forward ran
+    under (the autograd engine does not carry them into backward). Context parallelism's mode is one: without
+    it a recomputed block would attend only within this rank's part of the sequence."""
+    # Private torch API (checked against torch 2.13): the active modes, innermost last.
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = list(_get_current_function_mode_stack())
+    return nullcontext(), _entered(modes)
+
+
+@contextmanager
+def _entered(modes: list[Any]) -> Generator[None, None, None]:
+    with ExitStack() as stack:
+        for mode in modes:
+            stack.enter_context(mode)
+        yield

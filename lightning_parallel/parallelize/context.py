@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_parallel.parallelize.checkpointing import inside_mode_carrying_checkpoint
 from lightning_parallel.parallelize.ring_attention import ring_attention
 
 #: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
@@ -123,6 +124,7 @@ class ContextParallelMode(TorchFunctionMode):
         super().__init__()
         self.layout, self.group, self.module_tensors = layout, group, module_tensors
         self.attention_calls = 0
+        self.grad_enabled = torch.is_grad_enabled()  # at the model call
         self._positions: dict[torch.device, Tensor] = {}
 
     def positions(self, device: torch.device) -> Tensor:
@@ -165,9 +167,26 @@ class ContextParallelMode(TorchFunctionMode):
                 f"context parallelism, where this rank holds {local} positions of each sequence of {self.layout.length}: "
                 "ring attention needs self-attention over the split sequence (no cross-attention, no KV cache)."
             )
+        self._check_not_recomputed_elsewhere()
         self.attention_calls += 1
         return ring_attention(query, key, value, self.group, is_causal=bool(call["is_causal"]), scale=call["scale"],
                               enable_gqa=bool(call["enable_gqa"]))
+
+    def _check_not_recomputed_elsewhere(self) -> None:
+        # A block checkpointed inside the model (Hugging Face's gradient_checkpointing_enable(), a user's own
+        # torch.utils.checkpoint) is recomputed in backward without this mode: its attention would then see this
+        # rank's part only. Reentrant checkpointing runs the forward without gradients; non-reentrant checkpointing
+        # packs saved tensors through its hooks. The strategy's own activation checkpointing carries the mode.
+        reentrant = self.grad_enabled and not torch.is_grad_enabled()
+        # Private torch API (checked against torch 2.13): the innermost saved-tensor hooks, if any.
+        hooked = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        if reentrant or (hooked and not inside_mode_carrying_checkpoint()):
+            raise RuntimeError(
+                "Attention runs inside activation checkpointing that the model applies itself (Hugging Face "
+                "gradient_checkpointing_enable(), or torch.utils.checkpoint in its forward): the recomputation in "
+                "backward would not see the rest of the sequence under context parallelism. Switch the model's "
+                "checkpointing off and use the strategy's activation_checkpointing='auto' instead."
+            )
 
     def _global_arange(self, args: tuple, kwargs: dict) -> Tensor | None:
         # torch.arange(end) or torch.arange(start, end[, step]), positionally or by keyword.
@@ -285,19 +304,22 @@ class SequenceSplitter:
         return SequenceLayout(sequences[0].size(SEQUENCE_DIM), self.size, self.rank)
 
     def _gather_outputs(self, module: nn.Module, output: Any, layout: SequenceLayout) -> Any:
+        def per_token(value: Any) -> bool:
+            return isinstance(value, Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.local_length
+
+        # Checked before any gather, so that every rank refuses before a collective.
+        partial = [v for v in tree_flatten(dict(output) if isinstance(output, dict) else output)[0]
+                   if isinstance(v, Tensor) and v.is_floating_point() and not per_token(v)]
+        if partial:
+            raise TypeError(
+                f"{type(module).__name__} returned a tensor of shape {tuple(partial[0].shape)} under context "
+                f"parallelism, without the sequence dimension (dim 1, of length {layout.local_length} on this rank): it "
+                "was computed from this rank's part of the sequence only (a loss from labels passed to the model?). "
+                "Return per-token outputs (logits) and compute the loss in the step, or set context_parallel_size=1."
+            )
+
         def gather(value: Any) -> Any:
-            if not isinstance(value, Tensor):
-                return value
-            if value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.local_length:
-                return gather_sequence(value, layout, self.group)
-            if value.is_floating_point():
-                raise TypeError(
-                    f"{type(module).__name__} returned a tensor of shape {tuple(value.shape)} under context "
-                    f"parallelism, without the sequence dimension (dim 1 of length {layout.local_length} here): it was "
-                    "computed from this rank's part of the sequence only (a loss from labels passed to the model?). "
-                    "Return per-token outputs (logits) and compute the loss in the step, or set context_parallel_size=1."
-                )
-            return value
+            return gather_sequence(value, layout, self.group) if per_token(value) else value
 
         if isinstance(output, dict):  # Hugging Face ModelOutput too: replace its entries in place
             for key in list(output.keys()):

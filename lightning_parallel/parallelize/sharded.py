@@ -49,6 +49,8 @@ def shard_over_data_parallel(
                 if any(True for _ in block.parameters()):
                     fully_shard(block, **options)
                     units.append(block)
+        if isinstance(child, nn.ModuleList):
+            continue  # a LightningModule's own list of blocks: no forward of its own, each block is a unit already
         fully_shard(child, **options)
         units.append(child)
     return units

@@ -1,16 +1,15 @@
 """Context parallelism in the engine: each sequence split over the ``cp`` axis, attention as a ring.
 
 The transform is :mod:`lightning_parallel.parallelize.context`; this component decides when it applies
-(``context_parallel_size > 1``), refuses what it cannot combine with, and keeps its torch function mode
-active through backward, where activation checkpointing recomputes blocks (and their attention).
+(``context_parallel_size > 1``) and refuses what it cannot combine with. Blocks that activation
+checkpointing recomputes in backward run under the same torch function mode again (see
+:mod:`lightning_parallel.parallelize.checkpointing`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-from torch import Tensor
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.context import SequenceSplitter
@@ -71,14 +70,6 @@ class ContextParallelComponent(Component):
             # LightningModule once before the step runs: that call is not the model call.
             self.splitter.skip_root_calls = int(engine.model is not engine.lightning_module)
         return run()
-
-    def around_backward(self, run: Callable[[], Tensor], loss: Tensor) -> Tensor:
-        mode = self.splitter.mode if self.splitter is not None else None
-        if mode is None:
-            return run()
-        # Activation checkpointing recomputes blocks during backward: their attention and positions again.
-        with mode:
-            return run()
 
     def teardown(self) -> None:
         if self.splitter is not None:

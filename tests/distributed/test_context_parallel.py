@@ -1,0 +1,78 @@
+"""Context parallelism reproduces single-device training (float64): sequences split head-tail, ring attention.
+
+Every job trains on the char corpus' 8-token blocks (cp2: four chunks of 2, cp4: eight chunks of 1), validates
+with batches of another size, and compares losses, gradients and parameters after every optimizer step with
+single-device training of the same global batch. The models cover the ways positions are built: the recipe
+GPT (``pos_emb(torch.arange(L))``), a Llama-style module with rotary tables sliced ``cos[:L]`` and
+``enable_gqa`` attention, Hugging Face Llama (``cache_position`` → ``position_ids`` → rotary, SDPA with GQA),
+and a hand-written GQA module that repeats its key/value heads.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from tests.distributed.test_data_parallel import assert_same_training
+from tests.harness import JobSpec, run_distributed_jobs, run_job
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+BATCH = 4  # per data-parallel replica
+VAL_BATCH = 8
+
+#: name -> (ranks, model, data-parallel size, accumulation, strategy options)
+JOBS: dict[str, tuple[int, str, int, int, dict]] = {
+    "gpt-cp2-accumulate2": (2, "gpt", 1, 2, {"context_parallel_size": 2}),
+    "rotary-cp2": (2, "rotary_attention", 1, 1, {"context_parallel_size": 2}),
+    "hf_llama-cp2": (2, "hf_llama:sdpa", 1, 1, {"context_parallel_size": 2}),
+    "gpt-cp4": (4, "gpt", 1, 1, {"context_parallel_size": 4}),
+    "rotary-cp4-checkpointing": (4, "rotary_attention", 1, 1, {"context_parallel_size": 4, "activation_checkpointing": "auto"}),
+    "gpt-dp2×cp2-accumulate2": (4, "gpt", 2, 2, {"context_parallel_size": 2, "data_parallel_size": 2}),
+    "view-dp2×cp2-shard": (4, "view_attention", 2, 1, {"context_parallel_size": 2, "data_parallel_size": 2, "data_parallel_mode": "shard"}),
+    "rotary-tp2×cp2": (4, "rotary_attention", 1, 1, {"context_parallel_size": 2, "tensor_parallel_size": 2}),
+}
+
+
+def job(name: str) -> JobSpec:
+    devices, model, dp, accumulate, options = JOBS[name]
+    if "data_parallel_size" not in options:
+        options = {**options, "data_parallel_size": dp}
+    return JobSpec(
+        model=model, strategy="hybrid", devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH, accumulate=accumulate,
+        steps=STEPS, validate=True, strategy_kwargs={"timeout": 120, **options},
+    )
+
+
+@cache
+def reference(model: str, dp: int, accumulate: int) -> dict:
+    return run_job(JobSpec(model=model, batch_size=BATCH * dp * accumulate, val_batch_size=VAL_BATCH * dp, steps=STEPS, validate=True))
+
+
+@cache
+def launched(devices: int, tmp_root: str) -> dict[str, dict]:
+    from pathlib import Path
+
+    names = [name for name, (ranks, *_) in JOBS.items() if ranks == devices]
+    return run_distributed_jobs({name: job(name) for name in names}, Path(tmp_root) / f"cp-{devices}", timeout=900)
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("context-parallel"))
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_context_parallel_matches_single_device(name: str, tmp_root: str) -> None:
+    devices, model, dp, accumulate, _ = JOBS[name]
+    result = launched(devices, tmp_root)[name]
+    expected = reference(model, dp, accumulate)
+    assert_same_training(expected, result, steps=STEPS)
+    # Validation (batches of 8, not 4): the whole-sequence loss and accuracy, as on one device.
+    for key, value in expected["validation"].items():
+        assert result["validation"][key] == pytest.approx(value, abs=1e-6), key
+    # The step's logged loss is the whole sequence's (synced over dp only: cp peers hold the same value).
+    if accumulate == 1 and expected["synced_logs"]:
+        assert result["synced_logs"] == pytest.approx(expected["synced_logs"], abs=1e-6)
