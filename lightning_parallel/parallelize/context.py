@@ -20,6 +20,7 @@ gradients and averages the data-parallel replicas. No Lightning here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -238,7 +239,7 @@ class SequenceSplitter:
 
     def __init__(self, root: nn.Module, group: dist.ProcessGroup, rank: int, size: int) -> None:
         self.root, self.group, self.rank, self.size = root, group, rank, size
-        self.mode: ContextParallelMode | None = None  # of the latest call (kept for its backward)
+        self.mode: ContextParallelMode | None = None  # active during a model call
         self.skip_root_calls = 0  # calls of the root that are not model calls (Lightning's DDP redirect)
         self._depth = 0
         self._handles: list[Any] = []
@@ -256,8 +257,8 @@ class SequenceSplitter:
         if module is self.root and self.skip_root_calls:
             self.skip_root_calls -= 1
             return None
-        self._depth += 1
-        if self._depth > 1:
+        if self._depth > 0:
+            self._depth += 1
             return None
         layout = self._layout_of(module, args, kwargs)
         batch = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim() >= 2).size(0)
@@ -273,16 +274,20 @@ class SequenceSplitter:
         module_tensors = {id(t) for t in (*self.root.parameters(), *self.root.buffers())}
         self.mode = ContextParallelMode(layout, self.group, module_tensors)
         self.mode.__enter__()
+        self._depth = 1
         return args, kwargs
 
     def _after_call(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self._depth == 0:  # the skipped redirect call
+        if self._depth == 0:  # the skipped redirect call, or a call whose pre-hook refused it
+            return None
+        if sys.exc_info()[0] is not None:  # the call failed: leave the mode, let its error surface
+            self._depth = 0
+            self._leave()
             return None
         self._depth -= 1
         if self._depth > 0:
             return None
-        mode = self.mode
-        mode.__exit__(None, None, None)
+        mode = self._leave()
         if mode.attention_calls == 0:
             raise RuntimeError(
                 f"{type(module).__name__} made no F.scaled_dot_product_attention call under context parallelism: "
@@ -291,6 +296,12 @@ class SequenceSplitter:
                 "or set context_parallel_size=1."
             )
         return self._gather_outputs(module, output, mode.layout)
+
+    def _leave(self) -> ContextParallelMode:
+        mode, self.mode = self.mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        return mode
 
     def _layout_of(self, module: nn.Module, args: tuple, kwargs: dict) -> SequenceLayout:
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
