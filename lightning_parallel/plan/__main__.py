@@ -41,8 +41,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--top", type=int, default=10, help="layouts shown in the table (default: 10)")
     parser.add_argument("--json", metavar="PATH", help="also write the whole plan as JSON ('-': print JSON only)")
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step (default: what the configured layout trains)")
-    for dim in ("dp", "tp", "pp"):
-        parser.add_argument(f"--{dim}", type=int, help=f"pin the {dim} size")
+    for dim in ("dp", "cp", "tp", "pp"):
+        parser.add_argument(f"--{dim}", type=int, help=f"pin the {dim} size" + (" (context parallelism: compared only when pinned)" if dim == "cp" else ""))
     parser.add_argument("--measure", action="store_true", help="run a few steps of the best layouts here and compare")
     parser.add_argument("--measure-top", type=int, default=3, help="layouts to measure (default: 3)")
     parser.add_argument("--measure-steps", type=int, default=6, help="optimizer steps per measured run (default: 6)")
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose(config_name=args.config_name, overrides=args.overrides)
-    fixed = {dim: getattr(args, dim) for dim in ("dp", "tp", "pp") if getattr(args, dim) is not None}
+    fixed = {dim: getattr(args, dim) for dim in ("dp", "cp", "tp", "pp") if getattr(args, dim) is not None}
     try:
         hardware = hardware_from_config(cfg)
         workload = workload_from_config(cfg, args.global_batch)

@@ -87,6 +87,7 @@ class Prediction:
     world_size: int
     accumulate: int
     notes: list[str] = field(default_factory=list)
+    cp_s: float = 0.0  # ring attention's key/value traffic (none of it counted as overlapped)
 
     @property
     def peak_memory(self) -> float:
@@ -98,7 +99,7 @@ class Prediction:
 
     @property
     def comm_s(self) -> float:
-        return self.tp_s + self.p2p_s + self.dp_s
+        return self.tp_s + self.cp_s + self.p2p_s + self.dp_s
 
     @property
     def bubble_s(self) -> float:
@@ -132,7 +133,7 @@ class Prediction:
             "memory_by_pipeline_rank": [m.as_dict() for m in self.memory],
             "comm_bytes": self.comm_bytes,
             "wire_bytes": self.wire_bytes,
-            "seconds": {"compute": self.compute_s, "tp": self.tp_s, "p2p": self.p2p_s, "dp": self.dp_s,
+            "seconds": {"compute": self.compute_s, "tp": self.tp_s, "cp": self.cp_s, "p2p": self.p2p_s, "dp": self.dp_s,
                         "bubble": self.bubble_s, "step": self.step_s, "single_device": self.single_device_step_s},
             "bubble_fraction": self.bubble_fraction,
             "speedup": self.speedup,
@@ -172,7 +173,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     Raises:
         ValueError: The layout does not fit the workload (batch, ranks) or the model.
     """
-    world = layout.dp * layout.tp * layout.pp
+    world = layout.world_size
     if world != workload.world_size:
         raise ValueError(f"{layout.describe()} uses {world} ranks but the job has {workload.world_size}.")
     batch = batch_per_forward(layout, workload)
@@ -185,7 +186,9 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     micro = batch / layout.microbatches
     rank_stages = _stages_by_pipeline_rank(profile, layout)
     flops_per_s = hardware.flops_per_device(min(workload.devices_per_node, workload.world_size))
-    shards = layout.shard_size if layout.data_parallel_mode != "replicate" else 1
+    shards = _shard_ranks(layout)
+    # Context parallelism: each rank runs 1/cp of every sample's tokens (compute, activations, TP traffic).
+    tokens = 1.0 / layout.cp
 
     memory, micro_times, compute, tp_bytes, tp_seconds, p2p_bytes, p2p_seconds, grad_bytes = [], [], [], [], [], [], [], []
     for pp_rank, stages in enumerate(rank_stages):
@@ -197,9 +200,9 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         flops = sum(step.flops[s] for s in segments) + (
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
-        seconds = flops * micro / flops_per_s
+        seconds = flops * micro * tokens / flops_per_s
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
-        tp_b = step.tp_bytes * micro * share
+        tp_b = step.tp_bytes * micro * share * tokens
         tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce")
         p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
         p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
@@ -209,12 +212,12 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 parameters=params / shards,
                 gradients=gradients / shards,
                 optimizer=optimizer / shards,
-                activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight,
+                activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight * tokens,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
                 setup=_setup_bytes(step, params / shards, layout, workload),
             )
         )
-        micro_times.append(seconds + tp_t + p2p_t)
+        micro_times.append(seconds + tp_t + p2p_t + _ring_seconds(hardware, profile, layout, workload, micro))
         compute.append(seconds)
         tp_bytes.append(tp_b)
         tp_seconds.append(tp_t)
@@ -228,6 +231,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     batch_seconds = layout.microbatches * micro_times[slowest] / (1 - bubble)
     dp_seconds, _, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
     step_seconds = workload.accumulate * batch_seconds + dp_seconds
+    ring_bytes = _ring_bytes(profile, layout, micro) * batches
     single = workload.global_batch * sum(profile.step(1).flops.values()) / hardware.flops_per_device(1)
     notes = _notes(layout, workload, hardware)
     return Prediction(
@@ -235,12 +239,15 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         batch_size=batch,
         memory=memory,
         usable_memory=hardware.usable_memory_bytes,
-        comm_bytes={"dp": dp_payload_rank0(layout, grad_bytes[0], workload), "tp": tp_bytes[0] * batches, "pp": p2p_bytes[0] * batches},
-        wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches, "pp": p2p_bytes[0] * batches},
+        comm_bytes={"dp": dp_payload_rank0(layout, grad_bytes[0], workload), "tp": tp_bytes[0] * batches,
+                    "cp": ring_bytes, "pp": p2p_bytes[0] * batches},
+        wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches,
+                    "cp": _ring_factor(layout.cp, "all_gather") * ring_bytes, "pp": p2p_bytes[0] * batches},
         compute_s=batches * compute[slowest],
         tp_s=batches * tp_seconds[slowest],
         p2p_s=batches * p2p_seconds[slowest],
         dp_s=dp_seconds,
+        cp_s=batches * _ring_seconds(hardware, profile, layout, workload, micro),
         bubble_fraction=bubble,
         step_s=step_seconds,
         single_device_step_s=single,
@@ -252,9 +259,9 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
 
 def dp_payload_rank0(layout: Layout, gradient_bytes: float, workload: Workload) -> float:
     """Gradient bytes pipeline rank 0 hands to data-parallel collectives per optimizer step."""
-    if layout.dp == 1:
+    if layout.dp * layout.cp == 1:
         return 0.0
-    if layout.data_parallel_mode == "replicate":
+    if _shard_ranks(layout) == 1:
         return gradient_bytes
     # Sharded: every batch gathers the parameters (twice when resharded after forward), one reduce-scatter per step.
     return gradient_bytes * (2 * workload.accumulate + 1)
@@ -356,23 +363,53 @@ def _transfer_seconds(hardware: HardwareProfile, payload: float, crosses: bool) 
 
 
 def _data_parallel_seconds(hardware: HardwareProfile, layout: Layout, workload: Workload, gradient_bytes: float) -> tuple[float, float, float]:
-    """(seconds, payload, wire bytes) of one optimizer step's data-parallel communication on the busiest rank."""
-    if layout.dp == 1:
+    """(seconds, payload, wire bytes) of one optimizer step's data-parallel communication on the busiest rank.
+
+    Context-parallel peers average gradients with the data-parallel replicas (dp × cp ranks)."""
+    replicas_and_peers = layout.dp * layout.cp
+    if replicas_and_peers == 1:
         return 0.0, 0.0, 0.0
     crosses = _dp_crosses(layout, workload)
-    if layout.data_parallel_mode == "replicate":
+    shards = _shard_ranks(layout)
+    if shards == 1:
         buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
-        seconds = _collective_seconds(hardware, layout.dp, gradient_bytes, buckets, crosses, "all_reduce")
-        return seconds, gradient_bytes, _ring_factor(layout.dp, "all_reduce") * gradient_bytes
-    shards = layout.shard_size
+        seconds = _collective_seconds(hardware, replicas_and_peers, gradient_bytes, buckets, crosses, "all_reduce")
+        return seconds, gradient_bytes, _ring_factor(replicas_and_peers, "all_reduce") * gradient_bytes
     gathers = 2 * workload.accumulate  # forward, and again in backward after resharding
     shard_crosses = crosses if layout.data_parallel_mode == "shard" else False
     gather_s = gathers * _collective_seconds(hardware, shards, gradient_bytes, 1, shard_crosses, "all_gather")
     scatter_s = _collective_seconds(hardware, shards, gradient_bytes, 1, shard_crosses, "reduce_scatter")
-    replicas = layout.dp // shards
+    replicas = replicas_and_peers // shards
     replicate_s = _collective_seconds(hardware, replicas, gradient_bytes / shards, 1, crosses, "all_reduce")
     wire = (gathers + 1) * _ring_factor(shards, "all_gather") * gradient_bytes + _ring_factor(replicas, "all_reduce") * gradient_bytes / shards
     return gather_s + scatter_s + replicate_s, gradient_bytes * (gathers + 1), wire
+
+
+def _shard_ranks(layout: Layout) -> int:
+    """Ranks that shard one replica's state: the data-parallel shard group, times cp where FSDP2 runs (sharded
+    modes, or DTensor parameters under TP: the engine shards over ``dp_shard × cp``)."""
+    sharded = layout.data_parallel_mode != "replicate"
+    fsdp = sharded or (layout.tp > 1 and layout.dp * layout.cp > 1)
+    return (layout.shard_size if sharded else 1) * (layout.cp if fsdp else 1)
+
+
+def _ring_bytes(profile: ModelProfile, layout: Layout, micro: float) -> float:
+    """Key/value bytes ring attention hands to collectives per micro-batch on one rank: the whole sequence's keys
+    and values gathered in forward, again in backward, and their gradients passed round the ring (three times the
+    sequence's K and V per attention layer; once more when checkpointing recomputes the forward). Keys and values
+    are estimated as two layer inputs split over tp (multi-head attention; grouped-query attention sends less)."""
+    if layout.cp == 1:
+        return 0.0
+    passes = 4 if layout.activation_checkpointing else 3
+    kv = sum(2 * profile.layer_input_bytes[layer] for layer in profile.trunk_layers) / layout.tp
+    return passes * kv * micro
+
+
+def _ring_seconds(hardware: HardwareProfile, profile: ModelProfile, layout: Layout, workload: Workload, micro: float) -> float:
+    """One micro-batch's ring-attention communication on one rank (no overlap with compute counted)."""
+    calls = (4 if layout.activation_checkpointing else 3) * len(profile.trunk_layers)
+    crosses = layout.cp * layout.tp > workload.devices_per_node
+    return _collective_seconds(hardware, layout.cp, _ring_bytes(profile, layout, micro), calls, crosses, "all_gather")
 
 
 def _tp_crosses(layout: Layout, workload: Workload) -> bool:
@@ -380,11 +417,11 @@ def _tp_crosses(layout: Layout, workload: Workload) -> bool:
 
 
 def _dp_crosses(layout: Layout, workload: Workload) -> bool:
-    return layout.dp * layout.tp > workload.devices_per_node
+    return layout.dp * layout.cp * layout.tp > workload.devices_per_node
 
 
 def _pp_crosses(layout: Layout, workload: Workload) -> bool:
-    return layout.pp > 1 and layout.dp * layout.tp * layout.pp > workload.devices_per_node
+    return layout.pp > 1 and layout.world_size > workload.devices_per_node
 
 
 def _setup_bytes(step: StepProfile, local_parameters: float, layout: Layout, workload: Workload) -> float:

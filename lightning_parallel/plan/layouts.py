@@ -56,13 +56,14 @@ class Layout:
     """One complete parallel layout.
 
     Attributes:
-        dp, tp, pp: Data-, tensor- and pipeline-parallel sizes (mesh order ``(pp, dp, tp)``).
+        dp, tp, pp: Data-, tensor- and pipeline-parallel sizes (mesh order ``(pp, dp, cp, tp)``).
         data_parallel_mode: ``replicate`` (DDP), ``shard`` (FSDP2 over all of dp), ``hybrid_shard``.
         shard_size: Ranks that shard one replica (``shard``: dp; ``hybrid_shard``: the dp ranks of a node).
         schedule: Pipeline schedule (``none`` without pipeline parallelism).
         stages_per_rank: Virtual stages per pipeline rank.
         microbatches: Micro-batches per batch (1 without pipeline parallelism).
         activation_checkpointing: Each trunk layer recomputed in backward.
+        cp: Context-parallel size (each sequence split over ``cp`` ranks, ring attention).
     """
 
     dp: int
@@ -74,6 +75,11 @@ class Layout:
     stages_per_rank: int = 1
     microbatches: int = 1
     activation_checkpointing: bool = False
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
 
     @classmethod
     def from_parallel(
@@ -95,11 +101,13 @@ class Layout:
             stages_per_rank=pipeline.stages_per_rank if pipelined else 1,
             microbatches=pipeline.microbatches if pipelined else 1,
             activation_checkpointing=activation_checkpointing,
+            cp=layout.context_parallel_size,
         )
 
     def describe(self) -> str:
-        """E.g. ``dp=2 × tp=4 × pp=2 · 1f1b m=8 · shard · ckpt``."""
-        parts = [f"dp={self.dp} × tp={self.tp} × pp={self.pp}"]
+        """E.g. ``dp=2 × tp=4 × pp=2 · 1f1b m=8 · shard · ckpt`` (``× cp=2`` after dp when the sequence is split)."""
+        context = f" × cp={self.cp}" if self.cp > 1 else ""
+        parts = [f"dp={self.dp}{context} × tp={self.tp} × pp={self.pp}"]
         if self.pp > 1:
             virtual = f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else ""
             parts.append(f"{self.schedule}{virtual} m={self.microbatches}")
@@ -118,6 +126,8 @@ class Layout:
             f"strategy.pipeline_parallel_size={self.pp}",
             f"data.batch_size={batch_size}",
         ]
+        if self.cp > 1:
+            result.insert(2, f"strategy.context_parallel_size={self.cp}")
         if self.pp > 1:
             result += [f"strategy.schedule={self.schedule}", f"strategy.microbatches={self.microbatches}",
                        f"strategy.stages_per_rank={self.stages_per_rank}"]
@@ -158,15 +168,23 @@ def enumerate_layouts(
         fixed: Sizes the user pinned, e.g. ``{"tp": 4}``.
     """
     fixed = fixed or {}
+    # Context parallelism is compared only when pinned: whether it applies depends on the sequence length and
+    # on the model's attention (F.scaled_dot_product_attention), which the dry run does not judge.
+    cp = fixed.get("cp", 1)
     world = workload.world_size
     layouts: list[Layout] = []
     rejected: dict[str, str] = {}
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
-            sizes = {"dp": dp, "tp": tp, "pp": pp}
-            key = f"dp={dp} × tp={tp} × pp={pp}"
+    if world % cp:
+        return layouts, {f"cp={cp}": f"cp={cp} does not divide the world size {world}"}
+    for tp in _divisors(world // cp):
+        for pp in _divisors(world // (cp * tp)):
+            dp = world // (cp * tp * pp)
+            sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+            key = f"dp={dp}{f' × cp={cp}' if cp > 1 else ''} × tp={tp} × pp={pp}"
             if any(sizes[dim] != size for dim, size in fixed.items()):
+                continue
+            if cp > 1 and pp > 1:
+                rejected[key] = "context parallelism does not combine with pipeline parallelism yet"
                 continue
             if tp > 1 and tp not in tensor_parallel_sizes:
                 rejected[key] = f"the tensor-parallel plan cannot split the model {tp} ways"
@@ -181,18 +199,18 @@ def enumerate_layouts(
                     f"{workload.accumulate} accumulated batches"
                 )
                 continue
-            found = list(_variants(dp, tp, pp, batch, trunk_layers, devices_per_node))
+            found = list(_variants(dp, tp, pp, batch, trunk_layers, devices_per_node, cp))
             if not found:
                 rejected[key] = f"no pipeline schedule fits {batch} samples per batch into enough micro-batches for pp={pp}"
             layouts.extend(found)
     return layouts, rejected
 
 
-def _variants(dp: int, tp: int, pp: int, batch: int, trunk_layers: int, devices_per_node: int):
-    for mode, shard_size in _data_parallel_modes(dp, tp, pp, devices_per_node):
+def _variants(dp: int, tp: int, pp: int, batch: int, trunk_layers: int, devices_per_node: int, cp: int = 1):
+    for mode, shard_size in _data_parallel_modes(dp, tp * cp, pp, devices_per_node):
         for schedule, virtual, microbatches in _pipelines(pp, batch, trunk_layers):
             for checkpointing in (False, True) if trunk_layers else (False,):  # "auto" checkpoints trunk layers
-                yield Layout(dp, tp, pp, mode, shard_size, schedule, virtual, microbatches, checkpointing)
+                yield Layout(dp, tp, pp, mode, shard_size, schedule, virtual, microbatches, checkpointing, cp)
 
 
 def _data_parallel_modes(dp: int, tp: int, pp: int, devices_per_node: int):

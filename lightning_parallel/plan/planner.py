@@ -148,8 +148,8 @@ def check_request(workload: Workload, hardware: HardwareProfile, fixed: Mapping[
     world = workload.world_size
     where = f"trainer.devices={workload.devices_per_node} × trainer.num_nodes={workload.num_nodes}"
     for dim, size in fixed.items():
-        if dim not in ("dp", "tp", "pp"):
-            raise PlanError(f"Only dp, tp and pp can be pinned, got {dim!r}.")
+        if dim not in ("dp", "cp", "tp", "pp"):
+            raise PlanError(f"Only dp, cp, tp and pp can be pinned, got {dim!r}.")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
             raise PlanError(f"{dim}={size!r} does not divide the world size {world} ({where}); pick a divisor of {world}.")
     product = 1

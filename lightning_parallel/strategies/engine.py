@@ -225,7 +225,9 @@ class ParallelEngineStrategy(MeshStrategy):
     @override
     def _data_parallel_shard_size(self, layout: ParallelLayout, devices_per_node: int) -> int:
         config = self.data_parallel.config
-        return config.shard_size_for(layout.data_parallel_size, layout.tensor_parallel_size, devices_per_node)
+        # Context-parallel peers sit between tensor- and data-parallel ranks: a node holds devices / (tp × cp) of the latter.
+        inner = layout.tensor_parallel_size * layout.context_parallel_size
+        return config.shard_size_for(layout.data_parallel_size, inner, devices_per_node)
 
     @override
     def _validate(self, layout: ParallelLayout) -> None:

@@ -106,6 +106,28 @@ def test_prediction_of_the_data_parallel_layout_is_the_seed_formula():
     assert four.efficiency == pytest.approx(four.speedup / 4)
 
 
+def test_context_parallel_prediction_divides_tokens_and_adds_the_ring():
+    """cp=2 on 2 ranks: half of every sequence per rank (compute, activations), the whole model's gradients
+    averaged over the cp pair, and the ring's key/value traffic: three passes of each layer's K and V."""
+    hardware = replace(ANY_HARDWARE, intra_node_latency_us=0.0)
+    prof = profile()
+    single = predict(prof, Layout(1, 1, 1), Workload(1, 1, 8), hardware)
+    cp2 = predict(prof, Layout(1, 1, 1, cp=2), Workload(2, 1, 8), hardware)
+    assert cp2.layout.describe() == "dp=1 × cp=2 × tp=1 × pp=1"
+    assert "strategy.context_parallel_size=2" in cp2.layout.overrides(8)
+    assert cp2.compute_s == pytest.approx(single.compute_s / 2)
+    assert cp2.memory[0].activations == pytest.approx(single.memory[0].activations / 2)
+    assert cp2.memory[0].parameters == single.memory[0].parameters  # replicas of the weights
+    kv = sum(2 * prof.layer_input_bytes[layer] for layer in prof.trunk_layers)
+    assert cp2.comm_bytes["cp"] == pytest.approx(3 * kv * 8)
+    assert cp2.cp_s == pytest.approx(1 / 2 * cp2.comm_bytes["cp"] / (hardware.intra_node_gbps * 1e9))
+    assert cp2.comm_bytes["dp"] == single.memory[0].gradients  # gradients all-reduced over the cp pair
+    assert cp2.step_s == pytest.approx(cp2.compute_s + cp2.cp_s + cp2.dp_s)
+    layouts, rejected = enumerate_layouts(Workload(4, 1, 8), 4, {1, 2}, 4, fixed={"cp": 2})
+    assert layouts and {l.cp for l in layouts} == {2} and all(l.world_size == 4 for l in layouts)
+    assert "pipeline" in rejected["dp=1 × cp=2 × tp=1 × pp=2"]
+
+
 def test_plan_refuses_what_cannot_run():
     workload = Workload(devices_per_node=4, num_nodes=1, global_batch=32)
     tiny = replace(ANY_HARDWARE, device_memory_gib=1e-5)
