@@ -6,7 +6,8 @@ is first used. :class:`DTensorCollectives` wraps those module functions while it
 bytes each collective is given and the seconds the caller spends issuing and waiting for them (on the
 training thread, so this is *exposed* communication). Outside its ``with`` block nothing is wrapped.
 FSDP2 and DDP use c10d directly and are not seen here (DDP is counted by its communication hook).
-No Lightning here.
+Context parallelism's ring attention and output gathers use the same functions; they are tallied apart,
+in :attr:`DTensorCollectives.context_tally`. No Lightning here.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+
+from lightning_parallel.parallelize.ring_attention import context_parallel_exchanging
 
 #: The functional collectives DTensor uses; the first argument is the tensor sent.
 _COLLECTIVES = (
@@ -57,7 +60,11 @@ class DTensorCollectives:
 
     def __init__(self) -> None:
         self.tally = CollectiveTally()
+        self.context_tally = CollectiveTally()  # ring attention and sequence gathers (context parallelism)
         self._paused = False
+
+    def _current(self) -> CollectiveTally:
+        return self.context_tally if context_parallel_exchanging() else self.tally
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -85,11 +92,10 @@ class DTensorCollectives:
             DTensorCollectives._owner = None
 
     def _counted(self, collective: Callable[..., Any]) -> Callable[..., Any]:
-        tally = self.tally
-
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if self._paused:
                 return collective(tensor, *args, **kwargs)
+            tally = self._current()
             start = time.perf_counter()
             try:
                 return collective(tensor, *args, **kwargs)
@@ -101,11 +107,10 @@ class DTensorCollectives:
         return counted
 
     def _timed_wait(self, wait: Callable[..., Any]) -> Callable[..., Any]:
-        tally = self.tally
-
         def timed(tensor: torch.Tensor) -> Any:
             if self._paused:
                 return wait(tensor)
+            tally = self._current()
             start = time.perf_counter()
             try:
                 return wait(tensor)

@@ -60,6 +60,8 @@ class StepTiming:
     dp_bytes: int
     tp_bytes: int
     tokens: int = 0
+    cp_s: float = 0.0  # context parallelism's ring attention and output gathers, exposed
+    cp_bytes: int = 0
 
 
 class ScalingMonitor(Callback):
@@ -148,7 +150,7 @@ class ScalingMonitor(Callback):
         bubble = max(0.0, span - busy)
         timing = StepTiming(
             step_s=delta["time"],
-            compute_s=max(0.0, delta["time"] - delta["dp_s"] - delta["tp_s"] - bubble),
+            compute_s=max(0.0, delta["time"] - delta["dp_s"] - delta["tp_s"] - delta["cp_s"] - bubble),
             dp_s=delta["dp_s"],
             tp_s=delta["tp_s"],
             bubble_s=bubble,
@@ -157,6 +159,8 @@ class ScalingMonitor(Callback):
             dp_bytes=int(delta["dp_bytes"]),
             tp_bytes=int(delta["tp_bytes"]),
             tokens=self._tokens,
+            cp_s=delta["cp_s"],
+            cp_bytes=int(delta["cp_bytes"]),
         )
         self._step_start = {}
         # global_step has advanced past the step just finished.
@@ -232,6 +236,8 @@ class ScalingMonitor(Callback):
             "dp_bytes": comm.bytes if comm is not None else 0,
             "tp_s": tally.seconds,
             "tp_bytes": tally.bytes,
+            "cp_s": self._collectives.context_tally.seconds,
+            "cp_bytes": self._collectives.context_tally.bytes,
         }
 
     def _utilization(self, trainer: Trainer, samples: float, tokens: float, step_s: float) -> Utilization | None:

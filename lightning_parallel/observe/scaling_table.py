@@ -22,12 +22,14 @@ def scaling_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float
         ("compute (s)", pick(seconds.get("compute")), measured["compute_s"]),
         ("data-parallel comm, exposed (s)", pick(seconds.get("dp")), measured["dp_s"]),
         ("tensor-parallel comm, exposed (s)", pick(seconds.get("tp")), measured["tp_s"]),
+        ("context-parallel comm, exposed (s)", pick(seconds.get("cp", 0.0)), measured.get("cp_s", 0.0)),
         ("pipeline bubble (s)", pick(seconds.get("bubble", 0.0) + seconds.get("p2p", 0.0) if predicted else None), measured["bubble_s"]),
         ("bubble fraction", pick(predicted and predicted["bubble_fraction"]), measured["bubble_fraction"]),
         ("samples/s", pick(predicted and predicted["samples_per_s"]), measured["samples_per_s"]),
         ("efficiency = compute / step", pick(predicted and predicted["compute_share"]), measured["efficiency"]),
         ("data-parallel MiB per step", pick(comm.get("dp", 0) / 2**20 if predicted else None), measured["dp_bytes"] / 2**20),
         ("tensor-parallel MiB per step", pick(comm.get("tp", 0) / 2**20 if predicted else None), measured["tp_bytes"] / 2**20),
+        ("context-parallel MiB per step", pick(comm.get("cp", 0) / 2**20 if predicted else None), measured.get("cp_bytes", 0) / 2**20),
     ]
 
 

@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_parallel.parallelize.checkpointing import inside_mode_carrying_checkpoint
-from lightning_parallel.parallelize.ring_attention import ring_attention
+from lightning_parallel.parallelize.ring_attention import context_parallel_exchange, ring_attention
 
 #: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
 SEQUENCE_DIM = 1
@@ -89,10 +90,11 @@ def split_sequence(tensor: Tensor, layout: SequenceLayout, dim: int = SEQUENCE_D
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int) -> Tensor:
-        pieces = [torch.empty_like(local, memory_format=torch.contiguous_format) for _ in range(layout.size)]
-        dist.all_gather(pieces, local.contiguous(), group=group)
+        # Functional collectives: what the monitor counts (as context-parallel traffic, inside the exchange).
+        with context_parallel_exchange():
+            gathered = funcol.wait_tensor(funcol.all_gather_single(local.contiguous(), dim, group))
         ctx.layout, ctx.dim = layout, dim
-        return torch.cat(pieces, dim).index_select(dim, layout.global_order(local.device))
+        return gathered.index_select(dim, layout.global_order(local.device))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

@@ -31,6 +31,24 @@ aten = torch.ops.aten
 #: Dimension of the sequence in attention's ``[batch, heads, sequence, head_dim]`` tensors.
 SEQUENCE_DIM = 2
 
+#: How many context-parallel exchanges (ring attention, output gathers) are running on this thread.
+_exchanging = [0]
+
+
+@contextmanager
+def context_parallel_exchange() -> Generator[None, None, None]:
+    """Marks collectives issued inside as context parallelism's (the monitor counts them apart from TP's)."""
+    _exchanging[0] += 1
+    try:
+        yield
+    finally:
+        _exchanging[0] -= 1
+
+
+def context_parallel_exchanging() -> bool:
+    """Whether a context-parallel exchange is running (see :func:`context_parallel_exchange`)."""
+    return _exchanging[0] > 0
+
 
 @dataclass(frozen=True)
 class AttentionKernel:
@@ -106,7 +124,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None,
                 group: dist.ProcessGroup) -> Tensor:
         kernel = kernel_for(query)
-        with _ring_options(is_causal, query.dtype):
+        with _ring_options(is_causal, query.dtype), context_parallel_exchange():
             out, logsumexp, *rest = _torch_ring._templated_ring_attention(
                 group, SEQUENCE_DIM, kernel.forward, query, key, value, is_causal=is_causal, scale=scale,
                 **kernel.forward_kwargs(),
@@ -119,7 +137,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value, out, logsumexp = ctx.saved_tensors
         kernel: AttentionKernel = ctx.kernel
-        with _ring_options(ctx.is_causal, query.dtype):
+        with _ring_options(ctx.is_causal, query.dtype), context_parallel_exchange():
             grad_query, grad_key, grad_value, *_ = _torch_ring._templated_ring_attention_backward(
                 ctx.group, SEQUENCE_DIM, kernel.backward, grad_out=grad_out.contiguous(),
                 grad_out_name=kernel.grad_out_name, query=query, key=key, value=value, out=out, logsumexp=logsumexp,

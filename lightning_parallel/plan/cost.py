@@ -231,7 +231,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     batch_seconds = layout.microbatches * micro_times[slowest] / (1 - bubble)
     dp_seconds, _, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
     step_seconds = workload.accumulate * batch_seconds + dp_seconds
-    ring_bytes = _ring_bytes(profile, layout, micro) * batches
+    ring_payload, ring_received = (batches * b for b in _ring_bytes(profile, layout, micro))
     single = workload.global_batch * sum(profile.step(1).flops.values()) / hardware.flops_per_device(1)
     notes = _notes(layout, workload, hardware)
     return Prediction(
@@ -240,9 +240,9 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         memory=memory,
         usable_memory=hardware.usable_memory_bytes,
         comm_bytes={"dp": dp_payload_rank0(layout, grad_bytes[0], workload), "tp": tp_bytes[0] * batches,
-                    "cp": ring_bytes, "pp": p2p_bytes[0] * batches},
+                    "cp": ring_payload, "pp": p2p_bytes[0] * batches},
         wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches,
-                    "cp": _ring_factor(layout.cp, "all_gather") * ring_bytes, "pp": p2p_bytes[0] * batches},
+                    "cp": ring_received, "pp": p2p_bytes[0] * batches},
         compute_s=batches * compute[slowest],
         tp_s=batches * tp_seconds[slowest],
         p2p_s=batches * p2p_seconds[slowest],
@@ -393,23 +393,36 @@ def _shard_ranks(layout: Layout) -> int:
     return (layout.shard_size if sharded else 1) * (layout.cp if fsdp else 1)
 
 
-def _ring_bytes(profile: ModelProfile, layout: Layout, micro: float) -> float:
-    """Key/value bytes ring attention hands to collectives per micro-batch on one rank: the whole sequence's keys
-    and values gathered in forward, again in backward, and their gradients passed round the ring (three times the
-    sequence's K and V per attention layer; once more when checkpointing recomputes the forward). Keys and values
-    are estimated as two layer inputs split over tp (multi-head attention; grouped-query attention sends less)."""
-    if layout.cp == 1:
-        return 0.0
-    passes = 4 if layout.activation_checkpointing else 3
-    kv = sum(2 * profile.layer_input_bytes[layer] for layer in profile.trunk_layers) / layout.tp
-    return passes * kv * micro
+def _ring_kv_bytes(profile: ModelProfile, layout: Layout, micro: float) -> float:
+    """Keys and values of the whole sequence, all attention layers, one micro-batch: two layer inputs per layer
+    split over tp (grouped-query keys/values are repeated to the query heads before the ring, so as for MHA)."""
+    return sum(2 * profile.layer_input_bytes[layer] for layer in profile.trunk_layers) / layout.tp * micro
+
+
+def _ring_bytes(profile: ModelProfile, layout: Layout, micro: float) -> tuple[float, float]:
+    """(payload handed to collectives, bytes received) of ring attention per micro-batch on one rank.
+
+    Forward all-gathers this rank's keys/values (payload KV/cp, receives (cp−1)/cp of KV); backward gathers them
+    again and passes the key/value gradients round the ring in cp exchanges of KV/cp; checkpointing recomputes
+    the forward's gather. Overlap with compute is not counted; the gather of the model's outputs is not included.
+    """
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    kv = _ring_kv_bytes(profile, layout, micro)
+    gathers = 3 if layout.activation_checkpointing else 2
+    payload = gathers * kv / cp + kv
+    received = (gathers + 1) * kv * (cp - 1) / cp
+    return payload, received
 
 
 def _ring_seconds(hardware: HardwareProfile, profile: ModelProfile, layout: Layout, workload: Workload, micro: float) -> float:
     """One micro-batch's ring-attention communication on one rank (no overlap with compute counted)."""
-    calls = (4 if layout.activation_checkpointing else 3) * len(profile.trunk_layers)
-    crosses = layout.cp * layout.tp > workload.devices_per_node
-    return _collective_seconds(hardware, layout.cp, _ring_bytes(profile, layout, micro), calls, crosses, "all_gather")
+    if layout.cp == 1:
+        return 0.0
+    calls = (3 if layout.activation_checkpointing else 2) + layout.cp
+    bandwidth, latency = hardware.link(layout.cp * layout.tp > workload.devices_per_node)
+    return len(profile.trunk_layers) * calls * latency + _ring_bytes(profile, layout, micro)[1] / bandwidth
 
 
 def _tp_crosses(layout: Layout, workload: Workload) -> bool:

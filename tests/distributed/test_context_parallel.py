@@ -36,13 +36,17 @@ JOBS: dict[str, tuple[int, str, int, int, dict]] = {
 }
 
 
+#: The job whose ScalingMonitor's context-parallel traffic is checked byte for byte.
+MONITORED = "gpt-cp4"
+
+
 def job(name: str) -> JobSpec:
     devices, model, dp, accumulate, options = JOBS[name]
     if "data_parallel_size" not in options:
         options = {**options, "data_parallel_size": dp}
     return JobSpec(
         model=model, strategy="hybrid", devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH, accumulate=accumulate,
-        steps=STEPS, validate=True, strategy_kwargs={"timeout": 120, **options},
+        steps=STEPS, validate=True, strategy_kwargs={"timeout": 120, **options}, monitor=name == MONITORED,
     )
 
 
@@ -76,3 +80,17 @@ def test_context_parallel_matches_single_device(name: str, tmp_root: str) -> Non
     # The step's logged loss is the whole sequence's (synced over dp only: cp peers hold the same value).
     if accumulate == 1 and expected["synced_logs"]:
         assert result["synced_logs"] == pytest.approx(expected["synced_logs"], abs=1e-6)
+
+
+def test_monitor_counts_the_ring_and_the_output_gather_as_context_parallel_traffic(tmp_root: str) -> None:
+    result = launched(JOBS[MONITORED][0], tmp_root)[MONITORED]
+    cp, layers, heads, head_dim, vocab = 4, 2, 2, 8, 128  # the harness' GPT: 2 layers of width 16, 2 heads
+    local = 8 // cp
+    kv = 2 * BATCH * heads * local * head_dim * 8  # this rank's keys and values, float64
+    # Per layer: forward and backward gather them, backward passes their gradients in cp exchanges; then the
+    # logits are gathered once. Exactly what the planner's formula hands to collectives (plus the logits).
+    expected = layers * (2 + cp) * kv + BATCH * local * vocab * 8
+    for step in result["scaling_steps"]:
+        assert step["cp_bytes"] == expected
+        assert step["tp_bytes"] == 0
+        assert 0 < step["cp_s"] < step["step_s"]

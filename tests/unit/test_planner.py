@@ -118,9 +118,11 @@ def test_context_parallel_prediction_divides_tokens_and_adds_the_ring():
     assert cp2.compute_s == pytest.approx(single.compute_s / 2)
     assert cp2.memory[0].activations == pytest.approx(single.memory[0].activations / 2)
     assert cp2.memory[0].parameters == single.memory[0].parameters  # replicas of the weights
-    kv = sum(2 * prof.layer_input_bytes[layer] for layer in prof.trunk_layers)
-    assert cp2.comm_bytes["cp"] == pytest.approx(3 * kv * 8)
-    assert cp2.cp_s == pytest.approx(1 / 2 * cp2.comm_bytes["cp"] / (hardware.intra_node_gbps * 1e9))
+    kv = sum(2 * prof.layer_input_bytes[layer] for layer in prof.trunk_layers) * 8  # the whole batch's K and V
+    # Forward and backward gather half of it each; backward passes the gradients in two exchanges of half.
+    assert cp2.comm_bytes["cp"] == pytest.approx(kv / 2 + kv / 2 + kv)
+    assert cp2.wire_bytes["cp"] == pytest.approx(3 * kv / 2)
+    assert cp2.cp_s == pytest.approx(cp2.wire_bytes["cp"] / (hardware.intra_node_gbps * 1e9))
     assert cp2.comm_bytes["dp"] == single.memory[0].gradients  # gradients all-reduced over the cp pair
     assert cp2.step_s == pytest.approx(cp2.compute_s + cp2.cp_s + cp2.dp_s)
     layouts, rejected = enumerate_layouts(Workload(4, 1, 8), 4, {1, 2}, 4, fixed={"cp": 2})
