@@ -113,6 +113,15 @@ _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causa
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
 
 
+def _inside_checkpoint_region() -> bool:
+    """Whether torch's non-reentrant checkpoint packs the tensors saved now (other saved-tensor hooks, such as
+    offloading to the host, are fine: nothing is recomputed)."""
+    # Private torch API (checked against torch 2.13): the innermost saved-tensor hooks, and the checkpoint's
+    # pack hook being defined in torch.utils.checkpoint._checkpoint_hook.
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
 class ContextParallelMode(TorchFunctionMode):
     """Inside the model call: attention as a ring over ``group``, and local positions made global.
 
@@ -181,9 +190,7 @@ class ContextParallelMode(TorchFunctionMode):
         # rank's part only. Reentrant checkpointing runs the forward without gradients; non-reentrant checkpointing
         # packs saved tensors through its hooks. The strategy's own activation checkpointing carries the mode.
         reentrant = self.grad_enabled and not torch.is_grad_enabled()
-        # Private torch API (checked against torch 2.13): the innermost saved-tensor hooks, if any.
-        hooked = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-        if reentrant or (hooked and not inside_mode_carrying_checkpoint()):
+        if reentrant or (_inside_checkpoint_region() and not inside_mode_carrying_checkpoint()):
             raise RuntimeError(
                 "Attention runs inside activation checkpointing that the model applies itself (Hugging Face "
                 "gradient_checkpointing_enable(), or torch.utils.checkpoint in its forward): the recomputation in "

@@ -129,6 +129,9 @@ class _RingAttention(torch.autograd.Function):
                 group, SEQUENCE_DIM, kernel.forward, query, key, value, is_causal=is_causal, scale=scale,
                 **kernel.forward_kwargs(),
             )
+        # The fused kernels return the output laid out [batch, sequence, heads, head_dim] in memory, so that the usual
+        # transpose(1, 2).reshape(...) after attention is a view, and the output projection saves no copy of it.
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(query, key, value, out, logsumexp)
         ctx.kernel, ctx.rest, ctx.is_causal, ctx.scale, ctx.group = kernel, tuple(rest), is_causal, scale, group
         return out
