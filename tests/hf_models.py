@@ -168,17 +168,12 @@ class ViewAttentionLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-class RotaryAttention(torch.nn.Module):
+class RotaryAttention(ViewAttention):
     """Llama-style attention with rotary embeddings read from tables sliced by the length (``cos[:L]``, as
     torchtitan's and many hand-written models do) and grouped-query attention through ``enable_gqa``."""
 
     def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2, max_positions: int = 16) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
-        self.wq = torch.nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = torch.nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = torch.nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        super().__init__(dim, n_heads, n_kv_heads)
         inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().repeat(1, 2), persistent=False)

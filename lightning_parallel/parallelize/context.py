@@ -34,7 +34,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_parallel.parallelize.checkpointing import inside_mode_carrying_checkpoint
-from lightning_parallel.parallelize.ring_attention import context_parallel_exchange, ring_attention
+from lightning_parallel.parallelize.ring_attention import (
+    context_parallel_exchange,
+    ring_attention,
+)
 
 #: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
 SEQUENCE_DIM = 1
@@ -214,9 +217,11 @@ class ContextParallelMode(TorchFunctionMode):
 
     def _global_rows(self, table: Tensor, index: Any) -> Tensor | None:
         parts = index if isinstance(index, tuple) else (index,)
+        if not all(isinstance(part, slice) for part in parts):  # integers, tensors, Ellipsis, None: not a prefix
+            return None
         position_dims = [d for d, part in enumerate(parts) if self._is_local_prefix(part)]
         others_whole = all(part == slice(None) for d, part in enumerate(parts) if d not in position_dims)
-        if len(position_dims) != 1 or not others_whole or Ellipsis in parts:
+        if len(position_dims) != 1 or not others_whole:
             return None
         (dim,) = position_dims
         if table.size(dim) < self.layout.length:
@@ -227,10 +232,10 @@ class ContextParallelMode(TorchFunctionMode):
         return table.index_select(dim, self.positions(table.device))
 
     def _is_local_prefix(self, part: Any) -> bool:
-        return (
-            isinstance(part, slice) and part.start in (None, 0) and part.step in (None, 1)
-            and part.stop == self.layout.local_length
-        )
+        def plain(bound: Any, default: int) -> int | None:
+            return default if bound is None else bound if isinstance(bound, int) else None
+
+        return plain(part.start, 0) == 0 and plain(part.step, 1) == 1 and plain(part.stop, -1) == self.layout.local_length
 
 
 class SequenceSplitter:

@@ -24,7 +24,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 # Private torch API (checked against torch 2.13): the ring loops and their options. Wrapped here only.
-from torch.distributed.tensor.experimental._context_parallel import _attention as _torch_ring
+from torch.distributed.tensor.experimental._context_parallel import (
+    _attention as _torch_ring,
+)
 
 aten = torch.ops.aten
 
@@ -168,7 +170,7 @@ def ring_attention(
     if key.size(1) != query.size(1):
         # Grouped-query attention: the fused kernels want equal head counts. Repeating after the projection is
         # what SDPA's math path does too; the ring then passes the repeated keys/values.
-        if not enable_gqa and key.size(1) != query.size(1):
+        if not enable_gqa:
             raise ValueError(
                 f"scaled_dot_product_attention got {query.size(1)} query heads and {key.size(1)} key/value heads "
                 "without enable_gqa=True."

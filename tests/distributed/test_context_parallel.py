@@ -5,7 +5,8 @@ with batches of another size, and compares losses, gradients and parameters afte
 single-device training of the same global batch. The models cover the ways positions are built: the recipe
 GPT (``pos_emb(torch.arange(L))``), a Llama-style module with rotary tables sliced ``cos[:L]`` and
 ``enable_gqa`` attention, Hugging Face Llama (``cache_position`` → ``position_ids`` → rotary, SDPA with GQA),
-and a hand-written GQA module that repeats its key/value heads.
+Hugging Face GPT-2 (fused ``Conv1D`` q|k|v, tied head, learned positions from ``cache_position``), and a
+hand-written GQA module that repeats its key/value heads.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ JOBS: dict[str, tuple[int, str, int, int, dict]] = {
     "gpt-cp2-accumulate2": (2, "gpt", 1, 2, {"context_parallel_size": 2}),
     "rotary-cp2": (2, "rotary_attention", 1, 1, {"context_parallel_size": 2}),
     "hf_llama-cp2": (2, "hf_llama:sdpa", 1, 1, {"context_parallel_size": 2}),
+    "hf_gpt2-cp2": (2, "hf_gpt2:sdpa", 1, 1, {"context_parallel_size": 2}),
     "gpt-cp4": (4, "gpt", 1, 1, {"context_parallel_size": 4}),
     "rotary-cp4-checkpointing": (4, "rotary_attention", 1, 1, {"context_parallel_size": 4, "activation_checkpointing": "auto"}),
     "gpt-dp2×cp2-accumulate2": (4, "gpt", 2, 2, {"context_parallel_size": 2, "data_parallel_size": 2}),
-    "view-dp2×cp2-shard": (4, "view_attention", 2, 1, {"context_parallel_size": 2, "data_parallel_size": 2, "data_parallel_mode": "shard"}),
+    "view-dp2×cp2-shard-round-trip": (4, "view_attention", 2, 1, {"context_parallel_size": 2, "data_parallel_size": 2, "data_parallel_mode": "shard"}),
     "rotary-tp2×cp2": (4, "rotary_attention", 1, 1, {"context_parallel_size": 2, "tensor_parallel_size": 2}),
 }
 
@@ -47,6 +49,8 @@ def job(name: str) -> JobSpec:
     return JobSpec(
         model=model, strategy="hybrid", devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH, accumulate=accumulate,
         steps=STEPS, validate=True, strategy_kwargs={"timeout": 120, **options}, monitor=name == MONITORED,
+        # Saved sharded (FSDP2 over dp_shard × cp), weights wiped, validated from the checkpoint.
+        checkpoint_round_trip=name.endswith("round-trip"),
     )
 
 

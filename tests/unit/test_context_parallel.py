@@ -48,9 +48,9 @@ def test_positions_built_from_the_local_length_become_global():
         assert table[:4, :][:, 1].tolist() == [2, 3, 4, 5]
         assert other[:4].tolist() == [0, 1, 2, 3]  # not the module's tensor: left alone
     short = torch.zeros(6, 2)
-    with ContextParallelMode(SequenceLayout(8, 2, 0), group=None, module_tensors={id(short)}):
-        with pytest.raises(IndexError, match="shorter than the sequence"):
-            short[:4]
+    with ContextParallelMode(SequenceLayout(8, 2, 0), group=None, module_tensors={id(short)}), \
+            pytest.raises(IndexError, match="shorter than the sequence"):
+        short[:4]
 
 
 @pytest.mark.parametrize(

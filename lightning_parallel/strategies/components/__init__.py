@@ -23,13 +23,13 @@ from lightning_parallel.strategies.components.progress import ProgressReport
 from lightning_parallel.strategies.components.tensor import TensorParallelComponent
 
 __all__ = [
+    "NONFINITE_MODES",
     "ActivationCheckpointingComponent",
     "CompileComponent",
     "Component",
     "ContextParallelComponent",
     "DataParallelComponent",
     "ModelPlacement",
-    "NONFINITE_MODES",
     "NonFiniteGuard",
     "PipelineComponent",
     "ProgressReport",
