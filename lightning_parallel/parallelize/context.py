@@ -244,6 +244,9 @@ class SequenceSplitter:
     Hooks the ``root`` module and its children that hold parameters; only the outermost call a step makes
     is split (a LightningModule's ``forward`` calling ``self.model`` is one call).
 
+    Raises:
+        ValueError: The module has BatchNorm layers (statistics over part of each sequence).
+
     Args:
         root: The module whose calls are model calls (the LightningModule).
         group: The context-parallel ranks.
@@ -252,6 +255,13 @@ class SequenceSplitter:
     """
 
     def __init__(self, root: nn.Module, group: dist.ProcessGroup, rank: int, size: int) -> None:
+        batchnorms = [name for name, m in root.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if batchnorms:
+            raise ValueError(
+                f"{type(root).__name__} has BatchNorm layers ({', '.join(batchnorms[:3])}): under context parallelism "
+                "their statistics would cover this rank's part of each sequence only. Use LayerNorm/RMSNorm, or set "
+                "context_parallel_size=1."
+            )
         self.root, self.group, self.rank, self.size = root, group, rank, size
         self.mode: ContextParallelMode | None = None  # active during a model call
         self.skip_root_calls = 0  # calls of the root that are not model calls (Lightning's DDP redirect)

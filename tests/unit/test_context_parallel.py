@@ -86,6 +86,12 @@ def test_model_without_sdpa_is_refused_before_any_collective():
         splitter.root(torch.randn(2, 8, 8))
 
 
+def test_batchnorm_is_refused_when_the_splitter_is_set_up():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    with pytest.raises(ValueError, match=r"BatchNorm layers \(1\).*this rank's part of each sequence"):
+        SequenceSplitter(model, group=None, rank=0, size=2)
+
+
 def test_sequence_length_is_checked_at_the_model_call():
     splitter = SequenceSplitter(HandWrittenAttention(), group=None, rank=0, size=2)
     with pytest.raises(ValueError, match="sequence length 6"):
