@@ -121,30 +121,52 @@ def _ring_options(is_causal: bool, dtype: torch.dtype) -> Generator[None, None, 
         options.enable_load_balance, options.convert_to_f32, options.rotate_method = saved
 
 
+def _grouped_ops(kernel: AttentionKernel, groups: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The kernel's forward and backward for grouped-query attention: keys and values travel round the ring with
+    their own (fewer) heads and are repeated to the query heads only for each block's kernel call; the
+    gradients of the repeats are summed back per key/value head."""
+    if groups == 1:
+        return kernel.forward, kernel.backward
+
+    def forward(query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> tuple[Tensor, ...]:
+        return kernel.forward(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), **kwargs)
+
+    def backward(*, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> tuple[Tensor, ...]:
+        grads = kernel.backward(query=query, key=key.repeat_interleave(groups, 1), value=value.repeat_interleave(groups, 1), **kwargs)
+        grad_key, grad_value = (g.unflatten(1, (key.size(1), groups)).sum(2) for g in grads[1:3])
+        return (grads[0], grad_key, grad_value, *grads[3:])
+
+    return forward, backward
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None,
                 group: dist.ProcessGroup) -> Tensor:
         kernel = kernel_for(query)
+        groups = query.size(1) // key.size(1)
+        forward_op, _ = _grouped_ops(kernel, groups)
         with _ring_options(is_causal, query.dtype), context_parallel_exchange():
             out, logsumexp, *rest = _torch_ring._templated_ring_attention(
-                group, SEQUENCE_DIM, kernel.forward, query, key, value, is_causal=is_causal, scale=scale,
+                group, SEQUENCE_DIM, forward_op, query, key, value, is_causal=is_causal, scale=scale,
                 **kernel.forward_kwargs(),
             )
         # The fused kernels return the output laid out [batch, sequence, heads, head_dim] in memory, so that the usual
         # transpose(1, 2).reshape(...) after attention is a view, and the output projection saves no copy of it.
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(query, key, value, out, logsumexp)
-        ctx.kernel, ctx.rest, ctx.is_causal, ctx.scale, ctx.group = kernel, tuple(rest), is_causal, scale, group
+        ctx.kernel, ctx.groups, ctx.rest = kernel, groups, tuple(rest)
+        ctx.is_causal, ctx.scale, ctx.group = is_causal, scale, group
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         query, key, value, out, logsumexp = ctx.saved_tensors
         kernel: AttentionKernel = ctx.kernel
+        _, backward_op = _grouped_ops(kernel, ctx.groups)
         with _ring_options(ctx.is_causal, query.dtype), context_parallel_exchange():
             grad_query, grad_key, grad_value, *_ = _torch_ring._templated_ring_attention_backward(
-                ctx.group, SEQUENCE_DIM, kernel.backward, grad_out=grad_out.contiguous(),
+                ctx.group, SEQUENCE_DIM, backward_op, grad_out=grad_out.contiguous(),
                 grad_out_name=kernel.grad_out_name, query=query, key=key, value=value, out=out, logsumexp=logsumexp,
                 is_causal=ctx.is_causal, scale=ctx.scale, **kernel.backward_kwargs(ctx.rest),
             )
@@ -168,8 +190,7 @@ def ring_attention(
         This rank's slice of the attention output (``query``'s shape, ``value``'s head dim).
     """
     if key.size(1) != query.size(1):
-        # Grouped-query attention: the fused kernels want equal head counts. Repeating after the projection is
-        # what SDPA's math path does too; the ring then passes the repeated keys/values.
+        # Grouped-query attention: the ring passes the keys/values with their own heads (see _grouped_ops).
         if not enable_gqa:
             raise ValueError(
                 f"scaled_dot_product_attention got {query.size(1)} query heads and {key.size(1)} key/value heads "
@@ -177,6 +198,4 @@ def ring_attention(
             )
         if query.size(1) % key.size(1) != 0:
             raise ValueError(f"{query.size(1)} query heads are not a multiple of {key.size(1)} key/value heads.")
-        groups = query.size(1) // key.size(1)
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     return _RingAttention.apply(query, key.contiguous(), value.contiguous(), is_causal, scale, group)

@@ -395,7 +395,7 @@ def _shard_ranks(layout: Layout) -> int:
 
 def _ring_kv_bytes(profile: ModelProfile, layout: Layout, micro: float) -> float:
     """Keys and values of the whole sequence, all attention layers, one micro-batch: two layer inputs per layer
-    split over tp (grouped-query keys/values are repeated to the query heads before the ring, so as for MHA)."""
+    split over tp (multi-head attention; grouped-query attention sends its fewer key/value heads: less)."""
     return sum(2 * profile.layer_input_bytes[layer] for layer in profile.trunk_layers) / layout.tp * micro
 
 
