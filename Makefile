@@ -37,6 +37,7 @@ benchmark: venv
 	$(PY) benchmarks/checkpoint_io.py
 	$(PY) benchmarks/planner_accuracy.py
 	$(PY) benchmarks/sync_stragglers.py
+	$(PY) benchmarks/context_parallel.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs

@@ -48,7 +48,7 @@ def render() -> str:
                 extras = [word for word, cases in (("accumulate", ACCUMULATE), ("checkpoint", ROUND_TRIP)) if (family, layout) in cases]
                 cells.append("tested" + (f" (+{', '.join(extras)})" if extras else ""))
             elif (family, layout) in UNSUPPORTED:
-                cells.append("refused: not traceable")
+                cells.append(f"refused: {UNSUPPORTED[family, layout]}")
             else:
                 cells.append("not tested")
         lines.append(f"| {DESCRIPTIONS[family]} | " + " | ".join(cells) + " |")

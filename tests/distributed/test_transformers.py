@@ -34,6 +34,8 @@ LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     "pp2": (2, 1, "pipeline", MICROBATCHES),
     "tp2×pp2": (4, 1, "hybrid", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
+    # Context parallelism: transformers models with attn_implementation="sdpa" (eager attention is refused).
+    "cp2": (2, 1, "hybrid", {"context_parallel_size": 2, "data_parallel_size": 1}),
 }
 #: Lightning's demo encoder–decoder (``nn.Transformer``), and a hand-written Llama-style LM whose attention
 #: splits heads with ``view(B, L, self.n_heads, -1)``, next to the transformers families.
@@ -47,23 +49,28 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "pp2": (*FAMILIES, VIEW),
     "tp2×pp2": (*FAMILIES, VIEW),
     "dp2×tp2×pp2": ("qwen2", "phi3"),
+    "cp2": (*FAMILIES, VIEW),
 }
-#: Layouts a family cannot use, with what the user is told (checked by test_demo_transformer_pipeline_is_refused).
-UNSUPPORTED = {(DEMO, "pp2"): "could not trace", (DEMO, "tp2×pp2"): "could not trace", (DEMO, "dp2×tp2×pp2"): "could not trace"}
+#: Layouts a family cannot use, and why in the README's words (the errors: test_demo_transformer_*_is_refused).
+UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceable", (DEMO, "dp2×tp2×pp2"): "not traceable",
+               (DEMO, "cp2"): "attention masks"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
 ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2")}
 #: TP jobs that save a checkpoint (in this format), wipe the weights and validate from it (fused layers, Conv1D, GQA).
 ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded"}
 
 
-def model_name(family: str) -> str:
-    return family if family in (DEMO, VIEW) else f"hf_{family}"
+def model_name(family: str, layout: str = "") -> str:
+    if family in (DEMO, VIEW):
+        return family
+    # Ring attention replaces F.scaled_dot_product_attention: context parallelism needs transformers' SDPA path.
+    return f"hf_{family}:sdpa" if "cp" in layout else f"hf_{family}"
 
 
 def job(family: str, layout: str) -> JobSpec:
     devices, _, strategy, options = LAYOUTS[layout]
     return JobSpec(
-        model=model_name(family), strategy=strategy, devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH,
+        model=model_name(family, layout), strategy=strategy, devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH,
         accumulate=2 if (family, layout) in ACCUMULATE else 1, steps=STEPS, validate=True,
         checkpoint_round_trip=(family, layout) in ROUND_TRIP,
         # Pipelines see Lightning's sanity check first: a validation batch (8 rows) builds them, and the
@@ -74,16 +81,18 @@ def job(family: str, layout: str) -> JobSpec:
 
 
 @cache
-def reference(family: str, dp: int, accumulate: int) -> dict:
+def reference(family: str, dp: int, accumulate: int, layout: str = "") -> dict:
+    """Single-device training of the same global batch (with the attention implementation the layout uses)."""
     return run_job(
-        JobSpec(model=model_name(family), batch_size=BATCH * dp * accumulate, val_batch_size=VAL_BATCH * dp, steps=STEPS, validate=True)
+        JobSpec(model=model_name(family, layout), batch_size=BATCH * dp * accumulate, val_batch_size=VAL_BATCH * dp,
+                steps=STEPS, validate=True)
     )
 
 
 def assert_matches_single_device(family: str, layout: str, result: dict) -> None:
     _, dp, _, _ = LAYOUTS[layout]
     accumulate = 2 if (family, layout) in ACCUMULATE else 1
-    expected = reference(family, dp, accumulate)
+    expected = reference(family, dp, accumulate, "cp" if "cp" in layout else "")
     assert_same_training(expected, result, steps=STEPS)
     if "pp" in layout:  # built on a sanity-check batch of 8 rows, traced again for training's 4
         assert result["pipeline_training_rows"] == BATCH, (family, layout)
@@ -98,8 +107,8 @@ def run_layout(layouts: tuple[str, ...], tmp_path) -> dict[tuple[str, str], dict
     return {(family, layout): results[f"{family}-{layout}"] for layout in layouts for family in MATRIX[layout]}
 
 
-def test_two_ranks_dp_tp_pp(tmp_path):
-    results = run_layout(("dp2", "tp2", "tp2+sp", "pp2"), tmp_path)
+def test_two_ranks_dp_tp_pp_cp(tmp_path):
+    results = run_layout(("dp2", "tp2", "tp2+sp", "pp2", "cp2"), tmp_path)
     for (family, layout), result in results.items():
         assert_matches_single_device(family, layout, result)
     for family in FAMILIES:
@@ -121,6 +130,17 @@ def test_demo_transformer_pipeline_is_refused(tmp_path):
     assert proc.returncode != 0
     assert "Pipeline parallelism could not trace DemoTransformer.forward" in proc.stderr
     assert "Make forward traceable" in proc.stderr
+
+
+def test_demo_transformer_context_parallel_is_refused(tmp_path):
+    """nn.Transformer passes its causal mask to attention as a tensor (and attends across encoder and decoder):
+    ring attention cannot take either, and the first batch says so on every rank."""
+    from tests.harness import launch_worker
+
+    proc = launch_worker(job(DEMO, "cp2"), tmp_path, timeout=300)
+    assert proc.returncode != 0
+    assert "scaled_dot_product_attention got an attn_mask" in proc.stderr
+    assert "context_parallel_size=1" in proc.stderr
 
 
 #: A fused projection and a Conv1D MLP weight held by rank 0 (first stage) under tp2×pp2.
