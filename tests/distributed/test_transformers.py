@@ -53,7 +53,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
 }
 #: Layouts a family cannot use, and why in the README's words (the errors: test_demo_transformer_*_is_refused).
 UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceable", (DEMO, "dp2×tp2×pp2"): "not traceable",
-               (DEMO, "cp2"): "attention masks"}
+               (DEMO, "cp2"): "attention not through SDPA"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
 ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2")}
 #: TP jobs that save a checkpoint (in this format), wipe the weights and validate from it (fused layers, Conv1D, GQA).
@@ -133,13 +133,14 @@ def test_demo_transformer_pipeline_is_refused(tmp_path):
 
 
 def test_demo_transformer_context_parallel_is_refused(tmp_path):
-    """nn.Transformer passes its causal mask to attention as a tensor (and attends across encoder and decoder):
-    ring attention cannot take either, and the first batch says so on every rank."""
+    """nn.MultiheadAttention computes its attention without F.scaled_dot_product_attention here (it returns the
+    weights): ring attention never runs, and the first batch says so on every rank instead of training on
+    attention within each rank's part of the sequence."""
     from tests.harness import launch_worker
 
     proc = launch_worker(job(DEMO, "cp2"), tmp_path, timeout=300)
     assert proc.returncode != 0
-    assert "scaled_dot_product_attention got an attn_mask" in proc.stderr
+    assert "DemoTransformer made no F.scaled_dot_product_attention call under context parallelism" in proc.stderr
     assert "context_parallel_size=1" in proc.stderr
 
 
