@@ -119,6 +119,12 @@ def explain(result: Plan) -> list[str]:
             f"pp={layout.pp} ({layout.schedule}, {layout.microbatches} micro-batches): bubble {best.bubble_fraction:.0%} of each batch; "
             f"only stage-boundary activations cross ({best.comm_bytes['pp'] / 2**20:.1f} MiB per step), which suits the slower links"
         )
+    if layout.cp > 1:
+        reasons.append(
+            f"cp={layout.cp}: each rank holds 1/{layout.cp} of every sequence's activations; ring attention passes "
+            f"{best.comm_bytes['cp'] / 2**20:.1f} MiB of keys/values per step, {best.cp_s:.3g} s ({best.cp_s / best.step_s:.0%} "
+            "of the step, overlap not counted)"
+        )
     if layout.dp > 1:
         reasons.append(
             f"dp={layout.dp} ({layout.data_parallel_mode}): {best.comm_bytes['dp'] / 2**20:.1f} MiB of gradients per step, "

@@ -23,7 +23,7 @@ def plan_table(result: Plan, top: int = 10) -> Table:
         caption=f"memory: fullest rank, of {hardware.usable_memory_bytes / GIB:.2f} GiB usable · comm: MiB handed to "
         f"collectives per step by rank 0 · times per optimizer step",
     )
-    for column in ("#", "layout", "fits", "memory GiB", "dp MiB", "tp MiB", "pp MiB", "bubble", "compute s", "comm s", "step s", "speedup", "efficiency"):
+    for column in ("#", "layout", "fits", "memory GiB", "dp MiB", "tp MiB", "cp MiB", "pp MiB", "bubble", "compute s", "comm s", "step s", "speedup", "efficiency"):
         table.add_column(column, justify="left" if column in ("layout", "fits") else "right")
     shown = result.predictions[:top]
     configured = result.configured
@@ -44,6 +44,7 @@ def _row(rank: str, p: Prediction, marker: str) -> list[str]:
         f"{p.peak_memory / GIB:.2f}",
         f"{p.comm_bytes['dp'] / MIB:.1f}",
         f"{p.comm_bytes['tp'] / MIB:.1f}",
+        f"{p.comm_bytes.get('cp', 0.0) / MIB:.1f}",
         f"{p.comm_bytes['pp'] / MIB:.1f}",
         f"{p.bubble_fraction:.0%}",
         f"{p.compute_s:.3g}",
