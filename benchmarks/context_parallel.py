@@ -6,7 +6,8 @@ The recipe GPT (float32, 1 thread per process, gloo, one sequence per step) unde
 context_parallel_size=cp)`` on cp ranks. Activation bytes are what autograd saves for backward during one
 training step on rank 0 (unique storages, parameters left out, counted by saved-tensor hooks), in all and
 inside the model call; the rest is the loss over the gathered logits, which every cp rank computes on the whole
-sequence. Goal: activation bytes per rank ≈ cp1's ÷ cp (within 10%). Step time is the median after warm-up.
+sequence. Also the largest rank's peak resident memory growth, setup included. Goal: activation bytes per rank
+≈ cp1's ÷ cp (within 10%). Step time is the median after warm-up.
 """
 
 from __future__ import annotations
@@ -81,6 +82,33 @@ class ActivationBytes(L.Callback):
                 handle.remove()
 
 
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+class PeakMemory(L.Callback):
+    """The largest rank's peak resident memory growth from before the model is built to the end of training
+    (setup, every step, communication buffers: what a rank really needs), gathered onto rank 0."""
+
+    def __init__(self) -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
+        self.baseline = _status_bytes("VmRSS")
+        self.largest = 0
+
+    def on_train_end(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        growth = _status_bytes("VmHWM") - self.baseline
+        every = [growth]
+        if dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, growth)
+        self.largest = max(every)
+
+
 def worker(cp: int, sequence: int, steps: int, warmup: int, out: Path) -> None:
     import torch
 
@@ -89,12 +117,13 @@ def worker(cp: int, sequence: int, steps: int, warmup: int, out: Path) -> None:
     from recipes.models.gpt import GPTLightningModule
 
     torch.set_num_threads(1)
+    peak = PeakMemory()
     activations = ActivationBytes(step=warmup)
     timer = StepTimer(out, warmup, extra={"cp": cp, "sequence": sequence})
     trainer = L.Trainer(
         accelerator="cpu", devices=cp, strategy=lp.HybridParallelStrategy(data_parallel_size=1, context_parallel_size=cp),
         precision="32-true", max_steps=warmup + steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, activations],
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, activations, peak],
     )
     L.seed_everything(0)
     module = GPTLightningModule(**MODEL, block_size=sequence, lr=1e-4)
@@ -103,7 +132,7 @@ def worker(cp: int, sequence: int, steps: int, warmup: int, out: Path) -> None:
     trainer.fit(module, datamodule=data)
     if trainer.is_global_zero:
         result = json.loads(out.read_text())
-        result.update(activation_bytes=activations.total, model_activation_bytes=activations.in_model)
+        result.update(activation_bytes=activations.total, model_activation_bytes=activations.in_model, peak_growth_bytes=peak.largest)
         out.write_text(json.dumps(result))
 
 
@@ -138,11 +167,14 @@ def main() -> None:
             "model_activation_bytes": result["model_activation_bytes"], "ratio_to_cp1": ratio,
             "ratio_times_cp": ratio * cp, "model_ratio_times_cp": model_ratio * cp, "step_s": step,
             "step_ratio_to_cp1": step / base_step, "tokens_per_s": sequence / step,
+            "peak_growth_bytes": result["peak_growth_bytes"],
+            "peak_ratio_to_cp1": result["peak_growth_bytes"] / base["peak_growth_bytes"],
         }
         summary.append(entry)
         rows.append(
             f"| {sequence} | {cp} | {result['activation_bytes'] / 2**20:.1f} | {ratio:.3f} | **{ratio * cp:.3f}** | "
-            f"{model_ratio * cp:.3f} | {step:.2f} | {step / base_step:.2f} | {sequence / step:.0f} |"
+            f"{model_ratio * cp:.3f} | {result['peak_growth_bytes'] / 2**20:.0f} | "
+            f"{result['peak_growth_bytes'] / base['peak_growth_bytes']:.2f} | {step:.2f} | {step / base_step:.2f} | {sequence / step:.0f} |"
         )
     command = f"python benchmarks/context_parallel.py --steps {args.steps} --warmup {args.warmup}"
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
@@ -159,8 +191,12 @@ def main() -> None:
         "",
         f"One thread per process: cp1 uses one core, cp2 two, cp4 shares this machine's {os.cpu_count()} cores between four processes — the step times are not a scaling measurement (the ring's exchanges and the whole-sequence loss are in them).",
         "",
-        "| sequence | cp | activation MiB per rank | ratio to cp1 | × cp | model × cp | step s | step / cp1 | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        ("Peak MiB: the largest rank's peak resident memory growth from before the model is built to the end of "
+         "training, setup included (fresh processes; it also holds the ring's gathered keys/values, the logits and the "
+         "allocator's slack, so it falls less than the saved activations)."),
+        "",
+        "| sequence | cp | activation MiB per rank | ratio to cp1 | × cp | model × cp | peak MiB per rank | peak / cp1 | step s | step / cp1 | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     RESULTS.mkdir(parents=True, exist_ok=True)

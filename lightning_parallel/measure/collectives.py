@@ -21,7 +21,25 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
-from lightning_parallel.parallelize.ring_attention import context_parallel_exchanging
+#: How many context-parallel exchanges (ring attention, sequence gathers) are running on this thread.
+_exchanging = [0]
+
+
+@contextmanager
+def context_parallel_exchange() -> Iterator[None]:
+    """Marks the collectives issued inside as context parallelism's: :class:`DTensorCollectives` tallies them
+    in ``context_tally``, apart from tensor parallelism's (the transforms enter it around their exchanges)."""
+    _exchanging[0] += 1
+    try:
+        yield
+    finally:
+        _exchanging[0] -= 1
+
+
+def context_parallel_exchanging() -> bool:
+    """Whether a context-parallel exchange is running (see :func:`context_parallel_exchange`)."""
+    return _exchanging[0] > 0
+
 
 #: The functional collectives DTensor uses; the first argument is the tensor sent.
 _COLLECTIVES = (

@@ -33,11 +33,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_parallel.measure.collectives import context_parallel_exchange
 from lightning_parallel.parallelize.checkpointing import inside_mode_carrying_checkpoint
-from lightning_parallel.parallelize.ring_attention import (
-    context_parallel_exchange,
-    ring_attention,
-)
+from lightning_parallel.parallelize.ring_attention import ring_attention
 
 #: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
 SEQUENCE_DIM = 1
@@ -284,8 +282,7 @@ class SequenceSplitter:
         if self._depth > 0:
             self._depth += 1
             return None
-        layout = self._layout_of(module, args, kwargs)
-        batch = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor) and t.dim() >= 2).size(0)
+        layout, batch = self._layout_of(module, args, kwargs)
 
         def split(value: Any) -> Any:
             if isinstance(value, Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.length \
@@ -327,7 +324,8 @@ class SequenceSplitter:
             mode.__exit__(None, None, None)
         return mode
 
-    def _layout_of(self, module: nn.Module, args: tuple, kwargs: dict) -> SequenceLayout:
+    def _layout_of(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[SequenceLayout, int]:
+        """The sequence layout and batch size of a call: from its first ``[batch, sequence, ...]`` tensor."""
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
         sequences = [t for t in tensors if t.dim() >= 2]
         if not sequences:
@@ -336,7 +334,7 @@ class SequenceSplitter:
                 f"Context parallelism splits the model call's [batch, sequence, ...] inputs along dim 1, but "
                 f"{type(module).__name__} was called with {shapes}."
             )
-        return SequenceLayout(sequences[0].size(SEQUENCE_DIM), self.size, self.rank)
+        return SequenceLayout(sequences[0].size(SEQUENCE_DIM), self.size, self.rank), sequences[0].size(0)
 
     def _gather_outputs(self, module: nn.Module, output: Any, layout: SequenceLayout) -> Any:
         def per_token(value: Any) -> bool:

@@ -28,29 +28,12 @@ from torch.distributed.tensor.experimental._context_parallel import (
     _attention as _torch_ring,
 )
 
+from lightning_parallel.measure.collectives import context_parallel_exchange
+
 aten = torch.ops.aten
 
 #: Dimension of the sequence in attention's ``[batch, heads, sequence, head_dim]`` tensors.
 SEQUENCE_DIM = 2
-
-#: How many context-parallel exchanges (ring attention, output gathers) are running on this thread.
-_exchanging = [0]
-
-
-@contextmanager
-def context_parallel_exchange() -> Generator[None, None, None]:
-    """Marks collectives issued inside as context parallelism's (the monitor counts them apart from TP's)."""
-    _exchanging[0] += 1
-    try:
-        yield
-    finally:
-        _exchanging[0] -= 1
-
-
-def context_parallel_exchanging() -> bool:
-    """Whether a context-parallel exchange is running (see :func:`context_parallel_exchange`)."""
-    return _exchanging[0] > 0
-
 
 @dataclass(frozen=True)
 class AttentionKernel:
