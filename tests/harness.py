@@ -44,10 +44,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 @dataclass
 class JobSpec:
     # gpt | convnet | regressor (untraceable nn.Sequential) | regressor_loop (untraceable, no Sequential)
-    # | hf_<family> (a transformers causal LM from a tiny config, see tests/hf_models.py; hf_<family>:sdpa with
-    # attn_implementation="sdpa" instead of eager)
+    # | hf_<family> (a transformers causal LM from a tiny config, see tests/hf_models.py, with transformers'
+    # default attention, SDPA; hf_<family>:eager with attn_implementation="eager" instead)
+    # (also hf_opt, hf_bert (masked LM), hf_vit and hf_resnet (image classifiers on synthetic images): OTHER_FAMILIES)
     # | demo_transformer (Lightning's demo nn.Transformer) | view_attention (hand-written Llama-style LM)
     # | rotary_attention (view_attention with rotary tables sliced by length and enable_gqa attention)
+    # | llama_reference (issue 29's hand-written Llama: custom RMSNorm, SwiGLU module, view/reshape heads)
+    # | hand_norm_attention (view_attention with Meta's hand-written RMSNorm: no reset_parameters())
+    # | litgpt (Lightning's LitGPT model: fused GQA qkv, head counts on its Config dataclass; needs litgpt)
     model: str = "gpt"
     strategy: str = "single"  # single | data | tensor | pipeline | hybrid
     devices: int = 1
@@ -267,7 +271,12 @@ def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> 
 
 def make_data(spec: JobSpec) -> L.LightningDataModule:
     """The job's data module (no shuffling)."""
-    if spec.model in ("gpt", "demo_transformer", "view_attention", "rotary_attention") or spec.model.startswith("hf_"):
+    if spec.model.startswith("hf_"):
+        from tests.hf_models import is_image_family
+
+        if is_image_family(spec.model.removeprefix("hf_").partition(":")[0]):  # hf_vit, hf_resnet
+            return SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
+    if spec.model in ("gpt", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference") or spec.model.startswith("hf_"):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -302,11 +311,23 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         from tests.hf_models import RotaryLM
 
         return RotaryLM()
+    if spec.model == "llama_reference":
+        from tests.hf_models import ReferenceLlamaLM
+
+        return ReferenceLlamaLM()
+    if spec.model == "hand_norm_attention":
+        from tests.hf_models import HandNormLM
+
+        return HandNormLM()
+    if spec.model == "litgpt":
+        from tests.hf_models import LitGPTLM
+
+        return LitGPTLM()
     if spec.model.startswith("hf_"):
-        from tests.hf_models import HFCausalLM
+        from tests.hf_models import make_hf_model
 
         family, _, attention = spec.model.removeprefix("hf_").partition(":")
-        return HFCausalLM(family, attention=attention or "eager")
+        return make_hf_model(family, attention=attention or "sdpa")
     raise ValueError(f"unknown model {spec.model!r}")
 
 

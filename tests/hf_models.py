@@ -15,29 +15,27 @@ import torch.nn.functional as F
 
 VOCAB = 128  # the char corpus' vocabulary
 
-#: family -> (config class name, config fields); widths tiny, every dropout off, float64-friendly eager attention.
+#: family -> (config class name, config fields); widths tiny, every dropout off, four blocks (two per stage under pp2).
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # GQA (4 query heads, 2 k/v heads), separate q/k/v/o, SwiGLU MLP, untied head.
     "llama": ("LlamaConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                  num_hidden_layers=2, tie_word_embeddings=False)),
+                                  num_hidden_layers=4, tie_word_embeddings=False)),
     # Fused c_attn (Conv1D, weight stored [in, out]: q | k | v blocks), tied head, learned positions.
-    # Three layers: its tied embedding stays whole under TP, and at two layers of this width it would be a
-    # third of the model.
-    "gpt2": ("GPT2Config", dict(n_embd=32, n_head=4, n_layer=3, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0,
+    "gpt2": ("GPT2Config", dict(n_embd=32, n_head=4, n_layer=4, n_inner=64, resid_pdrop=0.0, embd_pdrop=0.0,
                                 attn_pdrop=0.0, tie_word_embeddings=True)),
     # GQA with biased q/k/v projections.
     "qwen2": ("Qwen2Config", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                  num_hidden_layers=2, tie_word_embeddings=False)),
+                                  num_hidden_layers=4, tie_word_embeddings=False)),
     # Fused qkv_proj (q | k | v blocks, GQA) and fused gate_up_proj.
     "phi3": ("Phi3Config", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                num_hidden_layers=2, tie_word_embeddings=False, pad_token_id=0)),
+                                num_hidden_layers=4, tie_word_embeddings=False, pad_token_id=0)),
     # Fused query_key_value interleaved per head ([q_h, k_h, v_h] for each head h), parallel residual.
-    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=4,
                                        tie_word_embeddings=False, rotary_pct=0.5)),
 }
 
 
-def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 16, attention: str = "eager") -> Any:
+def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 16, attention: str = "sdpa") -> Any:
     import transformers
 
     class_name, fields = FAMILIES[family]
@@ -54,7 +52,7 @@ def build_config(family: str, vocab_size: int = VOCAB, max_positions: int = 16, 
 class HFCausalLM(L.LightningModule):
     """A transformers causal LM trained on (input, target) token blocks, as a user would wrap one."""
 
-    def __init__(self, family: str = "llama", lr: float = 0.1, attention: str = "eager") -> None:
+    def __init__(self, family: str = "llama", lr: float = 0.1, attention: str = "sdpa") -> None:
         super().__init__()
         from transformers import AutoModelForCausalLM
 
@@ -206,3 +204,206 @@ class RotaryLM(ViewAttentionLM):
     def __init__(self, lr: float = 0.1) -> None:
         super().__init__(lr)
         self.layers = torch.nn.ModuleList(RotaryBlock() for _ in range(2))
+
+
+#: Families beyond the causal-LM matrix above (kept out of ``FAMILIES``, which every layout of
+#: tests/distributed/test_transformers.py runs): family -> (kind, config class name, config fields).
+#: Kinds: ``causal_lm`` and ``masked_lm`` train on the char corpus, ``image`` on 8×8 synthetic images.
+OTHER_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Learned positions with an offset, a projection-free embedding (word_embed_proj_dim = hidden), tied head.
+    "opt": ("causal_lm", "OPTConfig", dict(hidden_size=32, ffn_dim=64, num_attention_heads=4, num_hidden_layers=4,
+                                           word_embed_proj_dim=32, max_position_embeddings=16, dropout=0.0,
+                                           attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)),
+    # Bidirectional encoder; attention output projections in sibling modules named `output`.
+    "bert": ("masked_lm", "BertConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                             num_hidden_layers=4, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                             attention_probs_dropout_prob=0.0)),
+    # Patch convolution stem, CLS token, encoder blocks.
+    "vit": ("image", "ViTConfig", dict(image_size=8, patch_size=4, num_channels=3, hidden_size=32, intermediate_size=64,
+                                       num_attention_heads=4, num_hidden_layers=4, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, num_labels=10)),
+    # A CNN whose stages hold BatchNorm layers.
+    "resnet": ("image", "ResNetConfig", dict(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                             layer_type="basic", num_labels=10)),
+    # Multi-query attention (4 query heads, one k/v head) in a fused query_key_value laid out q | k | v, parallel
+    # attention and MLP, FalconLinear (an nn.Linear subclass), tied head. Under tp2 its attention stays whole.
+    "falcon": ("causal_lm", "FalconConfig", dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=4,
+                                                 hidden_dropout=0.0, attention_dropout=0.0)),
+    # Falcon's new decoder architecture: query_key_value grouped per k/v head (2 groups of 2 query heads + k + v).
+    "falcon_grouped": ("causal_lm", "FalconConfig", dict(hidden_size=32, num_attention_heads=4, num_kv_heads=2,
+                                                         new_decoder_architecture=True, num_hidden_layers=4,
+                                                         hidden_dropout=0.0, attention_dropout=0.0)),
+    # ALiBi (one slope per head, built for all heads in the model), query_key_value interleaved per head, tied head.
+    "bloom": ("causal_lm", "BloomConfig", dict(hidden_size=32, n_head=4, n_layer=4, hidden_dropout=0.0,
+                                               attention_dropout=0.0)),
+}
+
+
+def other_config(family: str, attention: str = "sdpa") -> Any:
+    """The tiny config of an :data:`OTHER_FAMILIES` family (token models: the char corpus' vocabulary)."""
+    import transformers
+
+    kind, class_name, fields = OTHER_FAMILIES[family]
+    extra = {} if kind == "image" else {"vocab_size": VOCAB}
+    config = getattr(transformers, class_name)(**extra, **fields)
+    if family != "resnet":  # no attention to choose
+        config._attn_implementation = attention
+    return config
+
+
+class HFOtherLM(HFCausalLM):
+    """An :data:`OTHER_FAMILIES` token model (causal or masked LM) trained like :class:`HFCausalLM`: a masked
+    LM sees the whole block and predicts the next token at each position (no masking: an exact-math test)."""
+
+    def __init__(self, family: str = "opt", lr: float = 0.1, attention: str = "sdpa") -> None:
+        super(HFCausalLM, self).__init__()  # LightningModule's: the net is built here
+        import transformers
+
+        self.save_hyperparameters()
+        auto = {"causal_lm": transformers.AutoModelForCausalLM, "masked_lm": transformers.AutoModelForMaskedLM}
+        self.net = auto[OTHER_FAMILIES[family][0]].from_config(other_config(family, attention))
+
+
+class HFImageClassifier(L.LightningModule):
+    """A transformers image classifier (``pixel_values`` in, ``logits`` out) on labelled images."""
+
+    def __init__(self, family: str = "vit", lr: float = 0.1, attention: str = "sdpa") -> None:
+        super().__init__()
+        from transformers import AutoModelForImageClassification
+
+        self.save_hyperparameters()
+        self.net = AutoModelForImageClassification.from_config(other_config(family, attention))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(pixel_values=x).logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        loss = F.cross_entropy(self(images), labels)
+        self.log("train/loss_synced", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        images, labels = batch
+        logits = self(images)
+        self.log("val/loss", F.cross_entropy(logits, labels), sync_dist=True)
+        self.log("val/accuracy", (logits.argmax(-1) == labels).double().mean(), sync_dist=True)
+
+    configure_optimizers = HFCausalLM.configure_optimizers
+
+
+def make_hf_model(family: str, attention: str = "sdpa") -> L.LightningModule:
+    """The LightningModule of a ``hf_<family>`` job: :data:`FAMILIES` or :data:`OTHER_FAMILIES`."""
+    if family in FAMILIES:
+        return HFCausalLM(family, attention=attention)
+    if OTHER_FAMILIES[family][0] == "image":
+        return HFImageClassifier(family, attention=attention)
+    return HFOtherLM(family, attention=attention)
+
+
+def is_image_family(family: str) -> bool:
+    return family in OTHER_FAMILIES and OTHER_FAMILIES[family][0] == "image"
+
+
+class LitGPTLM(ViewAttentionLM):
+    """Lightning's own LitGPT model (``litgpt.model.GPT``): a fused ``qkv`` with grouped-query attention
+    (4 query heads, 2 query groups) whose head counts live on its ``Config`` dataclass, a LLaMA MLP, and
+    rope caches set after construction (``max_seq_length``), trained like the transformers models."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        L.LightningModule.__init__(self)
+        from litgpt.config import Config
+        from litgpt.model import GPT
+
+        self.lr = lr
+        config = Config(block_size=16, vocab_size=VOCAB, padded_vocab_size=VOCAB, n_layer=4, n_head=4, n_query_groups=2,
+                        n_embd=32, intermediate_size=64, bias=False, mlp_class_name="LLaMAMLP", norm_class_name="RMSNorm",
+                        rotary_percentage=1.0, parallel_residual=False)
+        self.net = GPT(config)
+        self.net.max_seq_length = 16  # builds the rope caches, as litgpt's scripts do
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class HandRMSNorm(torch.nn.Module):
+    """RMSNorm as Meta's reference Llama code writes it: the weight made in ``__init__``, no ``reset_parameters()``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class HandNormBlock(ViewBlock):
+    def __init__(self, dim: int = 32) -> None:
+        torch.nn.Module.__init__(self)  # ViewBlock's layers, in its order, with HandRMSNorm for its norms
+        self.attention_norm, self.ffn_norm = HandRMSNorm(dim), HandRMSNorm(dim)
+        self.attention = ViewAttention(dim)
+        self.w1, self.w3, self.w2 = torch.nn.Linear(dim, 64, bias=False), torch.nn.Linear(dim, 64, bias=False), torch.nn.Linear(64, dim, bias=False)
+
+
+class HandNormLM(ViewAttentionLM):
+    """:class:`ViewAttentionLM` with :class:`HandRMSNorm`s: under ``init_module(empty_init=True)`` their weights
+    get their values by replaying the recorded ``torch.ones``."""
+
+    def __init__(self, lr: float = 0.1) -> None:
+        L.LightningModule.__init__(self)  # built directly (not replaced after ViewAttentionLM's): eager's random stream
+        self.lr = lr
+        self.tok = torch.nn.Embedding(VOCAB, 32)
+        self.layers = torch.nn.ModuleList(HandNormBlock() for _ in range(2))
+        self.norm, self.output = HandRMSNorm(32), torch.nn.Linear(32, VOCAB, bias=False)
+
+
+# --- The hand-written Llama of issue 29, item 4, as a user writes it (Meta's reference naming): a custom
+# RMSNorm, heads split with view(B, L, self.n_heads, -1) and merged with transpose(1, 2).reshape(B, L, -1),
+# SwiGLU in a module of its own. Bodies as written in the issue; the vocabulary is the char corpus' (128).
+class RefRMSNorm(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__(); self.weight = torch.nn.Parameter(torch.ones(d))
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class RefAttention(torch.nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__(); self.n_heads = n_heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(d, d, bias=False) for _ in range(4))
+    def forward(self, x):
+        B, L, _ = x.shape
+        q = self.wq(x).view(B, L, self.n_heads, -1).transpose(1, 2)
+        k = self.wk(x).view(B, L, self.n_heads, -1).transpose(1, 2)
+        v = self.wv(x).view(B, L, self.n_heads, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, L, -1))
+
+
+class RefSwiGLU(torch.nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w1 = torch.nn.Linear(d, h, bias=False); self.w3 = torch.nn.Linear(d, h, bias=False); self.w2 = torch.nn.Linear(h, d, bias=False)
+    def forward(self, x): return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class RefLayer(torch.nn.Module):
+    def __init__(self, d, n_heads):
+        super().__init__()
+        self.attention_norm = RefRMSNorm(d); self.attention = RefAttention(d, n_heads)
+        self.ffn_norm = RefRMSNorm(d); self.feed_forward = RefSwiGLU(d, 2 * d)
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class ReferenceLlamaLM(ViewAttentionLM):
+    """Issue 29's hand-written Llama (d=32, 4 heads, 4 layers): embedding, :class:`RefLayer` blocks, RMSNorm +
+    Linear head, trained like the transformers models (model name ``llama_reference``)."""
+
+    def __init__(self, lr: float = 0.1, dim: int = 32, n_heads: int = 4, n_layers: int = 4) -> None:
+        super(ViewAttentionLM, self).__init__()  # LightningModule's: the layers are built here
+        self.lr = lr
+        self.tok = torch.nn.Embedding(VOCAB, dim)
+        self.layers = torch.nn.ModuleList(RefLayer(dim, n_heads) for _ in range(n_layers))
+        self.norm, self.output = RefRMSNorm(dim), torch.nn.Linear(dim, VOCAB, bias=False)

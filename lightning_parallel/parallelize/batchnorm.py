@@ -124,3 +124,54 @@ def _carry_state(source: _BatchNorm, target: _BatchNorm) -> None:
     target.train(source.training)
     if hasattr(source, "qconfig"):
         target.qconfig = source.qconfig
+
+
+def batch_statistics_layers(module: nn.Module, training: bool) -> list[str]:
+    """Names of the BatchNorm layers in ``module`` that normalise by the statistics of the batch they see.
+
+    In training every BatchNorm does; in evaluation only those without running statistics
+    (``track_running_stats=False``), as ``nn.BatchNorm``'s own rule says.
+    """
+    return [
+        name
+        for name, layer in module.named_modules()
+        if isinstance(layer, _BatchNorm) and (training or layer.running_mean is None or layer.running_var is None)
+    ]
+
+
+def check_pipeline_batch_statistics(
+    layers: list[str], module_name: str, microbatches: int, rows: int | None = None, padded_rows: int | None = None
+) -> None:
+    """Refuse a pipeline step whose BatchNorm statistics would differ from those of the whole batch.
+
+    A pipeline runs each batch as ``microbatches`` micro-batches, and pads an epoch's smaller last batch to
+    the traced shape: a BatchNorm layer using batch statistics would normalise by each micro-batch's
+    statistics (or count the padding rows) — training that silently differs from one device. Every rank
+    sees the same batch sizes, so every rank raises here, before any communication of the step.
+
+    Args:
+        layers: What :func:`batch_statistics_layers` found in the module the pipeline cuts, for the step's
+            mode (found before the cut: afterwards each rank holds only its stages' running statistics).
+        module_name: That module's class name, for the message.
+        microbatches: Micro-batches per batch.
+        rows: Rows of this batch, and ``padded_rows`` what the pipeline would pad it to (both or neither).
+
+    Raises:
+        ValueError: There are such layers and ``microbatches > 1`` or the batch would be padded.
+    """
+    if not layers:
+        return
+    named = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    what = f"{module_name} has BatchNorm layers ({named}) that normalise by the statistics of the batch they see"
+    if microbatches > 1:
+        raise ValueError(
+            f"{what}, and the pipeline splits each batch into microbatches={microbatches} micro-batches: each would be "
+            f"normalised by its own statistics, not the whole batch's as on one device. Use microbatches=1 (with "
+            f"schedule='gpipe'; exact, but the stages do not overlap), replace BatchNorm by GroupNorm or LayerNorm, "
+            f"or use data parallelism (DataParallelStrategy(sync_batchnorm=True) for statistics over the global batch)."
+        )
+    if rows is not None and padded_rows is not None and rows < padded_rows:
+        raise ValueError(
+            f"{what}, and this batch of {rows} rows would be padded to the traced {padded_rows} rows, padding that "
+            f"the statistics would include. Keep every batch the same size (DataLoader(drop_last=True) for training)."
+        )

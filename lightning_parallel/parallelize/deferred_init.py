@@ -2,11 +2,14 @@
 
 Under ``trainer.init_module(empty_init=True)`` the strategies build the module with its parameters on the
 meta device (:func:`parameters_on_meta`); buffers are built as usual, so tables computed in ``__init__``
-(rotary frequencies, causal masks) are right. The strategy then splits the meta module (tensor-parallel
-plan, pipeline stages, FSDP2), allocates only this rank's part (:func:`allocate_local`), and gives it the
-values eager construction would have (:class:`InitialValues`): each module is materialised whole on the
-host one at a time, initialised in the order eager construction initialises it, and only this rank's part
-is copied out. The extra memory is then the largest single module, not the model.
+(rotary frequencies, causal masks) are right, and how each parameter was made is recorded
+(``parallelize/deferred_record.py``). The strategy then splits the meta module (tensor-parallel plan,
+pipeline stages, FSDP2), allocates only this rank's part (:func:`allocate_local`), and gives it the values
+eager construction would have (:class:`InitialValues`): each module is materialised whole on the host one
+at a time, initialised in the order eager construction initialises it (its recorded creations replayed,
+then its ``reset_parameters()``), and only this rank's part is copied out; a parameter made as one value
+everywhere (``torch.ones``, ``torch.full``) is written straight into this rank's shard. The extra memory is
+then the largest single module, not the model.
 """
 
 from __future__ import annotations
@@ -19,35 +22,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.checkpoint.state import copy_part_into, copy_whole_into, listing
+from lightning_parallel.parallelize.deferred_record import Node, Recipe, recipes_of
+from lightning_parallel.parallelize.deferred_record import parameters_on_meta as parameters_on_meta  # the strategies' entry point
+from lightning_parallel.parallelize.deferred_replay import ReplayError, constant, reason_not_replayable, replay
 from lightning_parallel.parallelize.fused import FusedLayout
 
 #: A target tensor by full name: a parameter or buffer this rank holds (whole, a DTensor shard, a stage's).
 Targets = Mapping[str, Tensor]
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Register every parameter created inside on the meta device (no memory); buffers stay as built.
-
-    Each parameter is moved right after it is registered, so a layer's own ``reset_parameters()`` in its
-    ``__init__`` runs on the meta tensor: it neither allocates nor draws random numbers.
-    """
-    original = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            parameter_class = type(param)
-            extra = dict(param.__dict__)  # e.g. flags set on a parameter subclass
-            module._parameters[name] = parameter_class(param.to("meta"), requires_grad=param.requires_grad, **extra)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -114,39 +98,65 @@ class InitialValues:
     """Replays eager initialisation on the host, one module at a time, and copies out this rank's parts.
 
     Eager construction is a sequence of initialisations, in the order modules finish building (children
-    before their parent, in registration order): each module's ``reset_parameters()`` (torch's layers
-    call it in ``__init__``), and, where a module initialises its subtree (:func:`initializers`), its
-    ``_init_weights`` over every module of it not initialised by a nested one (``nn.Module.apply``'s
-    order). A first pass replays that sequence, drawing the same random numbers but keeping nothing, and
-    records the generator state before each step; the second materialises each module alone, replays its
-    own steps from those states and copies this rank's part out. The same seed therefore gives the same
-    weights as building on one device, under every layout, and the generator ends where construction
-    leaves it. Tied weights take the value of the last step that initialised them, as in eager.
+    before their parent, in registration order): each module's own creations (``nn.Parameter(torch.ones(d))``,
+    ``torch.randn``, ``nn.init.normal_(self.weight)`` in ``__init__``: replayed from what
+    :func:`parameters_on_meta` recorded) and its ``reset_parameters()`` (torch's layers call it at the end of
+    ``__init__``; a module that has one replays only how its parameters were made before registration), and,
+    where a module initialises its subtree (:func:`initializers`), its ``_init_weights`` over every module of
+    it not initialised by a nested one (``nn.Module.apply``'s order). A first pass replays that sequence,
+    drawing the same random numbers but keeping nothing, and records the generator state before each step;
+    the second materialises each module alone, replays its own steps from those states and copies this
+    rank's part out. The same seed therefore gives the same weights as building on one device, under every
+    layout, and the generator ends where construction leaves it. Tied weights take the value of the last
+    step that initialised them, as in eager. A module whose parameters are all one value everywhere and that
+    nothing else initialises is not materialised: each rank fills its shard directly.
 
     Args:
         skeleton: A meta-device copy of the whole module taken before it was split (no memory).
+        recipes: How each parameter was made, by full name (:func:`recipes_of`).
 
     Raises:
-        TypeError: A module holds parameters that neither its ``reset_parameters`` nor an ``_init_weights``
-            above it initialises.
+        TypeError: A module holds parameters that neither its ``reset_parameters``, an ``_init_weights``
+            above it, nor a replayable recorded creation initialises.
     """
 
-    def __init__(self, skeleton: nn.Module) -> None:
+    def __init__(self, skeleton: nn.Module, recipes: Mapping[str, Recipe] | None = None) -> None:
         self.skeleton = skeleton
         self.units = init_units(skeleton)
         owners = initializers(skeleton)
         covered = {id(m) for owner in owners for m in owner.modules()}
-        uncovered = [
-            f"{name or '<root>'} ({type(unit).__name__})"
-            for name, unit in self.units
-            if _reset_method(unit) is None and id(unit) not in covered
-        ]
+        self.replayed: dict[int, dict[str, Node]] = {}  # unit -> its own parameters' creations to replay
+        self.elsewhere: dict[int, set[str]] = {}  # unit -> tied parameters another unit replays
+        self.constants: dict[int, dict[str, Tensor]] = {}  # unit -> one value per parameter: filled in place
+        first_holder: dict[int, int] = {}
+        uncovered = []
+        for name, unit in self.units:
+            resets, alone = _reset_method(unit) is not None, id(unit) not in covered
+            for local, param in unit._parameters.items():
+                if param is None:
+                    continue
+                full = f"{name}.{local}" if name else local
+                recipe = (recipes or {}).get(full)
+                node = None if recipe is None else recipe.created if resets else recipe.final
+                reason = "it was not made while the module was built" if node is None else reason_not_replayable(node)
+                if first_holder.setdefault(id(param), id(unit)) != id(unit):
+                    self.elsewhere.setdefault(id(unit), set()).add(local)
+                    continue
+                if reason is None:
+                    self.replayed.setdefault(id(unit), {})[local] = node  # type: ignore[assignment]
+                elif not resets and alone:
+                    uncovered.append(f"{full} ({type(unit).__name__}): {reason}")
+            own = [p for p in unit._parameters.values() if p is not None and first_holder[id(p)] == id(unit)]
+            if not resets and alone and own and len(self.replayed.get(id(unit), {})) == len(own):
+                values = {local: constant(node) for local, node in self.replayed[id(unit)].items()}
+                if all(v is not None for v in values.values()):
+                    self.constants[id(unit)] = values  # type: ignore[assignment]
         if uncovered:
             raise TypeError(
-                f"These modules hold parameters but define no reset_parameters(), so they cannot be initialised after "
-                f"being built on the meta device: {listing(uncovered)}. Give each a reset_parameters() that sets its own "
-                f"parameters (torch's convention for deferred initialisation), or build the model without "
-                f"trainer.init_module(empty_init=True)."
+                f"These modules hold parameters but define no reset_parameters(), and how these parameters were made "
+                f"cannot be replayed, so they cannot be initialised after being built on the meta device: "
+                f"{listing(uncovered)}. Give each module a reset_parameters() that sets its own parameters (torch's "
+                f"convention for deferred initialisation), or build the model without trainer.init_module(empty_init=True)."
             )
         self.steps = _construction_steps(skeleton, {id(u) for _, u in self.units}, {id(o) for o in owners})
 
@@ -154,7 +164,22 @@ class InitialValues:
     def of(cls, module: nn.Module) -> InitialValues:
         """Record ``module`` (built with meta parameters) before it is split."""
         check_buffers_built(module)
-        return cls(meta_skeleton(module))
+        return cls(meta_skeleton(module), recipes_of(module))
+
+    def _construct(self, unit: nn.Module) -> None:
+        """``unit``'s own step of eager construction, on its materialised parameters: creations, then reset."""
+        memo: dict[int, Tensor] = {}  # one replay per unit: tensors shared between its parameters stay shared
+        for local, node in self.replayed.get(id(unit), {}).items():
+            try:
+                unit._parameters[local].copy_(replay(node, memo))  # type: ignore[union-attr]
+            except ReplayError as error:
+                prefix = next((f"{n}." for n, u in self.units if u is unit and n), "")
+                raise TypeError(
+                    f"{prefix}{local} ({type(unit).__name__}) could not be made again as it was made in __init__: {error}. Give "
+                    f"{type(unit).__name__} a reset_parameters() that sets it, or build the model without "
+                    f"trainer.init_module(empty_init=True)."
+                ) from error
+        _reset(unit)
 
     @torch.no_grad()
     def write(self, targets: Targets, fused: Mapping[str, FusedLayout] | None = None) -> list[str]:
@@ -177,8 +202,9 @@ class InitialValues:
             state = torch.get_rng_state()
             if kind == "reset":
                 reset_state[id(unit)] = state
-                with _materialised(unit, scratch):
-                    _reset(unit)
+                if id(unit) not in self.constants:  # constants draw nothing
+                    with _materialised(unit, scratch):
+                        self._construct(unit)
             else:
                 init_state[id(unit)] = (state, owner._init_weights)  # type: ignore[union-attr]
                 with _materialised(unit, scratch):
@@ -194,16 +220,31 @@ class InitialValues:
         reset_only = [u for _, u in reversed(self.units) if id(u) not in init_state]
         initialised = sorted((u for _, u in self.units if id(u) in init_state), key=lambda u: last_step[id(u)])
         for unit in [*reset_only, *initialised]:
+            if id(unit) in self.constants:
+                written += _fill_constants(names[id(unit)], self.constants[id(unit)], targets)
+                continue
             with _materialised(unit, scratch):
                 torch.set_rng_state(reset_state[id(unit)])
-                _reset(unit)
+                self._construct(unit)
                 if id(unit) in init_state:
                     state, initialize = init_state[id(unit)]
                     torch.set_rng_state(state)
                     initialize(unit)
-                written += _copy_out(names[id(unit)], unit, targets, fused)
+                written += _copy_out(names[id(unit)], unit, targets, fused, self.elsewhere.get(id(unit), set()))
         torch.set_rng_state(end)
         return written
+
+
+def _fill_constants(prefix: str, values: Mapping[str, Tensor], targets: Targets) -> list[str]:
+    """Write parameters that are one value everywhere straight into this rank's part (no whole tensor)."""
+    written = []
+    for local_name, value in values.items():
+        name = f"{prefix}.{local_name}" if prefix else local_name
+        if name in targets:
+            target = targets[name]
+            (target.to_local() if isinstance(target, DTensor) else target).fill_(value)
+            written.append(name)
+    return written
 
 
 def _construction_steps(
@@ -301,8 +342,9 @@ def _materialised(unit: nn.Module, scratch: HostScratch) -> Iterator[None]:
         params.update(saved)
 
 
-def _copy_out(prefix: str, unit: nn.Module, targets: Targets, fused: Mapping[str, FusedLayout]) -> list[str]:
-    """Copy ``unit``'s own parameters into the targets this rank holds; refuse values left uninitialised."""
+def _copy_out(prefix: str, unit: nn.Module, targets: Targets, fused: Mapping[str, FusedLayout], elsewhere: set[str]) -> list[str]:
+    """Copy ``unit``'s own parameters into the targets this rank holds; refuse values left uninitialised
+    (except tied ones in ``elsewhere``, whose first holder gives them their value)."""
     written = []
     for local_name, value in unit._parameters.items():
         if value is None:
@@ -310,7 +352,10 @@ def _copy_out(prefix: str, unit: nn.Module, targets: Targets, fused: Mapping[str
         name = f"{prefix}.{local_name}" if prefix else local_name
         if name not in targets:
             continue  # held by another rank (another pipeline stage)
-        if value.is_floating_point() and value.sum().isnan():  # a sum, not a mask: no temporary of the tensor's size
+        unset = value.is_floating_point() and bool(value.sum().isnan())  # a sum, not a mask: no temporary of the tensor's size
+        if unset and local_name in elsewhere:
+            continue
+        if unset:
             raise TypeError(
                 f"{name} ({type(unit).__name__}) was not initialised by its reset_parameters() or the model's "
                 f"_init_weights: give {type(unit).__name__} a reset_parameters() that sets every parameter it owns."

@@ -28,6 +28,7 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils._pytree import tree_map
 
 from lightning_parallel.parallelize.pipeline_schedule import stages_on
+from lightning_parallel.parallelize.stage_boundary import contiguous_boundaries, contiguous_module_boundaries
 from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
 
 
@@ -284,6 +285,7 @@ def _trace(
     module.train(training)
     try:
         pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+        contiguous_boundaries(pipe)  # p2p sends need contiguous activations and gradients
         for submodule in pipe.split_gm.modules():
             if isinstance(submodule, InterpreterModule):
                 _clean_graph(submodule, device)
@@ -311,7 +313,7 @@ def _clean_graph(submodule: InterpreterModule, device: torch.device | None) -> N
     and DTensor has no rule for them (tensor-parallel stages run the graph on DTensors).
     """
     graph = submodule.graph
-    changed = False
+    changed = _rename_nodes_named_self(graph)
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
             graph.erase_node(node)
@@ -325,6 +327,27 @@ def _clean_graph(submodule: InterpreterModule, device: torch.device | None) -> N
                 changed = True
     if changed:
         submodule.finalize()
+
+
+def _rename_nodes_named_self(graph: torch.fx.Graph) -> bool:
+    """Rename nodes called ``self``: the generated ``forward(self, ...)`` would assign them over ``self``.
+
+    Export's unflattening names a submodule call after the submodule, and torch 2.13's FX namespace does not
+    reserve ``self``: BERT's ``attention.self`` becomes ``self = self.self(...)``, and the next submodule
+    call fails with "'Tensor' object has no attribute 'output'". (torch.fx.Interpreter, which reads the
+    graph rather than the code, is unaffected; the stages run the generated code.)
+    """
+    renamed = False
+    for node in list(graph.nodes):
+        if node.name != "self" or node.op == "placeholder":
+            continue
+        with graph.inserting_after(node):
+            replacement = graph.create_node(node.op, node.target, node.args, node.kwargs, name="self_output")
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+        renamed = True
+    return renamed
 
 
 def _drop_empty_cat_inputs(node: torch.fx.Node) -> bool:
@@ -409,6 +432,8 @@ def _slice_sequential(
         raise ValueError(f"split_points {list(split_points)} must be increasing children of the nn.Sequential.")
     parts = [nn.Sequential(*list(module)[a:b]) for a, b in pairwise(bounds)]
     num_stages = len(parts)
+    for part in parts:
+        contiguous_module_boundaries(part)  # p2p sends need contiguous activations and gradients
 
     def stage(s: int) -> PipelineStage:
         return PipelineStage(parts[s], s, num_stages, device, group=group)

@@ -8,11 +8,17 @@ read ``self.config.num_attention_heads`` in ``forward``). No Lightning here.
 
 from __future__ import annotations
 
+from functools import cache
+
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 #: Attributes holding the number of query heads, then of key/value heads (module or its config).
 QUERY_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-KEY_VALUE_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num")
+#: (LitGPT keeps ``n_query_groups`` on its ``config`` dataclass; never ``num_key_value_groups``: in transformers
+#: that is the ratio of query to key/value heads.)
+KEY_VALUE_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_query_groups")
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -28,8 +34,37 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def is_projection(module: nn.Module) -> bool:
-    """An ``nn.Linear`` (exactly: subclasses may compute something else) or a transformers ``Conv1D``."""
-    return type(module) is nn.Linear or is_conv1d(module)
+    """An ``nn.Linear`` (or a subclass computing the same map, see :func:`computes_linear`) or a transformers ``Conv1D``."""
+    return (isinstance(module, nn.Linear) and computes_linear(type(module))) or is_conv1d(module)
+
+
+@cache
+def computes_linear(cls: type[nn.Linear]) -> bool:
+    """Whether instances of an ``nn.Linear`` subclass compute ``x @ W.T + b`` with nothing else.
+
+    Subclasses that keep ``nn.Linear.forward`` do; one that overrides it (Falcon's ``FalconLinear``: the
+    same map written as ``x @ W.T + b``; a LoRA or quantised layer: something else) is checked once on a
+    small probe instance of the class, with and without a bias. A subclass that cannot be probed so (its
+    forward needs state its own ``__init__`` sets) is not a projection: the plan leaves it whole.
+    """
+    if cls.forward is nn.Linear.forward:
+        return True
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, dtype=torch.float64, generator=generator)
+    for bias in (True, False):
+        probe = cls.__new__(cls)
+        nn.Linear.__init__(probe, 5, 4, bias=bias, dtype=torch.float64)
+        with torch.no_grad():
+            probe.weight.copy_(torch.randn(4, 5, dtype=torch.float64, generator=generator))
+            if bias:
+                probe.bias.copy_(torch.randn(4, dtype=torch.float64, generator=generator))
+            try:
+                y = probe(x)
+            except Exception:  # noqa: BLE001 - any failure means "not a plain linear map we can split"
+                return False
+            if not isinstance(y, torch.Tensor) or y.shape != (2, 3, 4) or not torch.allclose(y, F.linear(x, probe.weight, probe.bias)):
+                return False
+    return True
 
 
 def features(module: nn.Module) -> tuple[int, int]:
@@ -63,6 +98,18 @@ def qkv_blocks(fqn: str, projection: nn.Module, attention: nn.Module | None) -> 
         ValueError: The head counts are unknown or do not explain the projection's width.
     """
     _, out = features(projection)
+    heads, kv_heads = qkv_heads(fqn, projection, attention)
+    head_dim = out // (heads + 2 * kv_heads)
+    return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
+
+
+def qkv_heads(fqn: str, projection: nn.Module, attention: nn.Module | None) -> tuple[int, int]:
+    """``(query heads, key/value heads)`` of a fused q/k/v projection, read from its attention module.
+
+    Raises:
+        ValueError: The head counts are unknown or do not explain the projection's width.
+    """
+    _, out = features(projection)
     query = head_count(attention, QUERY_HEADS)
     if query is None:
         raise ValueError(
@@ -73,9 +120,9 @@ def qkv_blocks(fqn: str, projection: nn.Module, attention: nn.Module | None) -> 
     kv = head_count(attention, KEY_VALUE_HEADS)
     kv_heads = kv[0] if kv is not None else heads
     if out % (heads + 2 * kv_heads) != 0:
+        where = kv[1] if kv is not None else f"no key/value head count among {', '.join(KEY_VALUE_HEADS)}"
         raise ValueError(
-            f"{fqn}: out_features={out} is not q|k|v for {heads} query and {kv_heads} key/value heads "
-            f"({heads} + 2·{kv_heads} heads do not divide it): the fused layout is unknown. Leave it replicated in the plan."
+            f"{fqn}: out_features={out} is not q|k|v for {heads} query and {kv_heads} key/value heads ({query[1]}; {where}): "
+            f"{heads} + 2·{kv_heads} heads do not divide it, so the fused layout is unknown. Leave it replicated in the plan."
         )
-    head_dim = out // (heads + 2 * kv_heads)
-    return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
+    return heads, kv_heads

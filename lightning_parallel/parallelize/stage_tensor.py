@@ -31,6 +31,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map
 
 import lightning_parallel.parallelize.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
+from lightning_parallel.parallelize.stage_views import contiguous_before_views
 from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
 
 #: Placement of each parameter of a module, by style; anything not listed is replicated. Fused projections
@@ -108,6 +109,7 @@ class StageTensorParallel:
         stage_module.register_forward_pre_hook(self._inputs_to_dtensor, with_kwargs=True)
         stage_module.register_forward_hook(self._outputs_to_whole)
         _reduce_after_embeddings(stage_module)
+        contiguous_before_views(stage_module)  # local shards' strides are not the trace's
 
     def context(self) -> AbstractContextManager[Any]:
         """Run stages (forward and backward) in this: tensors the graph creates (positions, masks) count as replicated."""

@@ -12,6 +12,7 @@ No Lightning here.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import logging
 from collections.abc import Callable, Mapping
@@ -21,16 +22,22 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from lightning_parallel.parallelize import fused as fused_layout
+from lightning_parallel.parallelize.head_inputs import slice_per_head_inputs
+from lightning_parallel.parallelize.plan_inference import (
+    grouped_qkv_heads,
+    infer_plan,
+    infer_units,
+    is_attention_projection,
+    is_grouped_qkv,
+)
 from lightning_parallel.parallelize.projections import (
-    QUERY_HEADS,
     features,
-    head_count,
     is_conv1d,
     is_projection,
     output_dim,
     qkv_blocks,
+    qkv_heads,
 )
-from lightning_parallel.parallelize.published_plan import published_plan
 from lightning_parallel.parallelize.region_input import SharedRegionInput
 from lightning_parallel.parallelize.sequence import (
     sequence_parallel_plan,
@@ -44,36 +51,18 @@ from lightning_parallel.parallelize.tensor_plan import (
 )
 
 # STYLES and ResolvedPlan live in tensor_plan, so that sequence.py and stage_tensor.py use them without
-# importing this module; they stay importable from here too (tests and callers do).
+# importing this module; they, and infer_plan (plan_inference), stay importable from here too (tests and callers do).
+__all__ = ["STYLES", "ResolvedPlan", "TensorParallelConfig", "apply_tensor_parallel", "check_plan", "infer_plan", "resolve_plan"]
 
 log = logging.getLogger(__name__)
 
 #: Attribute names under which attention modules commonly keep their head counts, or widths they slice by
-#: (GPT-2's ``split_size``); found on the module or its ``config``, they are divided by the TP degree.
+#: (GPT-2's ``split_size``, BERT's ``all_head_size``; never a head's own width, ``attention_head_size``);
+#: found on the module or its ``config``, they are divided by the TP degree.
 HEAD_ATTRIBUTES: tuple[str, ...] = (
     "n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads", "n_local_heads",
-    "num_kv_heads", "split_size",
+    "num_kv_heads", "split_size", "all_head_size", "n_query_groups",
 )
-
-# Attention projections by conventional names: (query, key, value, output).
-_ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
-    ("q_proj", "k_proj", "v_proj", "o_proj"),
-    ("q_proj", "k_proj", "v_proj", "out_proj"),
-    ("wq", "wk", "wv", "wo"),
-    ("query", "key", "value", "out"),
-    ("query", "key", "value", "dense"),
-    ("to_q", "to_k", "to_v", "to_out"),
-)
-# Fused projections laid out as concatenated blocks q | k | v (GQA: k and v narrower), and their output projections.
-_FUSED_QKV_NAMES = ("qkv", "c_attn", "wqkv", "qkv_proj")
-_ATTENTION_OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo", "proj", "out")
-# Fused q/k/v whose layout differs between families (per-head interleaved in GPT-NeoX and Bloom, blocks in
-# others): split only as the model's own published plan says.
-_AMBIGUOUS_QKV_NAMES = ("query_key_value",)
-# Fused gate | up projections of gated MLPs, and their output projections.
-_FUSED_GATE_UP_NAMES = ("gate_up_proj",)
-_MLP_OUTPUT_NAMES = ("down_proj", "c_proj", "fc2", "w2", "wo")
-
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
@@ -105,12 +94,82 @@ class TensorParallelConfig:
             raise TypeError(f"plan must be 'auto' or a mapping of patterns to styles, got {type(self.plan).__name__}.")
         object.__setattr__(self, "head_attributes", tuple(self.head_attributes))
 
-    def resolve(self, module: nn.Module, warn: Callable[[str], None] = log.warning) -> ResolvedPlan:
-        """The plan bound to ``module`` (inferred first when ``plan="auto"``)."""
+    def resolve(self, module: nn.Module, warn: Callable[[str], None] = log.warning, tp_size: int | None = None) -> ResolvedPlan:
+        """The plan bound to ``module`` (inferred first when ``plan="auto"``).
+
+        Args:
+            tp_size: The TP degree the plan is for. With ``plan="auto"``, an inferred group (an attention, an
+                MLP) that no degree dividing it can split (a single key/value head: multi-query attention)
+                stays whole, named with the reason in the printed plan (:attr:`ResolvedPlan.kept_whole`);
+                one that a smaller degree could split is refused (the degree is the mistake). An explicit
+                plan is checked as written by :func:`check_plan`.
+
+        Raises:
+            ValueError: ``plan="auto"``, and a group that a smaller degree than ``tp_size`` could split does
+                not divide by it (:func:`check_plan`'s error).
+            ValueError: ``plan="auto"`` and ``tp_size > 1``, but nothing in ``module`` can be split: training
+                would be a whole copy on every rank, not tensor parallel. The error names what stays whole and why.
+        """
         if self.plan != "auto":
             return resolve_plan(module, dict(self.plan), self.head_attributes)
         sources: dict[str, str] = {}
-        return resolve_plan(module, infer_plan(module, warn, sources), self.head_attributes, sources)
+        notes: list[str] = []
+
+        def noted(message: str) -> None:
+            notes.append(message)
+            warn(message)
+
+        units = infer_units(module, noted, sources)
+        kept_whole: dict[str, str] = {}
+        whole_plan = {fqn: style for unit in units for fqn, style in unit.items()}
+        if tp_size is not None and tp_size > 1 and _split_error(module, whole_plan, self.head_attributes, tp_size):
+            # Some group does not divide: find which, one group at a time (most models skip this).
+            kept: list[dict[str, str]] = []
+            for unit in units:
+                error = _split_error(module, unit, self.head_attributes, tp_size)
+                if error is None:
+                    kept.append(unit)
+                elif all(_split_error(module, unit, self.head_attributes, d) for d in range(2, tp_size) if tp_size % d == 0):
+                    # No degree dividing tp_size splits it (one k/v head: multi-query attention): whole, named.
+                    kept_whole[_common_parent(unit)] = str(error)
+                else:
+                    raise error  # a smaller degree would split it: the degree chosen is what to change
+            units = kept
+        plan = {fqn: style for unit in units for fqn, style in unit.items()}
+        resolved = resolve_plan(module, plan, self.head_attributes, sources)
+        resolved = dataclasses.replace(resolved, kept_whole=kept_whole)
+        if tp_size is not None and tp_size > 1 and not resolved.styles:
+            reasons = [f"{fqn}: {why}" for fqn, why in kept_whole.items()] + notes
+            found = "\n  ".join(reasons) if reasons else (
+                "no attention, MLP, embedding or head this plan recognises (see infer_plan)")
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} with plan='auto' splits nothing in {type(module).__name__}: every rank "
+                f"would hold a whole copy. What stays whole, and why:\n  {found}\nUse data parallelism for this model, or "
+                f"give TensorParallelStrategy(plan={{pattern: style}}) naming the layers to split."
+            )
+        return resolved
+
+
+def _split_error(module: nn.Module, unit: Mapping[str, str], head_attributes: tuple[str, ...], tp_size: int) -> Exception | None:
+    """Why ``unit`` (one attention, one MLP) cannot be split ``tp_size`` ways, or ``None``."""
+    try:
+        check_plan(module, resolve_plan(module, unit, head_attributes), tp_size)
+    except (ValueError, TypeError) as error:
+        return error
+    return None
+
+
+def _common_parent(unit: Mapping[str, str]) -> str:
+    """The innermost module holding every entry of ``unit`` (an attention, an MLP), for messages."""
+    if len(unit) == 1:
+        return next(iter(unit))
+    parts = [fqn.split(".")[:-1] for fqn in unit]
+    common = []
+    for names in zip(*parts):
+        if len(set(names)) > 1:
+            break
+        common.append(names[0])
+    return ".".join(common) or next(iter(unit))
 
 
 def resolve_plan(
@@ -129,11 +188,14 @@ def resolve_plan(
             patterns give one module different styles, or a fused projection's layout is unknown.
     """
     names = [name for name, _ in module.named_modules() if name]
+    known = set(names)
     styles: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ValueError(f"Plan entry {pattern!r}: style {style!r} is unknown. Choose one of: {', '.join(STYLES)}.")
-        matched = [name for name in names if fnmatchcase(name, pattern)]
+        # An exact name (as inferred plans hold) needs no scan; a glob is matched against every name.
+        exact = pattern in known and not any(c in pattern for c in "*?[")
+        matched = [pattern] if exact else [name for name in names if fnmatchcase(name, pattern)]
         if not matched:
             near = difflib.get_close_matches(pattern, names, n=5, cutoff=0.5)
             hint = f" Near matches: {', '.join(near)}." if near else ""
@@ -145,9 +207,17 @@ def resolve_plan(
             styles[name] = style
     modules = dict(module.named_modules())
     fused: dict[str, tuple[int, ...]] = {}
+    heads: dict[str, tuple[int, int]] = {}
     for fqn, style in styles.items():
+        parent, _, child = fqn.rpartition(".")
         if style == "fused_qkv":
-            fused[fqn] = qkv_blocks(fqn, modules[fqn], modules.get(fqn.rpartition(".")[0]))
+            fused[fqn] = qkv_blocks(fqn, modules[fqn], modules.get(parent))
+            heads[fqn] = qkv_heads(fqn, modules[fqn], modules.get(parent))
+        elif style == "colwise" and is_grouped_qkv(child) and is_projection(modules[fqn]):
+            # Laid out per key/value group: a column split must give each rank whole groups.
+            grouped = grouped_qkv_heads(modules.get(parent), modules[fqn])
+            if grouped is not None:
+                heads[fqn] = grouped
         elif style == "fused_gate_up":
             out = features(modules[fqn])[1] if is_projection(modules[fqn]) else 0
             fused[fqn] = (out // 2, out // 2)
@@ -157,89 +227,8 @@ def resolve_plan(
         fused=fused,
         sources={fqn: (sources or {}).get(fqn, "plan") for fqn in styles},
         conv1d=frozenset(fqn for fqn in styles if is_conv1d(modules[fqn])),
+        heads=heads,
     )
-
-
-def infer_plan(
-    module: nn.Module, warn: Callable[[str], None] = log.warning, sources: dict[str, str] | None = None
-) -> dict[str, str]:
-    """Build a Megatron-style plan from the module tree; returns ``{FQN: style}`` (an exact-name plan).
-
-    - attention with separate q/k/v/output projections (conventional names): q/k/v column-wise, output row-wise;
-    - fused q|k|v projections (``qkv_proj``, GPT-2's ``c_attn``, ...): split by blocks and whole heads
-      (``fused_qkv``), output row-wise; fused ``gate_up_proj``: ``fused_gate_up``, ``down_proj`` row-wise;
-    - MLPs, recognised by shape among a module's direct projections: ``d→h, h→d`` (first column-wise,
-      second row-wise) and gated ``d→h, d→h, h→d`` (SwiGLU: the two inputs column-wise);
-    - projections are ``nn.Linear`` or transformers' ``Conv1D``;
-    - a Hugging Face model's own published plan (its ``_tp_plan``) fills in what the above leaves out:
-      the layout of ``query_key_value``, the embedding and an untied output head (tied weights stay whole);
-    - ``nn.MultiheadAttention`` and fused projections of unknown layout stay replicated, with a warning.
-
-    Args:
-        sources: Filled with where each entry came from (``"inferred"`` or ``"model's tp_plan"``).
-    """
-    sources = sources if sources is not None else {}
-    published = published_plan(module)
-    plan: dict[str, str] = {}
-    for name, sub in module.named_modules():
-        prefix = f"{name}." if name else ""
-        if isinstance(sub, nn.MultiheadAttention):
-            warn(f"{name or type(sub).__name__}: nn.MultiheadAttention keeps q/k/v fused inside; left replicated.")
-            continue
-        projections = {child: m for child, m in sub.named_children() if is_projection(m)}
-        plan.update({f"{prefix}{child}": style for child, style in _match_block(sub, prefix, projections, published, warn).items()})
-    tied = _tied_modules(module)
-    for fqn, style in published.items():
-        if fqn in plan or any(fqn.startswith(f"{done}.") for done in plan):
-            continue
-        if fqn in tied:
-            continue  # tied to another module's weight (an embedding and its head): kept whole
-        plan[fqn] = style
-        sources[fqn] = "model's tp_plan"
-    for fqn in plan:
-        sources.setdefault(fqn, "inferred")
-    return plan
-
-
-def _match_block(
-    sub: nn.Module, prefix: str, projections: Mapping[str, nn.Module], published: Mapping[str, str], warn: Callable[[str], None]
-) -> dict[str, str]:
-    """Styles for one module's direct projections (attention, fused attention, MLP), or ``{}``."""
-    lowered = {child.lower(): child for child in projections}
-    qkv = next((lowered[n] for n in _FUSED_QKV_NAMES if n in lowered), None)
-    ambiguous = next((lowered[n] for n in _AMBIGUOUS_QKV_NAMES if n in lowered), None)
-    gate_up = next((lowered[n] for n in _FUSED_GATE_UP_NAMES if n in lowered), None)
-    if qkv is not None or ambiguous is not None:
-        fused = qkv or ambiguous
-        out = next((lowered[n] for n in _ATTENTION_OUTPUT_NAMES if n in lowered and lowered[n] != fused), None)
-        if ambiguous is not None and published.get(f"{prefix}{ambiguous}") == "colwise" and out is not None:
-            # The model's authors publish a plain column split: q, k and v are interleaved per head, so
-            # contiguous rows are whole heads (their count is checked against the TP degree).
-            return {ambiguous: "colwise", out: "rowwise"}
-        if qkv is not None and out is not None and head_count(sub, QUERY_HEADS):
-            return {qkv: "fused_qkv", out: "rowwise"}
-        warn(f"{prefix}{fused}: fused q/k/v projection of unknown layout (or without head counts); left replicated.")
-        return {}
-    if gate_up is not None:
-        out = next((lowered[n] for n in _MLP_OUTPUT_NAMES if n in lowered), None)
-        if out is not None:
-            return {gate_up: "fused_gate_up", out: "rowwise"}
-        warn(f"{prefix}{gate_up}: fused gate/up projection without a recognised output projection; left replicated.")
-        return {}
-    attention = _match_attention(projections)
-    if attention:
-        *qkv_names, out_name = attention
-        return {**{child: "colwise" for child in qkv_names}, out_name: "rowwise"}
-    return _match_mlp(projections)
-
-
-def _tied_modules(module: nn.Module) -> set[str]:
-    """Modules holding a parameter that another module holds too."""
-    owners: dict[int, set[str]] = {}
-    for fqn, sub in module.named_modules(remove_duplicate=False):
-        for _, param in sub.named_parameters(recurse=False):
-            owners.setdefault(id(param), set()).add(fqn)
-    return {fqn for names in owners.values() if len(names) > 1 for fqn in names}
 
 
 #: Styles that split a projection's output features (its input is whole on every rank).
@@ -260,7 +249,8 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
         if style in _PROJECTION_STYLES:
             if not is_projection(sub) or (style == "loss_parallel" and not isinstance(sub, nn.Linear)):
                 needs = "an nn.Linear" if style == "loss_parallel" else "an nn.Linear or a transformers Conv1D"
-                raise TypeError(f"{fqn}: style {style!r} needs {needs}, got {type(sub).__name__}.")
+                subclass = " (an nn.Linear subclass whose forward computes more than x·Wᵀ+b)" if isinstance(sub, nn.Linear) else ""
+                raise TypeError(f"{fqn}: style {style!r} needs {needs}, got {type(sub).__name__}{subclass}.")
             in_features, out_features = features(sub)
             dim_name, size = ("in_features", in_features) if style == "rowwise" else ("out_features", out_features)
             _require_divisible(fqn, dim_name, size, tp_size)
@@ -272,6 +262,15 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
         names = ("q", "k", "v") if resolved.styles[fqn] == "fused_qkv" else ("gate", "up")
         for name, size in zip(names, blocks):
             _require_divisible(fqn, f"{name} block", size, tp_size)
+    for fqn, (heads, kv_heads) in resolved.heads.items():
+        for what, count in (("query heads", heads), ("key/value heads", kv_heads)):
+            if count % tp_size:
+                mqa = " (multi-query attention: one k/v head for all queries)" if kv_heads == 1 and what.startswith("key") else ""
+                raise ValueError(
+                    f"{fqn}: its {count} {what}{mqa} cannot be divided among tensor_parallel_size={tp_size} ranks: each "
+                    f"rank must hold whole heads of q, k and v from one fused matrix. Choose a tensor_parallel_size that "
+                    f"divides {count}, or leave {fqn.rpartition('.')[0] or fqn} replicated in the plan."
+                )
     for fqn, attrs in resolved.head_attributes.items():
         for attr in attrs:
             _require_divisible(fqn, attr, _get_attribute(modules[fqn], attr), tp_size)
@@ -312,6 +311,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     for fqn, style in resolved.styles.items():
         if style == "loss_parallel":
             modules[fqn].register_forward_hook(_whole_logits_in_eval)
+        elif style in ("rowwise", "embedding_rowwise"):
+            modules[fqn].register_forward_hook(_output_of_its_own)
+    slice_per_head_inputs(modules, resolved, tp_mesh)
     _divide_head_attributes(modules, resolved, tp_size)
     return module
 
@@ -349,6 +351,18 @@ def _get_attribute(module: nn.Module, attr: str) -> int:
     return getattr(module.config, attr.removeprefix("config.")) if attr.startswith("config.") else getattr(module, attr)
 
 
+def _output_of_its_own(module: nn.Module, inputs: tuple, output):
+    # DTensor.to_local() hands out a view made inside an autograd Function; a model that adds to the
+    # output in place (Falcon: ``mlp_output += attention_output``) would be refused by autograd. A copy
+    # (of an activation, next to the all-reduce that made it) makes it an ordinary tensor.
+    from torch import Tensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, Tensor) and not isinstance(output, DTensor):
+        return output.clone()
+    return output
+
+
 def _whole_logits_in_eval(module: nn.Module, inputs: tuple, output):
     # Outside training (validation, test, predict: eval mode) users get ordinary logits back.
     from torch.distributed.tensor import DTensor
@@ -368,30 +382,6 @@ def shared_input_regions(resolved: ResolvedPlan) -> list[str]:
     return [parent for parent, count in parents.items() if count > 1 and parent]
 
 
-def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, str] | None:
-    for names in _ATTENTION_NAMES:
-        if all(name in linears for name in names):
-            return names
-    return None
-
-
-def _match_mlp(linears: Mapping[str, nn.Module]) -> dict[str, str]:
-    items = [(name, features(m)) for name, m in linears.items()]
-    if len(items) == 2:
-        (first, (a_in, a_out)), (second, (b_in, b_out)) = items
-        if a_out == b_in and a_in == b_out and a_out != a_in:
-            return {first: "colwise", second: "rowwise"}
-    if len(items) == 3:
-        ins = [(n, f) for n, f in items if f[0] != f[1]]
-        expand = [n for n, (i, o) in ins if o > i]
-        reduce = [n for n, (i, o) in ins if o < i]
-        if len(ins) == 3 and len(expand) == 2 and len(reduce) == 1:
-            shapes = dict(items)
-            if {shapes[n][1] for n in expand} == {shapes[reduce[0]][0]}:
-                return {expand[0]: "colwise", expand[1]: "colwise", reduce[0]: "rowwise"}
-    return {}
-
-
 def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str], attributes: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """Parents of column-split projections that keep an integer head count: those counts shrink per rank.
 
@@ -406,7 +396,7 @@ def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str]
         parent = modules.get(parent_name)
         attrs = [a for a in attributes if _is_count(getattr(parent, a, None))]
         config = getattr(parent, "config", None)
-        if config is not None and (style == "fused_qkv" or _is_attention_projection(child)):
+        if config is not None and (style == "fused_qkv" or is_attention_projection(child)):
             attrs += [f"config.{a}" for a in attributes if _is_count(getattr(config, a, None))]
         if attrs:
             found[parent_name] = tuple(dict.fromkeys(found.get(parent_name, ()) + tuple(attrs)))
@@ -415,11 +405,6 @@ def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str]
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_attention_projection(name: str) -> bool:
-    lowered = name.lower()
-    return lowered in _AMBIGUOUS_QKV_NAMES or any(lowered in names[:3] for names in _ATTENTION_NAMES)
 
 
 def _require_divisible(fqn: str, what: str, size: int, tp_size: int) -> None:

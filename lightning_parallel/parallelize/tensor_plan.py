@@ -47,6 +47,9 @@ class ResolvedPlan:
         fused: Fused projection name -> sizes of its blocks along the output features.
         sources: Module name -> where its entry came from (``"inferred"``, ``"model's tp_plan"``, ``"plan"``).
         conv1d: Split modules that are transformers' ``Conv1D`` (weight stored ``[in, out]``).
+        heads: Fused q/k/v projection name -> ``(query heads, key/value heads)``: each rank gets whole heads
+            of both, so both must divide by the TP degree.
+        kept_whole: Module name -> why the automatic plan leaves it whole at this TP degree (printed).
     """
 
     styles: dict[str, str]
@@ -54,9 +57,11 @@ class ResolvedPlan:
     fused: dict[str, tuple[int, ...]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     conv1d: frozenset[str] = frozenset()
+    heads: dict[str, tuple[int, int]] = field(default_factory=dict)
+    kept_whole: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> str:
-        """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise  (inferred)``."""
+        """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise  (inferred)``, then what stays whole and why."""
         lines = []
         for fqn, style in self.styles.items():
             if style == "replicate":
@@ -65,7 +70,10 @@ class ResolvedPlan:
             source = f"  ({self.sources[fqn]})" if fqn in self.sources else ""
             lines.append(f"{fqn} → {style}{blocks}{source}")
         lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
-        return "\n".join(lines) if lines else "(nothing split)"
+        if not lines:
+            lines.append("(nothing split)")
+        lines += [f"{fqn} stays whole: {why}" for fqn, why in self.kept_whole.items()]
+        return "\n".join(lines)
 
 
 def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1d: bool = False) -> ParallelStyle | None:

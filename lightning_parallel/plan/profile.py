@@ -163,7 +163,7 @@ def profile_model(
     for tp in sorted(set(tensor_parallel_sizes) - {1}):
         module = build()
         try:
-            resolved = config.resolve(module, warn=lambda _: None)
+            resolved = config.resolve(module, warn=lambda _: None, tp_size=tp)
             check_plan(module, resolved, tp)
         except (ValueError, TypeError) as error:
             profile.tp_invalid[tp] = str(error)

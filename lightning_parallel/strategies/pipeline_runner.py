@@ -30,6 +30,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from lightning_parallel.parallelize.batchnorm import batch_statistics_layers, check_pipeline_batch_statistics
 from lightning_parallel.parallelize.checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
@@ -144,6 +145,8 @@ class PipelineRunner:
         self._state: _StepState | None = None
         #: Shape of every tensor of the whole LightningModule, recorded before it is cut (for loading checkpoints).
         self.whole_shapes: dict[str, tuple[int, ...]] = {}
+        #: BatchNorm layers using batch statistics, by mode (training?), found on the whole module before the cut.
+        self._batch_statistics: dict[bool, list[str]] | None = None
 
     @property
     def built(self) -> bool:
@@ -190,12 +193,18 @@ class PipelineRunner:
             on_build: Called once with this rank's stages, right after the first batch built them.
         """
         captured = self._capture(module, hook, args, kwargs)
+        root = module.get_submodule(captured.name)
+        root_name = type(root).__name__
+        if self._batch_statistics is None:  # the whole module: afterwards a rank holds its stages' statistics only
+            self._batch_statistics = {mode: batch_statistics_layers(root, mode) for mode in (True, False)}
+        check_pipeline_batch_statistics(self._batch_statistics[training], root_name, self.config.microbatches)
         if not self.built:
             # The first batch may come during validation's inference mode: tracing and training stages need autograd.
             with torch.inference_mode(False), torch.enable_grad():
                 self._build(module, captured, on_build, training)
         schedule, rows_per_batch = self._schedule_for(captured, training)
         model_args, model_kwargs, rows, total = self._pad(captured, rows_per_batch)
+        check_pipeline_batch_statistics(self._batch_statistics[training], root_name, self.config.microbatches, total, rows_per_batch)
         batch, *rest = args
         state = _StepState(
             module=module,

@@ -95,6 +95,14 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
                     strategy_kwargs={**shard, "weights_from": w["llama_hf_sharded"]}),
             {"model": "hf_llama", "initial_weights": w["llama"]},
         ),
+        # Meta's hand-written RMSNorm (torch.ones in __init__, no reset_parameters()): its creation is replayed,
+        # a replicated weight under tp2, a DTensor shard filled in place under FSDP2, a stage's under pp2.
+        "hand_norm_tp2": (JobSpec(model="hand_norm_attention", strategy="tensor", devices=2, steps=STEPS, empty_init=True,
+                                  strategy_kwargs=replicate), {"model": "hand_norm_attention"}),
+        "hand_norm_dp2_shard": (JobSpec(model="hand_norm_attention", strategy="data", devices=2, batch_size=2, steps=STEPS,
+                                        empty_init=True, strategy_kwargs=shard), {"model": "hand_norm_attention"}),
+        "hand_norm_pp2": (JobSpec(model="hand_norm_attention", strategy="pipeline", devices=2, steps=STEPS, empty_init=True,
+                                  strategy_kwargs={"microbatches": 2}), {"model": "hand_norm_attention"}),
         # Built on meta and first cut by Lightning's sanity check (validation batches of 8), then trained on 4.
         "llama_pp2_first_batch_a_validation_one": (
             JobSpec(model="hf_llama", strategy="pipeline", devices=2, steps=STEPS, empty_init=True, validate=True, val_batch_size=8,

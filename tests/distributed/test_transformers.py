@@ -1,8 +1,9 @@
 """Hugging Face transformers language models under every layout, against single-device training (float64).
 
 Models are built from tiny configs in the test (nothing downloaded) and wrapped in an ordinary
-LightningModule whose ``forward`` calls ``self.net(input_ids=x).logits`` (``tests/hf_models.py``). Every job
-validates with batches of another size than training's. The matrix below is also what the README's
+LightningModule whose ``forward`` calls ``self.net(input_ids=x).logits`` (``tests/hf_models.py``). Every cell runs
+what users run: transformers' default attention (SDPA; eager attention has a column of its own), four blocks
+(two per pipeline stage), more micro-batches than stages, and validation batches of another size than training's. The matrix below is also what the README's
 "Works with" table is generated from (``python -m tests.works_with``), so the two cannot drift.
 """
 
@@ -22,19 +23,21 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
 STEPS = 3
-BATCH = 4  # per data-parallel replica
-VAL_BATCH = 8  # per replica: not the training batch size
-MICROBATCHES = {"microbatches": 2}
+BATCH = 8  # per data-parallel replica
+VAL_BATCH = 4  # per replica: not the training batch size
+MICROBATCHES = {"microbatches": 4}  # more micro-batches than stages
 
 #: layout name -> (ranks, data-parallel size, strategy, strategy options)
 LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     "dp2": (2, 2, "data", {}),
     "tp2": (2, 1, "tensor", {}),
+    # transformers' eager attention (the softmax written out) instead of the default SDPA.
+    "tp2 eager": (2, 1, "tensor", {}),
     "tp2+sp": (2, 1, "tensor", {"sequence_parallel": True}),
     "pp2": (2, 1, "pipeline", MICROBATCHES),
     "tp2×pp2": (4, 1, "hybrid", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
-    # Context parallelism: transformers models with attn_implementation="sdpa" (eager attention is refused).
+    # Context parallelism (eager attention is refused: it would attend within each rank's part only).
     "cp2": (2, 1, "hybrid", {"context_parallel_size": 2, "data_parallel_size": 1}),
 }
 #: Lightning's demo encoder–decoder (``nn.Transformer``), and a hand-written Llama-style LM whose attention
@@ -45,6 +48,7 @@ VIEW = "view_attention"
 MATRIX: dict[str, tuple[str, ...]] = {
     "dp2": (*FAMILIES, DEMO),
     "tp2": (*FAMILIES, DEMO, VIEW),
+    "tp2 eager": tuple(FAMILIES),
     "tp2+sp": ("llama", "gpt2", "phi3"),
     "pp2": (*FAMILIES, VIEW),
     "tp2×pp2": (*FAMILIES, VIEW),
@@ -63,8 +67,7 @@ ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp
 def model_name(family: str, layout: str = "") -> str:
     if family in (DEMO, VIEW):
         return family
-    # Ring attention replaces F.scaled_dot_product_attention: context parallelism needs transformers' SDPA path.
-    return f"hf_{family}:sdpa" if "cp" in layout else f"hf_{family}"
+    return f"hf_{family}:eager" if layout.endswith("eager") else f"hf_{family}"
 
 
 def job(family: str, layout: str) -> JobSpec:
@@ -73,8 +76,8 @@ def job(family: str, layout: str) -> JobSpec:
         model=model_name(family, layout), strategy=strategy, devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH,
         accumulate=2 if (family, layout) in ACCUMULATE else 1, steps=STEPS, validate=True,
         checkpoint_round_trip=(family, layout) in ROUND_TRIP,
-        # Pipelines see Lightning's sanity check first: a validation batch (8 rows) builds them, and the
-        # first training batch (4 rows) must get stages of its own shape, not padding.
+        # Pipelines see Lightning's sanity check first: a validation batch (4 rows) builds them, and the
+        # first training batch (8 rows) must get stages of its own shape, not padding.
         sanity_val_steps=1 if "pp" in layout else 0,
         strategy_kwargs={"timeout": 120, "save_format": ROUND_TRIP.get((family, layout), "sharded"), **options},
     )
@@ -92,9 +95,9 @@ def reference(family: str, dp: int, accumulate: int, layout: str = "") -> dict:
 def assert_matches_single_device(family: str, layout: str, result: dict) -> None:
     _, dp, _, _ = LAYOUTS[layout]
     accumulate = 2 if (family, layout) in ACCUMULATE else 1
-    expected = reference(family, dp, accumulate, "cp" if "cp" in layout else "")
+    expected = reference(family, dp, accumulate, "eager" if layout.endswith("eager") else "")
     assert_same_training(expected, result, steps=STEPS)
-    if "pp" in layout:  # built on a sanity-check batch of 8 rows, traced again for training's 4
+    if "pp" in layout:  # built on a sanity-check batch of 4 rows, traced again for training's 8
         assert result["pipeline_training_rows"] == BATCH, (family, layout)
     for key in expected["validation"]:
         assert result["validation"][key] == pytest.approx(expected["validation"][key], abs=TOL), (family, layout, key)
@@ -108,7 +111,7 @@ def run_layout(layouts: tuple[str, ...], tmp_path) -> dict[tuple[str, str], dict
 
 
 def test_two_ranks_dp_tp_pp_cp(tmp_path):
-    results = run_layout(("dp2", "tp2", "tp2+sp", "pp2", "cp2"), tmp_path)
+    results = run_layout(("dp2", "tp2", "tp2 eager", "tp2+sp", "pp2", "cp2"), tmp_path)
     for (family, layout), result in results.items():
         assert_matches_single_device(family, layout, result)
     for family in FAMILIES:

@@ -18,7 +18,7 @@ from lightning_parallel.strategies.components.placement import local_targets
 from tests.harness import JobSpec, make_model
 
 #: Models whose every random draw at construction is a reset_parameters() or an _init_weights (the contract).
-REPLAYED = ["gpt", "view_attention", "hf_llama", "hf_qwen2", "hf_phi3", "hf_gpt_neox"]
+REPLAYED = ["gpt", "view_attention", "hand_norm_attention", "hf_llama", "hf_qwen2", "hf_phi3", "hf_gpt_neox"]
 
 
 class WithTable(nn.Module):
@@ -68,22 +68,165 @@ def test_buffers_are_built_and_parameters_are_not():
     assert torch.equal(module.table, torch.arange(4.0))
 
 
-def test_parameters_without_an_initialiser_are_refused():
+class RMSNorm(nn.Module):
+    """As in Meta's reference Llama code: the parameter made in __init__, no reset_parameters()."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+
+class Rotary(nn.Module):
+    """A rope table from arange (a buffer) and learnt slopes derived from arange (a parameter)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        self.register_buffer("cos", torch.outer(torch.arange(8, dtype=torch.float64), inv_freq).cos(), persistent=False)
+        self.slopes = nn.Parameter(2 ** (-torch.arange(1, d + 1, dtype=torch.float32) / d))
+
+
+class Drawn(nn.Module):
+    """Parameters drawn in __init__ every common way, beside a layer that resets itself."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+        self.gain = nn.Parameter(torch.randn(d, d) * 0.02)
+        self.normal = nn.Parameter(torch.empty(d).normal_(0.0, 0.5))
+        self.late = nn.Parameter(torch.empty(d, 2))
+        nn.init.xavier_uniform_(self.late)  # after registration: on the meta parameter
+        generator = torch.Generator().manual_seed(11)
+        self.own_stream = nn.Parameter(torch.rand(d, generator=generator))
+        self.through_data = nn.Parameter(torch.empty(d))
+        self.through_data.data.normal_(0.0, 0.3)  # old GPT-2 style, through .data
+        mask = torch.zeros(d)
+        mask[0] = 1.0
+        self.masked = nn.Parameter(mask)
+
+
+class ScaledLinear(nn.Linear):
+    """A layer with reset_parameters() and one more parameter that it does not set."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__(d, d)
+        self.scale = nn.Parameter(torch.full((d,), 0.5))
+
+
+class HandWritten(nn.Module):
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(8, d)
+        self.norm = RMSNorm(d)
+        self.rotary = Rotary(d)
+        self.drawn = Drawn(d)
+        self.scaled = ScaledLinear(d)
+        self.head = nn.Linear(d, 8, bias=False)
+
+
+def test_parameters_made_in_init_are_replayed_as_eager_construction_made_them():
+    torch.manual_seed(5)
+    eager = HandWritten()
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(5)
+    module, values = _built_on_meta(HandWritten)
+    assert all(p.is_meta for p in values.skeleton.parameters())
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(5).get_state()), "the meta build left draws in the stream"
+    torch.manual_seed(5)
+    written = values.write(local_targets(module))
+    assert set(written) >= {name for name, _ in module.named_parameters()}
+    for name, expected in eager.state_dict().items():
+        assert torch.equal(module.state_dict()[name], expected), name
+    assert torch.equal(torch.get_rng_state(), after_eager)
+
+
+def test_random_draws_outside_parameters_keep_the_stream_as_built():
+    """The rule's limit: a buffer drawn at construction keeps its draws, so parameters drawn beside it are
+    replayed after them (the same on every layout, not eager's)."""
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("noise", torch.randn(3))
+            self.gain = nn.Parameter(torch.randn(3))
+
+    torch.manual_seed(2)
+    eager = Noisy()
+    gains = []
+    for _ in range(2):
+        torch.manual_seed(2)
+        module, values = _built_on_meta(Noisy)
+        assert torch.equal(module.noise, eager.noise)
+        values.write(local_targets(module))
+        gains.append(module.gain.detach().clone())
+    assert torch.equal(gains[0], gains[1]) and not torch.equal(gains[0], eager.gain)
+
+
+def test_one_value_parameters_fill_this_ranks_part_without_the_whole_tensor(monkeypatch):
+    from lightning_parallel.parallelize import deferred_init
+
+    requested: list[int] = []
+    tensors = deferred_init.HostScratch.tensors
+    monkeypatch.setattr(deferred_init.HostScratch, "tensors", lambda self, like: requested.append(sum(t.numel() for t in like)) or tensors(self, like))
+    module, values = _built_on_meta(lambda: nn.Sequential(RMSNorm(1000), Rotary(6)))
+    target = module.state_dict(keep_vars=True)
+    assert sorted(values.write(target)) == ["0.weight", "1.slopes"]
+    assert torch.equal(module[0].weight, torch.ones(1000))
+    # The constant is written in place; only the non-constant slopes (6 values) were materialised on the host.
+    assert requested == [6, 6]  # the first pass and the copy-out of Rotary's unit
+
+
+def test_a_creation_that_cannot_be_replayed_keeps_the_error():
+    loaded = torch.ones(3)  # stands for values read from a file: no torch call made it during the build
+
+    class FromFile(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(loaded.clone())
+
+    class ThroughAView(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(3))
+            with torch.no_grad():
+                self.bias[0].fill_(2.0)  # changes part of the (meta) parameter through a view
+
+    class ThroughNumpy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            values = torch.zeros(3)
+            values.numpy()[0] = 5.0  # a change no torch call makes
+            self.gain = nn.Parameter(values)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = FromFile()
+            self.shift = ThroughAView()
+            self.exposed = ThroughNumpy()
+            self.norm = RMSNorm(3)  # replayable: not listed
+            self.proj = nn.Linear(3, 3)
+
+    with parameters_on_meta():
+        module = Model()
+    with pytest.raises(TypeError, match=r"define no reset_parameters.*cannot be replayed") as raised:
+        InitialValues.of(module)
+    message = str(raised.value)
+    assert "scale.gain (FromFile): it uses a tensor of shape (3,) that no torch call made" in message
+    assert "shift.bias (ThroughAView): it was changed in place through a view" in message
+    assert "exposed.gain (ThroughNumpy): its memory was reached through numpy" in message
+    assert "norm" not in message.split("device:")[1].split("Give")[0]
+
+
+def test_a_module_with_nothing_recorded_keeps_the_error():
     class Scale(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.gain = nn.Parameter(torch.ones(3))
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.scale = Scale()
-            self.proj = nn.Linear(3, 3)
-
-    with parameters_on_meta():
-        module = Model()
-    with pytest.raises(TypeError, match=r"define no reset_parameters.*scale \(Scale\)"):
-        InitialValues.of(module)
+    module = nn.Sequential(Scale()).to("meta")  # parameters on meta, not built under parameters_on_meta
+    with pytest.raises(TypeError, match=r"define no reset_parameters.*0\.gain \(Scale\): it was not made while the module was built"):
+        InitialValues(module, {})
 
 
 def test_a_module_built_on_the_meta_device_with_its_buffers_is_refused():

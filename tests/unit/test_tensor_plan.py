@@ -1,6 +1,7 @@
 """Tensor-parallel plans: pattern resolution, automatic inference, validation (no processes)."""
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_parallel.parallelize.tensor import (
@@ -84,15 +85,23 @@ def test_fused_qkv_is_split_by_blocks_and_multihead_attention_stays_replicated()
     assert any("mha" in w and "MultiheadAttention" in w for w in warnings)
 
 
-def test_fused_projection_of_unknown_layout_is_refused_or_left_whole():
-    class Ambiguous(nn.Module):  # query_key_value without a published plan: interleaved or blocks?
-        def __init__(self) -> None:
-            super().__init__()
-            self.num_heads = 2
-            self.query_key_value, self.dense = nn.Linear(8, 24), nn.Linear(8, 8)
+class GroupedAttention(nn.Module):
+    """A fused query_key_value laid out per key/value head, as GPT-NeoX, BLOOM and Falcon lay it out."""
 
+    def __init__(self, num_heads: int | None = 2, num_kv_heads: int | None = None, head_dim: int = 4) -> None:
+        super().__init__()
+        if num_heads is not None:
+            self.num_heads = num_heads
+        if num_kv_heads is not None:
+            self.num_kv_heads = num_kv_heads
+        heads, kv = num_heads or 2, num_kv_heads or num_heads or 2
+        self.query_key_value = nn.Linear(heads * head_dim, (heads + 2 * kv) * head_dim)
+        self.dense = nn.Linear(heads * head_dim, heads * head_dim)
+
+
+def test_fused_projection_of_unknown_layout_is_refused_or_left_whole():
     warnings = []
-    assert infer_plan(Ambiguous(), warn=warnings.append) == {}
+    assert infer_plan(GroupedAttention(num_heads=None), warn=warnings.append) == {}  # no head counts: layout unknown
     assert any("query_key_value" in w and "unknown layout" in w for w in warnings)
     narrow = FusedAttention()
     narrow.c_attn = nn.Linear(8, 20)  # not q|k|v for 2 heads of any width
@@ -142,3 +151,155 @@ def test_splitting_one_side_of_tied_weights_is_refused():
     untied = tiny_gpt(tie_weights=False)
     check_plan(untied, resolve_plan(untied, {"lm_head": "colwise", "tok_emb": "embedding_rowwise"}), 2)
     assert resolve_plan(untied, {"tok_emb": "vocab_parallel"}).styles == {"tok_emb": "embedding_rowwise"}
+
+
+def test_query_key_value_is_split_by_whole_key_value_groups():
+    # As many k/v heads as query heads (per-head interleaved), two groups, one k/v head (multi-query: q | k | v).
+    for attention, heads in ((GroupedAttention(4), (4, 4)), (GroupedAttention(4, 2), (4, 2)), (GroupedAttention(4, 1), (4, 1))):
+        plan = infer_plan(attention)
+        assert plan == {"query_key_value": "colwise", "dense": "rowwise"}
+        assert resolve_plan(attention, plan).heads == {"query_key_value": heads}
+    check_plan(GroupedAttention(4, 2), resolve_plan(GroupedAttention(4, 2), infer_plan(GroupedAttention(4, 2))), 2)
+    mqa = GroupedAttention(4, 1)
+    with pytest.raises(ValueError, match=r"query_key_value: its 1 key/value heads \(multi-query attention"):
+        check_plan(mqa, resolve_plan(mqa, infer_plan(mqa)), 2)
+
+
+def test_a_single_key_value_head_in_fused_blocks_is_not_cut_in_half():
+    class MultiQuery(FusedAttention):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n_head, self.n_kv_heads = 2, 1
+            self.c_attn = nn.Linear(8, 16)  # q | k | v = 8 | 4 | 4: the k block divides by 2, its one head does not
+
+    model = MultiQuery()
+    resolved = resolve_plan(model, {"c_attn": "fused_qkv", "c_proj": "rowwise"}, head_attributes=("n_head",))
+    assert resolved.heads == {"c_attn": (2, 1)}
+    with pytest.raises(ValueError, match=r"c_attn: its 1 key/value heads .* cannot be divided among tensor_parallel_size=2"):
+        check_plan(model, resolved, 2)
+
+
+class SelfAttention(nn.Module):  # BERT's attention.self: q/k/v only
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.num_attention_heads, self.attention_head_size, self.all_head_size = heads, dim // heads, dim
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+
+class SelfOutput(nn.Module):  # BERT's attention.output / output: dense, then a norm of the model width
+    def __init__(self, d_in: int = 8, d_out: int = 8) -> None:
+        super().__init__()
+        self.dense, self.LayerNorm = nn.Linear(d_in, d_out), nn.LayerNorm(d_out)
+
+
+class Intermediate(nn.Module):
+    def __init__(self, dim: int = 8, hidden: int = 16) -> None:
+        super().__init__()
+        self.dense, self.act = nn.Linear(dim, hidden), nn.GELU()
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.Module()
+        self.attention.self, self.attention.output = SelfAttention(), SelfOutput()
+        self.intermediate, self.output = Intermediate(), SelfOutput(16, 8)
+
+
+def test_attention_and_mlp_split_across_sibling_modules():
+    plan = infer_plan(EncoderLayer())
+    assert plan == {
+        "attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
+        "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise",
+    }
+    resolved = resolve_plan(EncoderLayer(), plan)
+    # Head counts and the heads' total width shrink; a head's own width does not.
+    assert resolved.head_attributes == {"attention.self": ("num_attention_heads", "all_head_size")}
+    check_plan(EncoderLayer(), resolved, 2)
+
+
+def test_sibling_modules_holding_more_than_the_pair_are_left_whole():
+    layer = EncoderLayer()
+    layer.attention.self.relative_bias = nn.Parameter(torch.zeros(2, 4))  # per-head state the split would not follow
+    layer.intermediate.norm = nn.LayerNorm(16)  # a norm over the split width: it needs every feature
+    assert infer_plan(layer) == {}
+
+
+def test_auto_plan_that_splits_nothing_is_refused_with_the_reason():
+    from lightning_parallel.parallelize.tensor import TensorParallelConfig
+
+    config = TensorParallelConfig()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with plan='auto' splits nothing in MultiheadAttention(.|\n)*keeps q/k/v fused"):
+        config.resolve(nn.MultiheadAttention(8, 2), warn=lambda _: None, tp_size=2)
+    # Every attention of a multi-query model stays whole at tp=2 and there is no MLP: named, refused.
+    with pytest.raises(ValueError, match=r"splits nothing in GroupedAttention(.|\n)*What stays whole, and why:\n  query_key_value"):
+        config.resolve(GroupedAttention(4, 1), warn=lambda _: None, tp_size=2)
+    assert config.resolve(GroupedAttention(4, 1), warn=lambda _: None, tp_size=1).styles  # no TP: nothing to refuse
+
+
+class SameMap(nn.Linear):  # FalconLinear: the same map, written out
+    def forward(self, x):
+        return x @ self.weight.T if self.bias is None else x @ self.weight.T + self.bias
+
+
+class Scaled(nn.Linear):  # a LoRA-like layer: something more than x @ W.T + b
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class NoOverride(nn.Linear):
+    pass
+
+
+def test_linear_subclasses_are_projections_only_if_they_compute_the_linear_map():
+    from lightning_parallel.parallelize.projections import is_projection
+
+    assert is_projection(SameMap(4, 8)) and is_projection(NoOverride(4, 8))
+    assert not is_projection(Scaled(4, 8))
+    mlp = nn.Module()
+    mlp.up, mlp.down = Scaled(8, 16), Scaled(16, 8)
+    assert infer_plan(mlp) == {}
+    mlp.up, mlp.down = SameMap(8, 16), SameMap(16, 8)
+    assert infer_plan(mlp) == {"up": "colwise", "down": "rowwise"}
+    mlp.up = Scaled(8, 16)
+    with pytest.raises(TypeError, match=r"needs an nn.Linear or a transformers Conv1D, got Scaled \(an nn.Linear subclass"):
+        check_plan(mlp, ResolvedPlan(styles={"up": "colwise"}, head_attributes={}), 2)
+
+
+class _Mesh:  # what the per-head hook reads of a 1-D tensor-parallel mesh
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+class AlibiAttention(GroupedAttention):
+    def forward(self, hidden_states, residual, alibi, attention_mask=None):
+        return alibi
+
+
+@pytest.mark.parametrize("as_keyword", [True, False])
+def test_alibi_biases_are_cut_to_the_heads_of_each_rank(as_keyword):
+    from lightning_parallel.parallelize.head_inputs import slice_per_head_inputs
+
+    batch, heads, keys = 3, 4, 5
+    # BLOOM's layout [batch·heads, 1, keys]; each bias holds its head's index.
+    alibi = torch.arange(heads, dtype=torch.float64).repeat(batch)[:, None, None].expand(batch * heads, 1, keys)
+    hidden = torch.zeros(batch, 7, 8)
+    for rank in range(2):
+        attention = AlibiAttention(num_heads=heads)
+        plan = infer_plan(attention)
+        slice_per_head_inputs(dict(attention.named_modules()), resolve_plan(attention, plan), _Mesh(2, rank))
+        cut = attention(hidden, hidden, alibi=alibi) if as_keyword else attention(hidden, hidden, alibi)
+        assert cut.shape == (batch * 2, 1, keys)
+        assert cut[:, 0, 0].tolist() == [2.0 * rank, 2.0 * rank + 1] * batch
+    # [batch, heads, q, k] biases (and [heads, q, k]) are cut along their head dimension.
+    per_head = torch.arange(heads, dtype=torch.float64)[None, :, None, None].expand(batch, heads, 1, keys)
+    assert attention(hidden, hidden, per_head)[0, :, 0, 0].tolist() == [2.0, 3.0]
+    assert attention(hidden, hidden, per_head[0])[:, 0, 0].tolist() == [2.0, 3.0]
+    with pytest.raises(RuntimeError, match=r"alibi of shape \(7, 1, 5\) has no dimension of its 4 heads"):
+        attention(hidden, hidden, torch.zeros(7, 1, 5))

@@ -73,3 +73,76 @@ def test_rank_major_order_gives_each_rank_its_part_of_every_block(blocks, tp, di
         index = chunk[:, 0] if dim == 0 else chunk[0]
         assert torch.equal(index, expected)
     assert torch.equal(layout.to_original(ordered), whole)
+
+
+def other_plan(family: str, tp_size: int | None = 2, attention: str = "sdpa"):
+    from tests.hf_models import make_hf_model
+
+    model = make_hf_model(family, attention=attention)
+    return model, TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=tp_size)
+
+
+def test_bert_attention_and_mlp_split_across_sibling_modules():
+    model, resolved = other_plan("bert")
+    layer = "net.bert.encoder.layer.0"
+    for name in ("attention.self.query", "attention.self.key", "attention.self.value", "intermediate.dense"):
+        assert resolved.styles[f"{layer}.{name}"] == "colwise"
+    assert resolved.styles[f"{layer}.attention.output.dense"] == "rowwise"
+    assert resolved.styles[f"{layer}.output.dense"] == "rowwise"
+    # The heads' total width shrinks with their count; a head's own width (attention_head_size) does not.
+    assert resolved.head_attributes[f"{layer}.attention.self"] == ("num_attention_heads", "all_head_size", "config.num_attention_heads")
+    assert not resolved.kept_whole
+    check_plan(model, resolved, 2)
+
+
+def test_falcon_multi_query_attention_stays_whole_and_its_mlp_is_split():
+    model, resolved = other_plan("falcon")
+    block = "net.transformer.h.0"
+    # FalconLinear (an nn.Linear subclass computing x @ W.T + b) is a projection.
+    assert resolved.styles[f"{block}.mlp.dense_h_to_4h"] == "colwise"
+    assert resolved.styles[f"{block}.mlp.dense_4h_to_h"] == "rowwise"
+    assert f"{block}.self_attention.query_key_value" not in resolved.styles
+    assert "1 key/value heads (multi-query attention" in resolved.kept_whole[f"{block}.self_attention"]
+    assert f"{block}.self_attention stays whole: " in resolved.describe()
+    check_plan(model, resolved, 2)
+    # The TP-agnostic plan splits it, and checking it at tp=2 says why that cannot be.
+    agnostic = TensorParallelConfig().resolve(model, warn=lambda _: None)
+    assert agnostic.heads[f"{block}.self_attention.query_key_value"] == (4, 1)
+    with pytest.raises(ValueError, match=r"query_key_value: its 1 key/value heads"):
+        check_plan(model, agnostic, 2)
+
+
+def test_falcon_grouped_and_bloom_query_key_value_are_split_by_whole_groups():
+    model, resolved = other_plan("falcon_grouped")
+    attention = "net.transformer.h.0.self_attention"
+    assert resolved.styles[f"{attention}.query_key_value"] == "colwise"
+    assert resolved.heads[f"{attention}.query_key_value"] == (4, 2)
+    assert {"num_heads", "num_kv_heads"} <= set(resolved.head_attributes[attention])
+    check_plan(model, resolved, 2)
+    # 2 groups cannot go to 4 ranks, but would go to 2: the degree is refused, not the attention left whole.
+    with pytest.raises(ValueError, match=r"query_key_value: its 2 key/value heads cannot be divided among tensor_parallel_size=4"):
+        other_plan("falcon_grouped", tp_size=4)
+    # One k/v head goes to no degree: at tp=4 too the attention stays whole and the MLP is split.
+    _, falcon = other_plan("falcon", tp_size=4)
+    assert attention in falcon.kept_whole and falcon.styles["net.transformer.h.0.mlp.dense_h_to_4h"] == "colwise"
+    model, resolved = other_plan("bloom", attention="eager")
+    assert resolved.styles[f"{attention}.query_key_value"] == "colwise"
+    assert resolved.heads[f"{attention}.query_key_value"] == (4, 4)
+    assert resolved.head_attributes[attention] == ("num_heads", "split_size")
+    check_plan(model, resolved, 2)
+
+
+def test_litgpt_fused_qkv_reads_its_query_groups_from_the_config():
+    pytest.importorskip("litgpt")
+    from tests.hf_models import LitGPTLM
+
+    model = LitGPTLM()
+    resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
+    qkv = "net.transformer.h.0.attn.qkv"
+    # litgpt >= 0.5 lays qkv out as q | k | v blocks: 4 query heads and 2 query groups of width 8.
+    assert resolved.styles[qkv] == "fused_qkv" and resolved.fused[qkv] == (32, 16, 16)
+    assert resolved.heads[qkv] == (4, 2)
+    assert resolved.head_attributes["net.transformer.h.0.attn"] == ("config.n_head", "config.n_query_groups")
+    check_plan(model, resolved, 2)
+    with pytest.raises(ValueError, match=r"qkv: its 2 key/value heads cannot be divided among tensor_parallel_size=4"):
+        check_plan(model, TensorParallelConfig().resolve(model, warn=lambda _: None), 4)

@@ -2,7 +2,8 @@
 
 A module built under ``trainer.init_module(empty_init=True)`` has its parameters on the meta device. The
 tensor-parallel plan and FSDP2 split it there; this component then allocates only this rank's shards on
-its device, gives them the values eager construction would have (``parallelize/deferred_init.py``) and,
+its device, gives them the values eager construction would have (``parallelize/deferred_init.py``: the
+creations recorded while the module was built replayed, ``reset_parameters()``, ``_init_weights``) and,
 with ``weights_from``, reads pretrained weights into them (``checkpoint/pretrained.py``). Pipeline stages
 are placed the same way when the pipeline is cut, on the first batch. A module built eagerly is split on
 the host first and moved to the device afterwards, so no device holds more than its part either

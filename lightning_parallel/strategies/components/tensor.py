@@ -63,7 +63,7 @@ class TensorParallelComponent(Component):
         if not self.enabled or self.engine.layout.pipeline_parallel_size > 1 or module is self._split_module:
             return
         size = self.engine.layout.tensor_parallel_size
-        resolved = self.config.resolve(module, warn=rank_zero_warn)
+        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size)
         check_plan(module, resolved, size)
         # Neither TP (outside the split layers) nor FSDP2 copies weights between ranks: start every rank
         # from rank 0's weights, as DDP would, even if the module was not built from one seed everywhere.
@@ -81,7 +81,7 @@ class TensorParallelComponent(Component):
         """The plan for the pipeline stages of ``root_name`` (resolved on the whole module, before the cut)."""
         module = self.engine.lightning_module
         size = self.engine.layout.tensor_parallel_size
-        resolved = self.config.resolve(module, warn=rank_zero_warn)
+        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size)
         check_plan(module, resolved, size)
         rank_zero_info(f"lightning_parallel: tensor-parallel plan over tp={size} inside each stage:\n{resolved.describe()}")
         return StageTensorParallel.from_plan(resolved, root_name, self.engine.device_mesh["tp"])

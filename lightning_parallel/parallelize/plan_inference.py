@@ -1,0 +1,267 @@
+"""The automatic tensor-parallel plan: attention and MLP projections recognised in the module tree.
+
+:func:`infer_units` finds the groups of projections that are split together (one attention, one MLP, one
+published entry) — a group is split whole or not at all; :func:`infer_plan` flattens them into a plan.
+Groups are recognised:
+
+- within one module: q/k/v/output by conventional names, fused ``q|k|v`` (blocks or grouped per key/value
+  head, as ``query_key_value`` is laid out), fused ``gate|up``, and MLPs by shape (``d→h, h→d``, gated
+  ``d→h, d→h, h→d``);
+- across sibling modules, as BERT and its relatives write them: q/k/v in one child
+  (``attention.self.{query,key,value}``) and the output projection in the next (``attention.output.dense``);
+  the MLP's ``d→h`` projection alone in one child (``intermediate.dense``) and its ``h→d`` alone in the next
+  (``output.dense``). Only where the children hold nothing else that depends on the split width.
+
+Which groups divide by a given TP degree is decided by the caller
+(:meth:`~lightning_parallel.parallelize.tensor.TensorParallelConfig.resolve`). No Lightning here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from torch import nn
+
+from lightning_parallel.parallelize.projections import (
+    KEY_VALUE_HEADS,
+    QUERY_HEADS,
+    features,
+    head_count,
+    is_projection,
+)
+from lightning_parallel.parallelize.published_plan import published_plan
+
+# Attention projections by conventional names: (query, key, value, output).
+_ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
+    ("q_proj", "k_proj", "v_proj", "o_proj"),
+    ("q_proj", "k_proj", "v_proj", "out_proj"),
+    ("wq", "wk", "wv", "wo"),
+    ("query", "key", "value", "out"),
+    ("query", "key", "value", "dense"),
+    ("to_q", "to_k", "to_v", "to_out"),
+    ("query_proj", "key_proj", "value_proj", "out_proj"),
+)
+# Fused projections laid out as concatenated blocks q | k | v (GQA: k and v narrower), and their output projections.
+_FUSED_QKV_NAMES = ("qkv", "c_attn", "wqkv", "qkv_proj")
+_ATTENTION_OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo", "proj", "out")
+# Fused q/k/v laid out per key/value head: for each k/v head g, its query heads, then k_g, then v_g. With as
+# many k/v heads as query heads that is per-head interleaving (GPT-NeoX, BLOOM, Persimmon, Falcon-7B-style);
+# with fewer, grouped (Falcon's new decoder architecture); with one k/v head, blocks q | k | v (Falcon's
+# multi-query attention). Contiguous rows are then whole k/v groups: a plain column split, whole groups per rank.
+_GROUPED_QKV_NAMES = ("query_key_value",)
+# Fused gate | up projections of gated MLPs, and their output projections.
+_FUSED_GATE_UP_NAMES = ("gate_up_proj",)
+_MLP_OUTPUT_NAMES = ("down_proj", "c_proj", "fc2", "w2", "wo")
+
+log = logging.getLogger(__name__)
+
+#: One group of projections split together: ``{FQN: style}``.
+Unit = dict[str, str]
+
+
+def infer_plan(
+    module: nn.Module, warn: Callable[[str], None] = log.warning, sources: dict[str, str] | None = None
+) -> dict[str, str]:
+    """Build a Megatron-style plan from the module tree; returns ``{FQN: style}`` (an exact-name plan).
+
+    - attention with separate q/k/v/output projections (conventional names): q/k/v column-wise, output
+      row-wise, also where the output projection lives in the next sibling module (BERT's
+      ``attention.self.query`` ... ``attention.output.dense``);
+    - fused q|k|v projections (``qkv_proj``, GPT-2's ``c_attn``, ...): split by blocks and whole heads
+      (``fused_qkv``); ``query_key_value`` (laid out per key/value head): split by whole k/v groups
+      (``colwise``); output row-wise; fused ``gate_up_proj``: ``fused_gate_up``, ``down_proj`` row-wise;
+    - MLPs, recognised by shape among a module's direct projections, or one projection in each of two
+      sibling modules: ``d→h, h→d`` (first column-wise, second row-wise) and gated ``d→h, d→h, h→d``;
+    - projections are ``nn.Linear`` (or a subclass computing the same map) or transformers' ``Conv1D``;
+    - a Hugging Face model's own published plan (its ``_tp_plan``) fills in what the above leaves out: the
+      embedding and an untied output head (tied weights stay whole);
+    - ``nn.MultiheadAttention`` and fused projections of unknown layout stay replicated, with a warning.
+
+    Args:
+        sources: Filled with where each entry came from (``"inferred"`` or ``"model's tp_plan"``).
+    """
+    plan: dict[str, str] = {}
+    for unit in infer_units(module, warn, sources):
+        plan.update(unit)
+    return plan
+
+
+def infer_units(
+    module: nn.Module, warn: Callable[[str], None] = log.warning, sources: dict[str, str] | None = None
+) -> list[Unit]:
+    """The groups of projections :func:`infer_plan` splits, each split whole or not at all."""
+    sources = sources if sources is not None else {}
+    published = published_plan(module)
+    units: list[Unit] = []
+    taken: set[str] = set()
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(sub, nn.MultiheadAttention):
+            warn(f"{name or type(sub).__name__}: nn.MultiheadAttention keeps q/k/v fused inside; left replicated.")
+            continue
+        projections = {child: m for child, m in sub.named_children() if is_projection(m)}
+        unit = {f"{prefix}{child}": style for child, style in _match_block(sub, prefix, projections, published, warn).items()}
+        if unit:
+            units.append(unit)
+            taken.update(unit)
+    for name, sub in module.named_modules():
+        for unit in _match_siblings(sub, f"{name}." if name else "", taken):
+            units.append(unit)
+            taken.update(unit)
+    tied = _tied_modules(module)
+    for fqn, style in published.items():
+        if fqn in taken or any(fqn.startswith(f"{done}.") for done in taken) or fqn in tied:
+            continue  # tied: shares its weight with another module (an embedding and its head): kept whole
+        units.append({fqn: style})
+        sources[fqn] = "model's tp_plan"
+    for unit in units:
+        for fqn in unit:
+            sources.setdefault(fqn, "inferred")
+    return units
+
+
+def grouped_qkv_heads(attention: nn.Module | None, projection: nn.Module) -> tuple[int, int] | None:
+    """``(query heads, key/value heads)`` of a ``query_key_value`` projection laid out per k/v group, or
+    ``None`` where the attention's head counts do not explain its width (its layout is then unknown)."""
+    query = head_count(attention, QUERY_HEADS)
+    if query is None:
+        return None
+    kv = head_count(attention, KEY_VALUE_HEADS)
+    heads, kv_heads = query[0], (kv[0] if kv is not None else query[0])
+    _, out = features(projection)
+    if heads % kv_heads or out % (heads + 2 * kv_heads):
+        return None
+    return heads, kv_heads
+
+
+def _match_block(
+    sub: nn.Module, prefix: str, projections: Mapping[str, nn.Module], published: Mapping[str, str], warn: Callable[[str], None]
+) -> dict[str, str]:
+    """Styles for one module's direct projections (attention, fused attention, MLP), or ``{}``."""
+    lowered = {child.lower(): child for child in projections}
+    qkv = next((lowered[n] for n in _FUSED_QKV_NAMES if n in lowered), None)
+    grouped = next((lowered[n] for n in _GROUPED_QKV_NAMES if n in lowered), None)
+    gate_up = next((lowered[n] for n in _FUSED_GATE_UP_NAMES if n in lowered), None)
+    if qkv is not None or grouped is not None:
+        fused = qkv or grouped
+        out = next((lowered[n] for n in _ATTENTION_OUTPUT_NAMES if n in lowered and lowered[n] != fused), None)
+        if grouped is not None and out is not None:
+            if published.get(f"{prefix}{grouped}") == "colwise" or grouped_qkv_heads(sub, projections[grouped]):
+                return {grouped: "colwise", out: "rowwise"}
+        if qkv is not None and out is not None and head_count(sub, QUERY_HEADS):
+            return {qkv: "fused_qkv", out: "rowwise"}
+        warn(f"{prefix}{fused}: fused q/k/v projection of unknown layout (or without head counts); left replicated.")
+        return {}
+    if gate_up is not None:
+        out = next((lowered[n] for n in _MLP_OUTPUT_NAMES if n in lowered), None)
+        if out is not None:
+            return {gate_up: "fused_gate_up", out: "rowwise"}
+        warn(f"{prefix}{gate_up}: fused gate/up projection without a recognised output projection; left replicated.")
+        return {}
+    attention = _match_attention(projections)
+    if attention:
+        *qkv_names, out_name = attention
+        return {**{child: "colwise" for child in qkv_names}, out_name: "rowwise"}
+    return _match_mlp(projections)
+
+
+def _match_siblings(parent: nn.Module, prefix: str, taken: set[str]) -> list[Unit]:
+    """Attention and MLPs split over two consecutive children of ``parent`` (BERT's layout)."""
+    children = list(parent.named_children())
+    units: list[Unit] = []
+    used: set[str] = set()
+    for (first, a), (second, b) in zip(children, children[1:]):
+        if first in used:
+            continue
+        found = _sibling_attention(a, b) or _sibling_mlp(a, b)
+        unit = {f"{prefix}{(first, second)[side]}.{child}": style for (side, child), style in found.items()}
+        if unit and not taken.intersection(unit):
+            units.append(unit)
+            used.update((first, second))
+    return units
+
+
+def _sibling_attention(a: nn.Module, b: nn.Module) -> dict[tuple[int, str], str]:
+    """q/k/v as ``a``'s only parameters, the output projection in ``b`` (with nothing else as wide as heads)."""
+    projections = {name: m for name, m in a.named_children() if is_projection(m)}
+    names = next((n[:3] for n in _ATTENTION_NAMES if all(x in projections for x in n[:3])), None)
+    if names is None or _parameter_count(a) != sum(_parameter_count(projections[n]) for n in names):
+        return {}
+    d_model, width = features(projections[names[0]])
+    outputs = [n for n, m in b.named_children() if is_projection(m) and n.lower() in _ATTENTION_OUTPUT_NAMES
+               and features(m) == (width, d_model)]
+    if len(outputs) != 1 or not _only_model_width_besides(b, outputs[0], d_model):
+        return {}
+    return {**{(0, n): "colwise" for n in names}, (1, outputs[0]): "rowwise"}
+
+
+def _sibling_mlp(a: nn.Module, b: nn.Module) -> dict[tuple[int, str], str]:
+    """``a`` holds only a ``d→h`` projection, ``b`` an ``h→d`` one (and parameters of width ``d``: a norm)."""
+    up = [(n, m) for n, m in a.named_children() if is_projection(m)]
+    down = [(n, m) for n, m in b.named_children() if is_projection(m)]
+    if len(up) != 1 or len(down) != 1 or _parameter_count(a) != _parameter_count(up[0][1]):
+        return {}
+    (up_name, up_module), (down_name, down_module) = up[0], down[0]
+    d_model, hidden = features(up_module)
+    if hidden == d_model or features(down_module) != (hidden, d_model):
+        return {}
+    if not _only_model_width_besides(b, down_name, d_model):
+        return {}
+    return {(0, up_name): "colwise", (1, down_name): "rowwise"}
+
+
+def _only_model_width_besides(module: nn.Module, projection: str, d_model: int) -> bool:
+    """Every parameter of ``module`` outside ``projection`` is a vector of the model width (a norm, a bias)."""
+    return all(
+        name.startswith(f"{projection}.") or (param.dim() == 1 and param.numel() == d_model)
+        for name, param in module.named_parameters()
+    )
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(1 for _ in module.parameters())
+
+
+def _tied_modules(module: nn.Module) -> set[str]:
+    """Modules holding a parameter that another module holds too."""
+    owners: dict[int, set[str]] = {}
+    for fqn, sub in module.named_modules(remove_duplicate=False):
+        for _, param in sub.named_parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(fqn)
+    return {fqn for names in owners.values() if len(names) > 1 for fqn in names}
+
+
+def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, str] | None:
+    for names in _ATTENTION_NAMES:
+        if all(name in linears for name in names):
+            return names
+    return None
+
+
+def _match_mlp(linears: Mapping[str, nn.Module]) -> dict[str, str]:
+    items = [(name, features(m)) for name, m in linears.items()]
+    if len(items) == 2:
+        (first, (a_in, a_out)), (second, (b_in, b_out)) = items
+        if a_out == b_in and a_in == b_out and a_out != a_in:
+            return {first: "colwise", second: "rowwise"}
+    if len(items) == 3:
+        ins = [(n, f) for n, f in items if f[0] != f[1]]
+        expand = [n for n, (i, o) in ins if o > i]
+        reduce = [n for n, (i, o) in ins if o < i]
+        if len(ins) == 3 and len(expand) == 2 and len(reduce) == 1:
+            shapes = dict(items)
+            if {shapes[n][1] for n in expand} == {shapes[reduce[0]][0]}:
+                return {expand[0]: "colwise", expand[1]: "colwise", reduce[0]: "rowwise"}
+    return {}
+
+
+def is_attention_projection(name: str) -> bool:
+    """A q/k/v projection's name (separate or fused per k/v group)."""
+    lowered = name.lower()
+    return lowered in _GROUPED_QKV_NAMES or any(lowered in names[:3] for names in _ATTENTION_NAMES)
+
+
+def is_grouped_qkv(name: str) -> bool:
+    """A fused projection laid out per key/value group (``query_key_value``)."""
+    return name.lower() in _GROUPED_QKV_NAMES

@@ -1,0 +1,173 @@
+"""One cell of the sweep: a family trained under one layout, compared with single-device training.
+
+The Trainer is built as :mod:`tests.harness` builds its jobs (float64, SGD, no shuffling, the single-device
+run fed the distributed sampler's order) and the same :class:`tests.harness.Recorder` collects losses,
+gradients and parameters after every step; validation then runs with batches of another size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+
+import lightning_parallel
+from tests.coverage.models import CoverageData, CoverageModule, channels_of
+from tests.harness import Recorder, single_device_order
+
+STEPS = 3
+BATCH = 8  # global rows per training batch (4 micro-batches of 2 under pp2; 4 rows per replica under dp2)
+VAL_BATCH = 4  # global rows per validation batch: not the training batch size
+TOL = 1e-6
+SHARE = 0.6  # TP: the largest rank's parameter bytes / the whole model's
+TIMEOUT = 60  # seconds a collective may wait: a hang becomes an error, and the world goes on
+SEED = 1234
+
+#: layout -> (data-parallel replicas, strategy class name, options)
+LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
+    "dp2": (2, "DataParallelStrategy", {}),
+    "tp2": (1, "TensorParallelStrategy", {}),
+    "pp2": (1, "PipelineParallelStrategy", {"microbatches": 4}),  # more micro-batches than stages
+    "cp2": (1, "HybridParallelStrategy", {"context_parallel_size": 2, "data_parallel_size": 1}),
+}
+
+
+def build(task: str, model_type: str, layout: str | None) -> tuple[CoverageModule, CoverageData, L.Trainer, Recorder]:
+    """Module, data and Trainer for one cell (``layout=None``: the single-device reference)."""
+    L.seed_everything(SEED, workers=True)
+    model = CoverageModule(task, model_type)
+    replicas = 1 if layout is None else LAYOUTS[layout][0]
+    data = CoverageData(task, BATCH // replicas, VAL_BATCH // replicas, channels=channels_of(model))
+    if layout is None:
+        strategy: Any = "auto"
+        single_device_order(data, SEED)
+    else:
+        _, name, options = LAYOUTS[layout]
+        strategy = getattr(lightning_parallel, name)(timeout=TIMEOUT, **options)
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1 if layout is None else 2, strategy=strategy, precision="64-true",
+        max_steps=STEPS, limit_val_batches=2, num_sanity_val_steps=0, val_check_interval=None,
+        check_val_every_n_epoch=None, callbacks=[recorder], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    return model, data, trainer, recorder
+
+
+def train(model: CoverageModule, data: CoverageData, trainer: L.Trainer, recorder: Recorder) -> dict[str, Any]:
+    """Fit, then validate; rank 0's findings (with ``validation``) and this rank's parameter bytes."""
+    trainer.fit(model, datamodule=data)
+    result = dict(recorder.result)
+    result["validation"] = trainer.validate(model, datamodule=data, verbose=False)[0]
+    result["local_bytes"] = _local_bytes(model)
+    return result
+
+
+def _local_bytes(model: torch.nn.Module) -> int:
+    from tests.harness import local_shard
+
+    return sum(local_shard(p).numel() * p.element_size() for p in model.parameters())
+
+
+def reference(task: str, model_type: str) -> dict[str, Any]:
+    """Single-device training (what every layout must reproduce)."""
+    result = train(*build(task, model_type, None))
+    keep = ("step_losses", "states", "grads", "validation", "local_bytes")
+    return {k: result[k] for k in keep}
+
+
+def compare(expected: dict[str, Any], actual: dict[str, Any]) -> tuple[float, float, str]:
+    """(max absolute difference, max relative difference, what differs first) over losses, gradients, parameters."""
+    worst_abs, worst_rel, first = 0.0, 0.0, ""
+
+    def see(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        nonlocal worst_abs, worst_rel, first
+        a, b = torch.as_tensor(a).double().cpu(), torch.as_tensor(b).double().cpu()
+        if a.shape != b.shape:
+            worst_abs = worst_rel = float("inf")
+            first = first or f"{what}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+            return
+        diff = float((a - b).abs().max()) if a.numel() else 0.0
+        if diff != diff:  # NaN
+            diff = float("inf")
+        rel = diff / max(float(b.abs().max()) if b.numel() else 0.0, 1e-12)
+        if diff > TOL and not first:
+            first = f"{what}: {diff:.2e}"
+        worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, rel)
+
+    see("losses", actual["step_losses"], expected["step_losses"])
+    for kind in ("grads", "states"):
+        if len(actual[kind]) != len(expected[kind]):
+            return float("inf"), float("inf"), f"{kind}: {len(actual[kind])} steps, expected {len(expected[kind])}"
+        for step, (got, want) in enumerate(zip(actual[kind], expected[kind])):
+            if got.keys() != want.keys():
+                missing = sorted(set(want) ^ set(got))[:3]
+                return float("inf"), float("inf"), f"{kind} after step {step + 1}: names differ {missing}"
+            for name in want:
+                see(f"{kind[:-1]} {name} after step {step + 1}", got[name], want[name])
+    for key, value in expected["validation"].items():
+        see(f"validation {key}", torch.tensor(actual["validation"].get(key, float("nan"))), torch.tensor(value))
+    return worst_abs, worst_rel, first
+
+
+_LIBRARY = os.sep + "lightning_parallel" + os.sep
+_TORCH = os.sep + "torch" + os.sep
+
+
+def _frame(filename: str, lineno: int, name: str) -> str:
+    for marker in (_LIBRARY, _TORCH):
+        if marker in filename:
+            return f"{marker.strip(os.sep)}/{filename.split(marker, 1)[1]}:{lineno} in {name}"
+    return f"{Path(filename).name}:{lineno} in {name}"
+
+
+def describe_failure(error: BaseException, trained_steps: int) -> dict[str, Any]:
+    """``refused`` (our library's clear error at setup or first batch) or ``crash``, with where it came from."""
+    frames = traceback.extract_tb(error.__traceback__)
+    raised_here = frames[-1] if frames else None
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    ours = (
+        raised_here is not None and _LIBRARY in raised_here.filename
+        and isinstance(error, (ValueError, TypeError, RuntimeError, NotImplementedError))
+        and trained_steps == 0
+    )
+    origin = next((f for f in reversed(frames) if _LIBRARY in f.filename or _TORCH in f.filename), raised_here)
+    library = next((f for f in reversed(frames) if _LIBRARY in f.filename), None)
+    record = {
+        "status": "refused" if ours else "crash",
+        "error": type(error).__name__,
+        "message": first_line,
+        "where": _frame(origin.filename, origin.lineno, origin.name) if origin else "",
+    }
+    if library is not None and library is not origin:
+        record["library_frame"] = _frame(library.filename, library.lineno, library.name)
+    return record
+
+
+def judge(layout: str, expected: dict[str, Any], result: dict[str, Any], largest_bytes: int) -> dict[str, Any]:
+    """The cell's verdict from rank 0's findings and the largest rank's parameter bytes."""
+    worst_abs, worst_rel, first = compare(expected, result)
+    record: dict[str, Any] = {"max_abs_diff": worst_abs, "max_rel_diff": worst_rel}
+    if layout == "dp2" and result.get("replica_spread", 0.0) > 1e-9:
+        worst_abs = max(worst_abs, result["replica_spread"])
+        first = first or f"replicas differ by {result['replica_spread']:.2e}"
+    if worst_abs > TOL:
+        return {**record, "status": "wrong", "first_difference": first}
+    record["status"] = "exact"
+    if layout.startswith("tp"):
+        share = largest_bytes / expected["local_bytes"]
+        record["share"] = round(share, 3)
+        if share > SHARE:
+            record["status"] = f"exact (share {share:.2f})"
+    return record
+
+
+def timed(function: Any, *args: Any) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = function(*args)
+    return value, time.perf_counter() - start

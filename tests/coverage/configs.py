@@ -1,0 +1,206 @@
+"""Which families the sweep covers, and a tiny config for each, derived generically from its config class.
+
+Every model type of the installed transformers' causal-LM, masked-LM and image-classification auto mappings
+is a family. Its tiny config starts from the config class's defaults and shrinks every size by attribute
+name (so the same rule covers ``hidden_size``, ``n_embd``, ``d_model`` ...); a family's own structure (head
+dims, sliding windows, expert counts, per-layer lists, CNN stage lists, sub-configs) is rescaled, not
+dropped. The few families that need more are in :data:`OVERRIDES`, each with its reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import zlib
+from typing import Any
+
+HIDDEN = 32
+LAYERS = 4  # two blocks per stage under pp2
+HEADS = 4
+KV_HEADS = 2  # grouped-query attention where the family has it (MHA and MQA stay what they are)
+INTERMEDIATE = 64
+VOCAB = 128
+POSITIONS = 64
+SEQUENCE = 16  # tokens per training row
+IMAGE = 32
+PATCH = 4
+NUM_LABELS = 4
+EXPERTS = 4
+TOP_K = 2
+
+TASKS = ("causal_lm", "masked_lm", "image_classification")
+
+#: model type -> (extra config fields, why the generic rules are not enough). Keep this short.
+OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
+    "gpt_neox": ({"rotary_pct": 0.5}, "exercise partial rotary (the generic config keeps the default, full)"),
+    "squeezebert": ({"embedding_size": HIDDEN}, "its embeddings feed the first block directly: embedding_size must equal hidden_size"),
+    "reformer": ({"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 4], "is_decoder": True},
+                 "axial position embeddings: dims sum to hidden_size, shape multiplies to the sequence length; causal LM needs is_decoder"),
+}
+
+_HIDDEN_NAMES = ("hidden_size", "n_embd", "n_embed", "d_model", "dim", "model_dim", "word_embed_proj_dim")
+_EMBEDDING_NAMES = ("embedding_size", "embed_dim", "embedding_dim", "projection_dim", "text_embed_dim")
+_LAYER_NAMES = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers")
+_HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads")
+_KV_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv")
+_INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff",
+                       "ffn_hidden_size", "mlp_dim", "inner_hidden_size")
+_EXPERT_INTERMEDIATE = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
+                        "moe_ffn_hidden_size", "shared_intermediate_size")
+_EXPERT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_moe_experts")
+_TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k", "moe_topk")
+_POSITION_NAMES = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
+                   "max_sequence_length", "original_max_position_embeddings")
+_WINDOW_NAMES = ("sliding_window", "attention_window", "local_attention", "window_size_attention")
+_MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8}
+
+
+def mapping(task: str) -> dict[str, str]:
+    """model type -> model class name for one task (the first class where the mapping lists several)."""
+    from transformers.models.auto import modeling_auto
+
+    names = {
+        "causal_lm": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        "masked_lm": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        "image_classification": modeling_auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES,
+    }[task]
+    return {kind: (name if isinstance(name, str) else name[0]) for kind, name in names.items()}
+
+
+def families(task: str | None = None) -> list[tuple[str, str]]:
+    """Every (task, model type) of the installed transformers, in mapping order."""
+    return [(t, kind) for t in (TASKS if task is None else (task,)) for kind in mapping(t)]
+
+
+def config_class(model_type: str) -> type:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
+
+
+def _real(config: Any, name: str, present: dict[str, Any]) -> str | None:
+    """The stored field behind ``name`` (through the class's ``attribute_map``), if the config has it."""
+    name = getattr(config, "attribute_map", {}).get(name, name)
+    return name if name in present else None
+
+
+def _per_layer(values: list[Any], layers: int) -> list[Any]:
+    """A per-layer list of ``layers`` entries that keeps every kind the default mixes (sliding and full ...)."""
+    if all(isinstance(v, (str, bool, type(None))) or (isinstance(v, int) and v in (0, 1)) for v in values):
+        distinct = list(dict.fromkeys(values))
+        return [distinct[i % len(distinct)] for i in range(layers)]
+    return list(values[:layers]) + [values[-1]] * max(0, layers - len(values))
+
+
+def _stage_widths(widths: list[int]) -> list[int]:
+    """CNN/hierarchical stage widths scaled so the last is 32, each a multiple of 8."""
+    top = max(widths)
+    return [max(8, round(w * 32 / top / 8) * 8) for w in widths]
+
+
+def tiny_fields(config: Any, task: str) -> dict[str, Any]:
+    """Config fields that make ``config`` (a default-constructed config) tiny; see the module docstring."""
+    present = config.to_dict()
+    fields: dict[str, Any] = {}
+
+    def put(names: tuple[str, ...], value: Any, keep_none: bool = True) -> None:
+        for name in names:
+            real = _real(config, name, present)
+            if real is not None and not isinstance(present[real], (dict, list)) and not isinstance(present[real], bool):
+                if present[real] is None and keep_none:
+                    continue
+                fields[real] = value(present[real]) if callable(value) else value
+
+    hierarchical = isinstance(present.get("depths"), list)  # Swin/ResNet-like: stage lists, derived widths
+    if hierarchical:
+        fields["depths"] = [1] * len(present["depths"])
+        for name in ("hidden_sizes", "embed_dims", "embed_dim", "dims", "hidden_dims"):
+            if isinstance(present.get(name), list):
+                fields[name] = _stage_widths(present[name])
+        for name in ("num_heads", "num_attention_heads", "heads"):
+            if isinstance(present.get(name), list):
+                fields[name] = [min(h, 2) for h in present[name]]
+        put(("embed_dim", "embedding_size"), 16)
+    else:
+        put(_HIDDEN_NAMES, HIDDEN)
+        put(_EMBEDDING_NAMES, 16 if _real(config, "embedding_size", present) else HIDDEN)
+        put(_LAYER_NAMES, LAYERS)
+        put(_HEAD_NAMES, HEADS)
+        default_heads = next((present[r] for n in _HEAD_NAMES if (r := _real(config, n, present)) and isinstance(present[r], int)), None)
+        # None means "as many as query heads" (MHA); MQA stays MQA; any other grouping becomes 4 q per 2 k/v heads.
+        put(_KV_NAMES, lambda kv: HEADS if kv in (None, default_heads) else (1 if kv == 1 else KV_HEADS), keep_none=False)
+        put(_INTERMEDIATE_NAMES, INTERMEDIATE)
+        if "head_dim" in present and isinstance(present["head_dim"], (int, type(None))):
+            # Multi-head latent attention rotates only its rope part: head_dim is that part's width there.
+            fields["head_dim"] = _MLA["qk_rope_head_dim"] if "qk_rope_head_dim" in present else HIDDEN // HEADS
+        put(("rotary_dim",), (HIDDEN // HEADS) // 2)  # GPT-J/CodeGen rotate part of each head
+        put(("num_groups",), 4)  # group norms over the (now 8-multiple) stage widths
+    put(_EXPERT_INTERMEDIATE, 32)
+    put(_EXPERT_NAMES, EXPERTS)
+    has_experts = any(_real(config, n, present) and present[_real(config, n, present)] for n in _EXPERT_NAMES)
+    put(_TOP_K_NAMES, TOP_K, keep_none=not has_experts)
+    put(("n_shared_experts", "num_shared_experts"), 1)
+    put(("n_group", "topk_group"), 1)
+    put(("first_k_dense_replace",), 1)
+    for name, value in _MLA.items():
+        put((name,), value)
+    if "qk_head_dim" in present and "qk_rope_head_dim" in fields:
+        fields["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
+    put(("vocab_size",), VOCAB, keep_none=False)
+    put(_POSITION_NAMES, POSITIONS)
+    put(_WINDOW_NAMES, SEQUENCE // 2)
+    put(("image_size", "img_size"), IMAGE)
+    put(("patch_size",), PATCH)
+    put(("window_size",), 2)  # Swin-like windows must tile the 8 x 8 patch grid and its halvings
+    if task == "image_classification":
+        fields["num_labels"] = NUM_LABELS
+    for name, value in present.items():  # dropout off, token ids inside the small vocabulary
+        if isinstance(value, float) and not isinstance(value, bool) and ("dropout" in name or "drop" in name.split("_") or name.endswith("_pdrop") or name in ("layerdrop", "drop_path_rate")):
+            fields[name] = 0.0
+        elif name.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
+            fields[name] = VOCAB - 1 - zlib.crc32(name.encode()) % 8  # stable across processes (not hash())
+    default_layers = next((present[r] for n in _LAYER_NAMES if (r := _real(config, n, present)) and isinstance(present[r], int)), None)
+    for name, value in present.items():  # per-layer lists (layer types, sliding flags ...) follow the layer count
+        if not hierarchical and isinstance(value, list) and default_layers and len(value) == default_layers and len(value) > 1:
+            fields[name] = _per_layer(value, LAYERS)
+    rope = present.get("rope_parameters") or present.get("rope_scaling")
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):  # sums to half the head dim
+        sections = rope["mrope_section"]
+        half, total = (HIDDEN // HEADS) // 2, sum(sections)
+        scaled = [max(1, s * half // total) for s in sections]
+        scaled[0] += half - sum(scaled)
+        key = "rope_parameters" if present.get("rope_parameters") else "rope_scaling"
+        fields[key] = {**rope, "mrope_section": scaled}
+    return fields
+
+
+def tiny_config(task: str, model_type: str) -> Any:
+    """The tiny config of one family (sub-configs, e.g. a vision tower's, made tiny the same way)."""
+    cls = config_class(model_type)
+    default = cls()
+    fields = tiny_fields(default, task)
+    for name in getattr(cls, "sub_configs", {}) or {}:
+        sub = getattr(default, name, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            fields[name] = {**sub.to_dict(), **tiny_fields(sub, task)}
+    fields.update(OVERRIDES.get(model_type, ({}, ""))[0])
+    return cls(**fields)
+
+
+def model_class(task: str, model_type: str) -> type:
+    import transformers
+
+    return getattr(transformers, mapping(task)[model_type])
+
+
+def build_model(task: str, model_type: str) -> Any:
+    """The family's model from its tiny config, with the attention implementation transformers picks by default."""
+    config = tiny_config(task, model_type)
+    # Mixture-of-experts layers default to torch's grouped_mm, which has no float64 kernel: the eager experts
+    # compute the same function (float64 is what the 1e-6 comparison needs, for every family alike).
+    return model_class(task, model_type)._from_config(config, experts_implementation="eager")
+
+
+def image_input_name(model: Any) -> str:
+    """The keyword an image model takes its pixels as (``pixel_values``; Perceiver's ``inputs``)."""
+    parameters = inspect.signature(model.forward).parameters
+    return "pixel_values" if "pixel_values" in parameters else "inputs"

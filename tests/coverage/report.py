@@ -1,0 +1,89 @@
+"""The sweep's Markdown summary (counts per layout and task, and the table of families), and README.md's
+block rendered from the committed results (``python -m tests.coverage --report --readme``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.coverage.cells import LAYOUTS
+from tests.coverage.configs import TASKS
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+BEGIN, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
+SHARED = "exact, share > 0.6"
+KINDS = ("exact", SHARED, "refused", "wrong", "crash", "not built")
+
+
+def kind(cell: dict[str, Any] | None) -> str | None:
+    """The cell's count bucket: a TP cell exact but over the share limit is not counted as exact."""
+    if cell is None:
+        return None
+    status = cell["status"]
+    return SHARED if status.startswith("exact (share") else status
+
+
+def counts(results: dict[str, Any]) -> dict[tuple[str, str], dict[str, int]]:
+    """(task, layout) -> {kind: count}; families not built count under every layout."""
+    table: dict[tuple[str, str], dict[str, int]] = {}
+    for record in results["families"].values():
+        for layout in LAYOUTS:
+            bucket = "not built" if not record["built"] else kind(record.get("cells", {}).get(layout))
+            if bucket is not None:
+                row = table.setdefault((record["task"], layout), dict.fromkeys(KINDS, 0))
+                row[bucket] += 1
+    return table
+
+
+def _cell_text(cell: dict[str, Any] | None) -> str:
+    if cell is None:
+        return "—"
+    status = cell["status"]
+    if status == "wrong":
+        return f"wrong ({cell.get('max_rel_diff', float('nan')):.1e})"
+    if status in ("crash", "refused"):
+        message = cell.get("message", "").replace("|", "\\|")
+        return f"{status}: {cell.get('error', '')}: {message[:80]}"
+    return status
+
+
+def render(results: dict[str, Any], readme: bool = False) -> str:
+    """The summary: one counts table, then one row per family (folded away in the README)."""
+    versions = results.get("versions", {})
+    lines = [
+        f"Swept with transformers {versions.get('transformers', '?')}, torch {versions.get('torch', '?')} "
+        f"({len(results['families'])} families; `python -m tests.coverage`).",
+        "",
+        "| task | layout | " + " | ".join(KINDS) + " |",
+        "|---|---|" + "---|" * len(KINDS),
+    ]
+    table = counts(results)
+    for task in TASKS:
+        for layout in LAYOUTS:
+            if (task, layout) in table:
+                row = table[task, layout]
+                lines.append(f"| {task} | {layout} | " + " | ".join(str(row[k]) for k in KINDS) + " |")
+    lines += [""] + (["<details><summary>Every family, cell by cell</summary>", ""] if readme else [])
+    lines += ["| family | task | " + " | ".join(LAYOUTS) + " |", "|---|---|" + "---|" * len(LAYOUTS)]
+    for record in results["families"].values():
+        name = f"`{record['model_class']}`"
+        if not record["built"]:
+            reason = record["reason"].replace("|", "\\|")[:100]
+            lines.append(f"| {name} | {record['task']} | not built: {reason} |" + " |" * (len(LAYOUTS) - 1))
+            continue
+        cells = [_cell_text(record.get("cells", {}).get(layout)) for layout in LAYOUTS]
+        lines.append(f"| {name} | {record['task']} | " + " | ".join(cells) + " |")
+    if readme:
+        lines += ["", "</details>"]
+    return "\n".join(lines)
+
+
+def readme_block(text: str) -> str:
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[start:end].strip()
+
+
+def write_readme(results: dict[str, Any], readme: Path = README) -> None:
+    text = readme.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    readme.write_text(text[:start] + "\n" + render(results, readme=True) + "\n" + text[end:])

@@ -1,0 +1,38 @@
+"""A fixed sample of the coverage sweep, run for real through the sweep's own runner (one 2-rank world).
+
+One family of each kind: a Llama-like decoder, a fused-q|k|v one, a mixture of experts, an encoder masked
+LM, a ViT and a CNN, each under dp2, tp2, pp2 and cp2 against single-device training. A cell may be
+`exact` or `refused` (a clear error at setup or first batch); `wrong` or `crash` fails the test.
+"""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.coverage.cells import LAYOUTS  # noqa: E402
+from tests.coverage.sweep import sweep  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+SAMPLE = [
+    ("causal_lm", "llama"),  # separate q/k/v/o, GQA, SwiGLU
+    ("causal_lm", "phi3"),  # fused qkv_proj (GQA) and gate_up_proj
+    ("causal_lm", "qwen3_moe"),  # mixture of experts with a router
+    ("masked_lm", "bert"),  # bidirectional encoder, attention output in a sibling module
+    ("image_classification", "vit"),  # patch convolution, CLS token
+    ("image_classification", "resnet"),  # CNN with BatchNorm stages
+]
+
+
+def test_sample_has_no_wrong_or_crashed_cell(tmp_path):
+    results = sweep(SAMPLE, list(LAYOUTS), results_path=tmp_path / "results.json", workdir=tmp_path, log=None)
+    bad = []
+    for task, model_type in SAMPLE:
+        record = results["families"][f"{task}/{model_type}"]
+        assert record["built"], f"{model_type} no longer builds tiny: {record.get('reason')}"
+        assert set(record["cells"]) == set(LAYOUTS), (model_type, record["cells"])
+        for layout, cell in record["cells"].items():
+            if cell["status"] in ("wrong", "crash"):
+                detail = cell.get("first_difference") or f"{cell.get('error')}: {cell.get('message')} at {cell.get('where')}"
+                bad.append(f"{model_type} {layout}: {cell['status']}: {detail}")
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,52 @@
+"""The committed coverage sweep results are well-formed, and README.md's coverage block is what they render."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.coverage.cells import LAYOUTS  # noqa: E402
+from tests.coverage.configs import TASKS  # noqa: E402
+from tests.coverage.report import BEGIN, END, README, readme_block, render  # noqa: E402
+from tests.coverage.sweep import RESULTS  # noqa: E402
+
+STATUSES = {"exact", "refused", "wrong", "crash"}
+
+
+def results() -> dict:
+    return json.loads(RESULTS.read_text())
+
+
+def test_every_record_is_well_formed():
+    data = results()
+    assert set(data["versions"]) == {"transformers", "torch"}
+    assert data["families"], "no families swept"
+    for name, record in data["families"].items():
+        assert name == f"{record['task']}/{record['model_type']}", name
+        assert record["task"] in TASKS, name
+        assert record["model_class"], name
+        assert isinstance(record["reference_seconds"], (int, float)), name
+        if not record["built"]:
+            assert record["reason"].strip(), f"{name}: not built without a reason"
+            assert not record.get("cells"), f"{name}: cells for a family that was not built"
+            continue
+        assert set(record["cells"]) <= set(LAYOUTS), name
+        for layout, cell in record["cells"].items():
+            status = cell["status"]
+            assert status in STATUSES or (layout.startswith("tp") and status.startswith("exact (share ")), (name, layout, status)
+            assert cell["seconds"] is None or cell["seconds"] >= 0, (name, layout)
+            if status in ("refused", "crash"):
+                assert cell["error"] and "message" in cell, (name, layout)
+            if status == "wrong":
+                assert cell["max_rel_diff"] > 0 and cell["first_difference"], (name, layout)
+            if status.startswith("exact"):
+                assert cell["max_abs_diff"] <= 1e-6, (name, layout)
+            if layout.startswith("tp") and status.startswith("exact"):
+                assert (cell["share"] <= 0.6) == (status == "exact"), (name, layout)
+
+
+def test_readme_block_matches_the_committed_results():
+    text = README.read_text()
+    assert BEGIN in text and END in text, "README.md lacks the coverage markers"
+    assert readme_block(text) == render(results(), readme=True), "README is stale: run `python -m tests.coverage --report --readme`"

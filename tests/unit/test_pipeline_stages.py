@@ -1,0 +1,120 @@
+"""What traced pipeline stages send and run, and which BatchNorm pipelines are refused, checked in-process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.pipelining import SplitPoint, pipeline
+
+from lightning_parallel.parallelize.batchnorm import batch_statistics_layers, check_pipeline_batch_statistics
+from lightning_parallel.parallelize.pipeline_build import _trace
+from lightning_parallel.parallelize.stage_boundary import contiguous_boundaries
+
+B, L, D = 2, 3, 4
+
+
+class TransposingBlock(nn.Module):
+    """Mixes positions through a transpose: its output, and the gradient of its input, are not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(L, L, dtype=torch.float64))
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, (h.transpose(1, 2) @ self.mix).transpose(1, 2), 0.0)
+
+
+class MaskedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(D, D, dtype=torch.float64)
+        self.layers = nn.ModuleList(TransposingBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        mask = (x.sum(-1, keepdim=True) > -100).expand(-1, -1, D)  # stride 0, as attention masks are built
+        for layer in self.layers:
+            h = layer(h, mask)
+        return h
+
+
+def boundary_values(pipe) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Stage 0's output metadata and stage 1's placeholder metadata (what its receive buffers are made from)."""
+    first, second = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    output = next(n for n in first.graph.nodes if n.op == "output")
+    sent = [n.meta["val"] for n in torch.fx.node.map_aggregate(output.args[0], lambda n: n) if isinstance(n, torch.fx.Node)]
+    received = [n.meta["val"] for n in second.graph.nodes if n.op == "placeholder"]
+    return sent, received
+
+
+def test_stage_boundaries_become_contiguous_forward_and_backward():
+    torch.manual_seed(0)
+    model, x = MaskedStack(), torch.randn(B, L, D, dtype=torch.float64)
+    pipe = pipeline(model, (x,), None, split_spec={"layers.1": SplitPoint.BEGINNING})
+    sent, received = boundary_values(pipe)
+    assert not all(v.is_contiguous() for v in sent + received)  # what gloo refused to send or receive into
+
+    contiguous_boundaries(pipe)
+    sent, received = boundary_values(pipe)
+    assert all(v.is_contiguous() for v in sent + received)
+    first, second = pipe.get_stage_module(0), pipe.get_stage_module(1)
+    outputs = first(x)
+    assert all(t.is_contiguous() for t in outputs)
+    # A received activation (a contiguous buffer) gets a contiguous gradient, which is sent back as it is.
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in outputs]
+    result = second(*inputs)
+    (grad,) = torch.autograd.grad(result, [inputs[0]], torch.randn_like(result))
+    assert grad.is_contiguous()
+    # Only layouts changed.
+    torch.testing.assert_close(pipe(x)[0], model(x), rtol=0, atol=0)
+
+
+class Attention(nn.Module):
+    """BERT's layout: the projection in a submodule called ``self``, the output in one called ``output``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self = nn.Linear(D, D, dtype=torch.float64)
+        self.output = nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x).tanh()) + x
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(Attention() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            x = layer(x)
+        return x
+
+
+def test_a_submodule_named_self_runs_in_a_traced_stage():
+    """The stages run the graphs' generated code: a node named ``self`` would be assigned over ``self``."""
+    torch.manual_seed(0)
+    model, x = Encoder(), torch.randn(B, L, D, dtype=torch.float64)
+    pipe = _trace(model, (x,), {}, ["layer.1"], training=True)
+    torch.testing.assert_close(pipe(x)[0], model(x), rtol=0, atol=0)
+
+
+def test_batchnorm_layers_that_use_batch_statistics():
+    model = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 3, 1), nn.BatchNorm1d(3, track_running_stats=False), nn.GroupNorm(1, 3))
+    assert batch_statistics_layers(model, training=True) == ["0", "2"]
+    # In evaluation running statistics normalise row by row; a layer without them still uses the batch's.
+    assert batch_statistics_layers(model, training=False) == ["2"]
+
+
+def test_batchnorm_pipelines_are_refused_with_the_reason_and_the_fixes():
+    with pytest.raises(ValueError, match=r"ResNet has BatchNorm layers \(bn1, bn2\).*microbatches=4") as error:
+        check_pipeline_batch_statistics(["bn1", "bn2"], "ResNet", microbatches=4)
+    for fix in ("microbatches=1", "schedule='gpipe'", "GroupNorm or LayerNorm", "sync_batchnorm=True"):
+        assert fix in str(error.value)
+    with pytest.raises(ValueError, match=r"batch of 6 rows would be padded to the traced 8 rows.*drop_last=True"):
+        check_pipeline_batch_statistics(["bn1"], "ResNet", microbatches=1, rows=6, padded_rows=8)
+    # One micro-batch of the whole batch is what one device computes; no BatchNorm, nothing to refuse.
+    check_pipeline_batch_statistics(["bn1"], "ResNet", microbatches=1, rows=8, padded_rows=8)
+    check_pipeline_batch_statistics([], "GPT", microbatches=4, rows=6, padded_rows=8)

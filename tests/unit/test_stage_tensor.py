@@ -1,0 +1,138 @@
+"""Tensor parallelism inside traced pipeline stages, in one process: a model is traced and cut into two
+stages, each stage's parameters are placed on a 2-rank ``tp`` mesh by the auto plan, and the stages run in
+sequence on DTensors (two ranks simulated with torch's ``LocalTensorMode`` over the ``fake`` backend). The
+outputs and every parameter's gradient must equal the whole model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from lightning_parallel.parallelize.pipeline_build import _named_tensors, _set_by_name, _trace
+from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
+from lightning_parallel.parallelize.stage_views import contiguous_before_views, contiguous_local
+from lightning_parallel.parallelize.tensor import TensorParallelConfig
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def fake_world():
+    # Private torch modules, checked against torch 2.13: no public API simulates ranks in one process.
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield lambda: LocalTensorMode(2)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_split_over_tp(module: nn.Module, tokens: torch.Tensor, split_point: str, simulated_ranks) -> tuple[torch.Tensor, dict]:
+    """The traced stages of ``module`` on 2 simulated tp ranks: (output, whole gradient of each parameter)."""
+    resolved = TensorParallelConfig().resolve(module, tp_size=2)
+    pipe = _trace(module, (tokens,), {}, [split_point], training=True)
+    originals = dict(_named_tensors(module))
+    with simulated_ranks():
+        tp = StageTensorParallel.from_plan(resolved, "", init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        placed: dict[str, nn.Parameter] = {}
+        for s in range(pipe.num_stages):
+            stage = pipe.get_stage_module(s)
+            for name, tensor in list(_named_tensors(stage)):
+                if isinstance(tensor, nn.Parameter) and name in originals:
+                    placed.setdefault(name, tp.distribute(name, tensor))
+                    _set_by_name(stage, name, placed[name])
+            tp.wrap(stage)
+        with tp.context():
+            # The split module's graph calls the stages in order (pipe() would detach between them).
+            output = torch.fx.Interpreter(pipe.split_gm).run(tokens)
+            output = output[0] if isinstance(output, (tuple, list)) else output
+            (output * torch.linspace(-1, 1, output.shape[-1], dtype=output.dtype)).sum().backward()
+            missing = [name for name, p in placed.items() if p.grad is None]
+            assert not missing, missing
+            grads = {name: p.grad.full_tensor() for name, p in placed.items()}
+    return output, grads
+
+
+def whole_model(module: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    output = module(tokens)
+    (output * torch.linspace(-1, 1, output.shape[-1], dtype=output.dtype)).sum().backward()
+    grads = {name: p.grad.clone() for name, p in module.named_parameters()}
+    module.zero_grad()
+    return output.detach(), grads
+
+
+def assert_same(split: tuple[torch.Tensor, dict], whole: tuple[torch.Tensor, dict], atol: float) -> None:
+    torch.testing.assert_close(split[0], whole[0], rtol=0, atol=atol)
+    assert split[1].keys() <= whole[1].keys() and len(split[1]) == len(whole[1])
+    for name, grad in split[1].items():
+        torch.testing.assert_close(grad, whole[1][name], rtol=0, atol=atol, msg=name)
+
+
+def test_hand_written_llama_heads_merged_with_reshape(fake_world):
+    # Issue 29 item 4: `o.transpose(1, 2).reshape(B, L, -1)` was traced as a view that the local shards'
+    # layout does not allow ("view size is not compatible with input tensor's size and stride").
+    from tests.hf_models import ReferenceLlamaLM
+
+    torch.manual_seed(0)
+    model = ReferenceLlamaLM().double()
+    tokens = torch.randint(0, 128, (2, 8))
+    whole = whole_model(model, tokens)
+    assert_same(run_split_over_tp(model, tokens, "layers.2", fake_world), whole, atol=1e-12)
+
+
+def test_transformers_llama_with_default_sdpa_attention(fake_world):
+    # transformers' SDPA passes a [B, 1, L, S] mask as attn_mask: DTensor had no rule placing it (and then
+    # the heads were merged by a view, as above). transformers computes rotary tables and norms in float32.
+    pytest.importorskip("transformers")
+    from tests.hf_models import HFCausalLM
+
+    torch.manual_seed(0)
+    model = HFCausalLM("llama", attention="sdpa").double()
+    tokens = torch.randint(0, 128, (2, 8))
+    whole = whole_model(model, tokens)
+    assert_same(run_split_over_tp(model, tokens, "net.model.layers.2", fake_world), whole, atol=1e-5)
+
+
+def test_a_view_is_made_contiguous_only_where_the_local_tensor_needs_it(fake_world):
+    with fake_world():
+        mesh = init_device_mesh("cpu", (2,))
+        base = torch.randn(2, 4, 8, 3, dtype=torch.float64, requires_grad=True)
+        # Split over dim 1 out of a replicated tensor: each rank's part is a contiguous copy, so its
+        # transpose (heads merged back, as attention does) is not.
+        sharded = distribute_tensor(base.detach(), mesh, [Replicate()]).requires_grad_()
+        heads = sharded.redistribute(placements=[Shard(1)]).transpose(1, 2)
+        assert not heads.to_local().is_contiguous()
+        fixed = contiguous_local(heads)
+        assert fixed.to_local().is_contiguous() and fixed.placements == heads.placements
+        merged = fixed.reshape(2, 8, 12)
+        torch.testing.assert_close(merged.full_tensor(), base.detach().transpose(1, 2).reshape(2, 8, 12))
+        merged.sum().backward()
+        assert isinstance(sharded.grad, DTensor)
+        torch.testing.assert_close(sharded.grad.full_tensor(), torch.ones_like(base))
+        already = distribute_tensor(base.detach(), mesh, [Shard(0)])
+        assert contiguous_local(already) is already
+
+
+def test_views_of_tensors_written_in_place_stay_views():
+    from torch.export.unflatten import InterpreterModule
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(aten.mul.Tensor, (x, 2))
+    graph.call_function(aten.add_.Tensor, (graph.call_function(aten.view.default, (y, [-1])), 1))  # y.view(-1).add_(1)
+    of_written = graph.call_function(aten.reshape.default, (y, [-1]))  # must see the write: stays a view of y
+    of_input = graph.call_function(aten.view.default, (x, [-1]))
+    graph.output(graph.call_function(aten.add.Tensor, (of_written, of_input)))
+    module = nn.Module()
+    module.inner = InterpreterModule(graph)
+    contiguous_before_views(module)
+    assert of_written.args[0] is y
+    assert of_input.args[0].target is contiguous_local and of_input.args[0].args == (x,)
+    x_value = torch.arange(4.0)
+    torch.testing.assert_close(module.inner(x_value), x_value * 2 + 1 + x_value)
