@@ -5,6 +5,7 @@ PY      = $(VENV)/bin/python
 # A CPU build of this torch lies on the machines we develop on; install it first so pip
 # never resolves a multi-GB CUDA build through a looser requirement.
 TORCH_VERSION ?= 2.13.0
+LITGPT_VERSION ?= 0.5.13
 
 .PHONY: venv train test unit benchmark clean
 
@@ -15,6 +16,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e ".[dev]"
+	# LitGPT's model, tested as a library other than transformers: its package pins huggingface-hub<1.4,
+	# which transformers 5 cannot use, and litgpt.model itself needs only torch, lightning and psutil.
+	$(PY) -m pip install --quiet --no-deps litgpt==$(LITGPT_VERSION) psutil
 	touch $@
 
 # Hydra overrides go in ARGS, e.g. make train ARGS="strategy=data trainer.devices=2"

@@ -5,6 +5,9 @@ and variance differ from single-device training with the full batch. Synchronize
 the statistics over the data-parallel group. On accelerators we use torch's ``nn.SyncBatchNorm``; torch
 has no CPU implementation (and DDP refuses ``nn.SyncBatchNorm`` on CPU), so :class:`CPUSyncBatchNorm`
 provides one, built on differentiable all-reduces.
+
+A pipeline cannot keep batch statistics whole: it runs each batch as micro-batches.
+:func:`check_pipeline_batch_statistics` refuses the pipeline steps whose BatchNorm statistics would differ.
 """
 
 from __future__ import annotations

@@ -84,13 +84,20 @@ def _expand(op_schema: OpSchema, strategies: list[PlacementList], input_index: i
         # The mask is the last input; it reaches the kernel unredistributed (see the module doc).
         return current is None or tuple(input_specs[-1].placements) == tuple(current)
 
-    return expand_to_full_mesh_op_strategy(
+    result = expand_to_full_mesh_op_strategy(
         op_schema.get_mesh_from_args(validate=validate),
         op_schema,
         strategies,
         input_index=input_index,
         is_valid_strategy_cb=mask_as_it_is,
     )
+    if not result.strategies:
+        raise RuntimeError(
+            f"{op_schema.op}: the attention mask (shape {list(mask.shape)}) is placed {list(current)} on the "
+            f"tensor-parallel mesh, which no split of the attention over batch or heads matches, and DTensor does "
+            f"not redistribute a keyword argument. Build the mask from replicated values (positions, lengths)."
+        )
+    return result
 
 
 @register_op_strategy(aten._scaled_dot_product_flash_attention_for_cpu.default, schema_info=_SCHEMA_INFO_FORWARD)

@@ -13,9 +13,8 @@ the graph — fails the same way: on the DTensor it decides from the reported st
 
 So in those stages every op that views its input (``view``, ``reshape``, ``flatten``, ...) first makes the
 input's local tensor contiguous where it is not (a copy of this rank's part; contiguous ones, the common
-case, are viewed as before). Values are unchanged;
-only a view that shares memory with something written in place must stay a true view (the write has to show
-through it), and those are left alone. No Lightning here.
+case, are viewed as before). Values are unchanged. Only a view that shares memory with something written in
+place must stay a true view (the write has to show through it): those are left alone. No Lightning here.
 """
 
 from __future__ import annotations
@@ -77,6 +76,7 @@ def _rewrite(graph: Graph) -> bool:
     viewing = [
         n for n in graph.nodes
         if n.op == "call_function" and n.target in _VIEWING and n not in written and isinstance(n.args[0], Node)
+        and n.args[0].target is not contiguous_local  # rewritten already
     ]
     for node in viewing:
         with graph.inserting_before(node):

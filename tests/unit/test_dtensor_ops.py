@@ -38,9 +38,14 @@ MASKS = {
 }
 
 
+#: Every mask plainly; scale, a boolean mask and enable_gqa with transformers' mask and a per-head one.
+CASES = [(shape, "plain") for shape in MASKS.values()] + [
+    (shape, variant) for shape in ((2, 1, 8, 8), (2, 4, 8, 8)) for variant in ("scale", "boolean mask", "enable_gqa")
+]
+
+
 @pytest.mark.parametrize("split", [Shard(1), Shard(0)], ids=["heads", "batch"])
-@pytest.mark.parametrize("mask_shape", MASKS.values(), ids=MASKS.keys())
-@pytest.mark.parametrize("variant", ["plain", "scale", "boolean mask", "enable_gqa"])
+@pytest.mark.parametrize(("mask_shape", "variant"), CASES, ids=[f"{shape}-{variant}" for shape, variant in CASES])
 def test_attention_on_split_dtensors_equals_whole_attention(two_simulated_ranks, split, mask_shape, variant):
     mesh = two_simulated_ranks
     torch.manual_seed(0)
@@ -74,3 +79,11 @@ def test_mask_broadcast_over_heads_keeps_the_heads_split(two_simulated_ranks):
     q, k, v = (distribute_tensor(torch.randn(2, 4, 8, 8, dtype=torch.float64), mesh, [Shard(1)]) for _ in range(3))
     mask = distribute_tensor(torch.zeros(2, 1, 8, 8, dtype=torch.float64), mesh, [Replicate()])
     assert F.scaled_dot_product_attention(q, k, v, attn_mask=mask).placements == (Shard(1),)
+
+
+def test_a_mask_split_along_the_sequence_is_refused_with_the_reason(two_simulated_ranks):
+    mesh = two_simulated_ranks
+    q, k, v = (distribute_tensor(torch.randn(2, 4, 8, 8, dtype=torch.float64), mesh, [Shard(1)]) for _ in range(3))
+    mask = distribute_tensor(torch.zeros(2, 1, 8, 8, dtype=torch.float64), mesh, [Shard(2)])
+    with pytest.raises(RuntimeError, match="no split of the attention over batch or heads matches"):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
