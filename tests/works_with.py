@@ -16,6 +16,7 @@ from tests.distributed.test_transformers import (
     MATRIX,
     ROUND_TRIP,
     UNSUPPORTED,
+    REF,
     VIEW,
 )
 from tests.hf_models import FAMILIES
@@ -32,6 +33,7 @@ DESCRIPTIONS = {
     "gpt_neox": "GPT-NeoX (`GPTNeoXForCausalLM`: `query_key_value` interleaved per head)",
     DEMO: "Lightning demo `Transformer` (`nn.Transformer`, `nn.MultiheadAttention`)",
     VIEW: "hand-written Llama-style LM (`view(B, L, self.n_heads, -1)`, GQA, `nn.RMSNorm`)",
+    REF: "Meta's reference Llama written by hand (own `RMSNorm`, `SwiGLU` module, `reshape` after attention)",
 }
 
 
@@ -41,7 +43,7 @@ def render() -> str:
         "| model | " + " | ".join(layouts) + " |",
         "|---|" + "---|" * len(layouts),
     ]
-    for family in (*FAMILIES, DEMO, VIEW):
+    for family in (*FAMILIES, DEMO, VIEW, REF):
         cells = []
         for layout in layouts:
             if family in MATRIX[layout]:

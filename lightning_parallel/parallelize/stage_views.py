@@ -58,9 +58,8 @@ def contiguous_local(value: Tensor) -> Tensor:
         return value
     # to_local/from_local are differentiable: the gradient reaches ``value`` with its own placements.
     local = value.to_local().contiguous()
-    return DTensor.from_local(
-        local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=_contiguous_strides(value.shape)
-    )
+    stride = _contiguous_strides(value.shape)
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=stride)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

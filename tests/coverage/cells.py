@@ -65,6 +65,7 @@ def train(model: CoverageModule, data: CoverageData, trainer: L.Trainer, recorde
     result = dict(recorder.result)
     result["validation"] = trainer.validate(model, datamodule=data, verbose=False)[0]
     result["local_bytes"] = _local_bytes(model)
+    result["model_class"] = type(model.net).__name__
     return result
 
 
@@ -77,7 +78,7 @@ def _local_bytes(model: torch.nn.Module) -> int:
 def reference(task: str, model_type: str) -> dict[str, Any]:
     """Single-device training (what every layout must reproduce)."""
     result = train(*build(task, model_type, None))
-    keep = ("step_losses", "states", "grads", "validation", "local_bytes")
+    keep = ("step_losses", "states", "grads", "validation", "local_bytes", "model_class")
     return {k: result[k] for k in keep}
 
 

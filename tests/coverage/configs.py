@@ -32,6 +32,7 @@ TASKS = ("causal_lm", "masked_lm", "image_classification")
 #: model type -> (extra config fields, why the generic rules are not enough). Keep this short.
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "gpt_neox": ({"rotary_pct": 0.5}, "exercise partial rotary (the generic config keeps the default, full)"),
+    "mamba2": ({"head_dim": 16}, "its heads tile the expanded inner width: num_heads x head_dim = expand x hidden_size"),
     "squeezebert": ({"embedding_size": HIDDEN}, "its embeddings feed the first block directly: embedding_size must equal hidden_size"),
     "reformer": ({"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 4], "is_decoder": True},
                  "axial position embeddings: dims sum to hidden_size, shape multiplies to the sequence length; causal LM needs is_decoder"),
@@ -43,7 +44,7 @@ _LAYER_NAMES = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encod
 _HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads", "decoder_attention_heads")
 _KV_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv")
 _INTERMEDIATE_NAMES = ("intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "d_ff",
-                       "ffn_hidden_size", "mlp_dim", "inner_hidden_size")
+                       "ffn_hidden_size", "mlp_dim", "inner_hidden_size", "dim_ff")
 _EXPERT_INTERMEDIATE = ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
                         "moe_ffn_hidden_size", "shared_intermediate_size")
 _EXPERT_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_moe_experts")
@@ -134,6 +135,10 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
             fields["head_dim"] = _MLA["qk_rope_head_dim"] if "qk_rope_head_dim" in present else HIDDEN // HEADS
         put(("rotary_dim",), (HIDDEN // HEADS) // 2)  # GPT-J/CodeGen rotate part of each head
         put(("num_groups",), 4)  # group norms over the (now 8-multiple) stage widths
+    # Linear-attention (gated delta net) layers beside the softmax ones: their own head counts and widths.
+    put(("linear_num_value_heads",), HEADS)
+    put(("linear_num_key_heads",), KV_HEADS)
+    put(("linear_key_head_dim", "linear_value_head_dim"), HIDDEN // HEADS)
     put(_EXPERT_INTERMEDIATE, 32)
     put(_EXPERT_NAMES, EXPERTS)
     has_experts = any(_real(config, n, present) and present[_real(config, n, present)] for n in _EXPERT_NAMES)
@@ -141,11 +146,14 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
     put(("n_shared_experts", "num_shared_experts"), 1)
     put(("n_group", "topk_group"), 1)
     put(("first_k_dense_replace",), 1)
+    put(("n_groups",), 1)  # Mamba-2 state groups must divide its (now 4) heads
     for name, value in _MLA.items():
         put((name,), value)
     if "qk_head_dim" in present and "qk_rope_head_dim" in fields:
         fields["qk_head_dim"] = _MLA["qk_rope_head_dim"] + _MLA["qk_nope_head_dim"]
     put(("vocab_size",), VOCAB, keep_none=False)
+    put(("vocab_size_per_layer_input",), VOCAB)  # Gemma-3n/4 per-layer token embeddings
+    put(("hidden_size_per_layer_input",), 8)
     put(_POSITION_NAMES, POSITIONS)
     put(_WINDOW_NAMES, SEQUENCE // 2)
     put(("image_size", "img_size"), IMAGE)
@@ -186,18 +194,31 @@ def tiny_config(task: str, model_type: str) -> Any:
     return cls(**fields)
 
 
-def model_class(task: str, model_type: str) -> type:
-    import transformers
-
-    return getattr(transformers, mapping(task)[model_type])
+AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForMaskedLM",
+                "image_classification": "AutoModelForImageClassification"}
+MAX_PARAMETERS = 3_000_000  # a "tiny" config above this kept a size no rule shrank: say so rather than crawl
 
 
 def build_model(task: str, model_type: str) -> Any:
-    """The family's model from its tiny config, with the attention implementation transformers picks by default."""
+    """The family's model from its tiny config, through the task's auto class (as a user builds it), with the
+    attention implementation transformers picks by default."""
+    import transformers
+
     config = tiny_config(task, model_type)
+    # What a pretrained config carries; the auto class needs it to choose where the mapping lists several classes.
+    config.architectures = [mapping(task)[model_type]]
+    auto = getattr(transformers, AUTO_CLASSES[task])
     # Mixture-of-experts layers default to torch's grouped_mm, which has no float64 kernel: the eager experts
     # compute the same function (float64 is what the 1e-6 comparison needs, for every family alike).
-    return model_class(task, model_type)._from_config(config, experts_implementation="eager")
+    model = auto.from_config(config, experts_implementation="eager")
+    count = sum(p.numel() for p in model.parameters())
+    if count > MAX_PARAMETERS:
+        biggest = max(model.named_parameters(), key=lambda item: item[1].numel())
+        raise ValueError(
+            f"the tiny config still has {count:,} parameters (largest: {biggest[0]} {tuple(biggest[1].shape)}): "
+            "a size field the generic rules do not know"
+        )
+    return model
 
 
 def image_input_name(model: Any) -> str:

@@ -80,7 +80,7 @@ def prepare(task: str, model_type: str, workdir: Path) -> dict[str, Any]:
     else:
         path = workdir / f"{task}-{model_type}.pt"
         torch.save(expected, path)
-        record.update(built=True, reference=str(path), parameters=expected["local_bytes"] // 8)
+        record.update(built=True, model_class=expected["model_class"], reference=str(path), parameters=expected["local_bytes"] // 8)
     record["reference_seconds"] = round(time.perf_counter() - start, 2)
     return record
 

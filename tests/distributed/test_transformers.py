@@ -44,14 +44,17 @@ LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
 #: splits heads with ``view(B, L, self.n_heads, -1)``, next to the transformers families.
 DEMO = "demo_transformer"
 VIEW = "view_attention"
+#: Meta's reference Llama as a user writes it (its own RMSNorm, MLP in a module of its own, no GQA):
+#: the module issue 15 named, once refused under tp2 × pp2.
+REF = "llama_reference"
 #: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
 MATRIX: dict[str, tuple[str, ...]] = {
     "dp2": (*FAMILIES, DEMO),
-    "tp2": (*FAMILIES, DEMO, VIEW),
+    "tp2": (*FAMILIES, DEMO, VIEW, REF),
     "tp2 eager": tuple(FAMILIES),
     "tp2+sp": ("llama", "gpt2", "phi3"),
-    "pp2": (*FAMILIES, VIEW),
-    "tp2×pp2": (*FAMILIES, VIEW),
+    "pp2": (*FAMILIES, VIEW, REF),
+    "tp2×pp2": (*FAMILIES, VIEW, REF),
     "dp2×tp2×pp2": ("qwen2", "phi3"),
     "cp2": (*FAMILIES, VIEW),
 }
@@ -65,7 +68,7 @@ ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp
 
 
 def model_name(family: str, layout: str = "") -> str:
-    if family in (DEMO, VIEW):
+    if family in (DEMO, VIEW, REF):
         return family
     return f"hf_{family}:eager" if layout.endswith("eager") else f"hf_{family}"
 

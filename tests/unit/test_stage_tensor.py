@@ -33,7 +33,7 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def run_split_over_tp(module: nn.Module, tokens: torch.Tensor, split_point: str, simulated_ranks) -> tuple[torch.Tensor, dict]:
+def run_split_over_tp(module: nn.Module, tokens: torch.Tensor, split_point: str, simulated_ranks) -> tuple:
     """The traced stages of ``module`` on 2 simulated tp ranks: (output, whole gradient of each parameter)."""
     resolved = TensorParallelConfig().resolve(module, tp_size=2)
     pipe = _trace(module, (tokens,), {}, [split_point], training=True)
@@ -48,6 +48,7 @@ def run_split_over_tp(module: nn.Module, tokens: torch.Tensor, split_point: str,
                     placed.setdefault(name, tp.distribute(name, tensor))
                     _set_by_name(stage, name, placed[name])
             tp.wrap(stage)
+        assert any(p.placements[0].is_shard() for p in placed.values()), "the plan split nothing"
         with tp.context():
             # The split module's graph calls the stages in order (pipe() would detach between them).
             output = torch.fx.Interpreter(pipe.split_gm).run(tokens)
