@@ -142,6 +142,28 @@ def batch_statistics_layers(module: nn.Module, training: bool) -> list[str]:
     ]
 
 
+def unsynchronized_batchnorm_warning(layers: list[str], module_name: str, replicas: int) -> str | None:
+    """The warning for BatchNorm layers that data parallelism leaves per replica, or ``None`` without any.
+
+    Without ``sync_batchnorm`` each of the ``replicas`` normalises by the statistics of its own slice of the
+    global batch (as Lightning's DDP does): training differs from one device running the whole batch.
+
+    Args:
+        layers: What :func:`batch_statistics_layers` found for training.
+        module_name: The module's class name, for the message.
+        replicas: Data-parallel replicas.
+    """
+    if not layers or replicas <= 1:
+        return None
+    named = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    return (
+        f"{module_name} has {len(layers)} BatchNorm layers ({named}) and sync_batchnorm is off: each of the "
+        f"{replicas} data-parallel replicas normalises by the statistics of its own slice of the batch, not the "
+        f"global batch's as one device would. Pass sync_batchnorm=True to the strategy (on the command line: "
+        f"trainer.sync_batchnorm=true) for statistics over the global batch."
+    )
+
+
 def check_pipeline_batch_statistics(
     layers: list[str], module_name: str, microbatches: int, rows: int | None = None, padded_rows: int | None = None
 ) -> None:

@@ -9,7 +9,9 @@ a causal mask every rank does the same work. Inside the call a torch function mo
 * ``F.scaled_dot_product_attention`` runs as ring attention over the cp group (causal or not, GQA);
 * positions built from the local length — ``torch.arange(L_local)`` (the recipe GPT, Hugging Face's
   ``cache_position``) and tables sliced ``table[:L_local]`` (rotary ``cos``/``sin`` buffers, position
-  embedding weights) — become this rank's global positions.
+  embedding weights) — become this rank's global positions;
+* ops along the sequence: ``cumsum`` of position ids (OPT, RoBERTa) made global, a materialised causal mask
+  turned into ``is_causal=True``, convolutions and scans along it refused (:mod:`.context_ops`).
 
 The call's sequence-shaped outputs are gathered whole on every cp rank (differentiably), so the step's loss,
 ``self.log`` values and metrics are those of the whole sequence, whatever the loss does (ignored tokens,
@@ -35,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_parallel.measure.collectives import context_parallel_exchange
 from lightning_parallel.parallelize.checkpointing import inside_mode_carrying_checkpoint
+from lightning_parallel.parallelize.context_ops import handle_sequence_op, mask_as_causal, sequence_op
 from lightning_parallel.parallelize.ring_attention import ring_attention
 
 #: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
@@ -131,11 +134,15 @@ class ContextParallelMode(TorchFunctionMode):
         group: The context-parallel ranks.
         module_tensors: ``id()`` of the module's parameters and buffers: slicing one of them by the local
             length (``cos[:L]``, ``pos_emb.weight[:L]``) reads this rank's global positions instead.
+        module_names: ``id()`` of the model's modules -> qualified names, naming the module a refusal is about.
     """
 
-    def __init__(self, layout: SequenceLayout, group: dist.ProcessGroup, module_tensors: set[int]) -> None:
+    def __init__(self, layout: SequenceLayout, group: dist.ProcessGroup, module_tensors: set[int],
+                 module_names: dict[int, str] | None = None) -> None:
         super().__init__()
         self.layout, self.group, self.module_tensors = layout, group, module_tensors
+        self.module_names = module_names or {}
+        self._masks: dict[int, tuple[Tensor, bool | None]] = {}  # attn_mask seen -> as is_causal (None: no mask)
         self.attention_calls = 0
         self.grad_enabled = torch.is_grad_enabled()  # at the model call
         self._positions: dict[torch.device, Tensor] = {}
@@ -149,6 +156,9 @@ class ContextParallelMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
+        op = sequence_op(func)
+        if op is not None:
+            return handle_sequence_op(op, func, args, kwargs, self.layout, self.group, self.module_names)
         if func is torch.arange:
             positions = self._global_arange(args, kwargs)
             if positions is not None:
@@ -162,12 +172,9 @@ class ContextParallelMode(TorchFunctionMode):
     def _attention(self, *args: Any, **kwargs: Any) -> Tensor:
         call = {**_SDPA_DEFAULTS, **dict(zip(_SDPA_PARAMETERS, args)), **kwargs}
         query, key, value = call["query"], call["key"], call["value"]
+        is_causal = bool(call["is_causal"])
         if call["attn_mask"] is not None:
-            raise TypeError(
-                f"scaled_dot_product_attention got an attn_mask (shape {tuple(call['attn_mask'].shape)}) under context "
-                "parallelism: ring attention supports is_causal=True or no mask. Drop the mask (Hugging Face models: "
-                "no padding in attention_mask, attn_implementation='sdpa') or set context_parallel_size=1."
-            )
+            is_causal = self._mask_as_causal(call["attn_mask"], is_causal)
         if call["dropout_p"]:
             raise ValueError(
                 f"scaled_dot_product_attention got dropout_p={call['dropout_p']} under context parallelism, which "
@@ -182,8 +189,16 @@ class ContextParallelMode(TorchFunctionMode):
             )
         self._check_not_recomputed_elsewhere()
         self.attention_calls += 1
-        return ring_attention(query, key, value, self.group, is_causal=bool(call["is_causal"]), scale=call["scale"],
+        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=call["scale"],
                               enable_gqa=bool(call["enable_gqa"]))
+
+    def _mask_as_causal(self, mask: Tensor, is_causal: bool) -> bool:
+        # Hugging Face materialises the causal mask for many models; over this rank's (global) positions it is
+        # exactly is_causal=True, or allows everything. Checked once per mask, agreed on by the ranks.
+        if id(mask) not in self._masks:  # the mask is kept with its entry, so that its id stays its own
+            self._masks[id(mask)] = (mask, mask_as_causal(mask, self.layout, self.group))
+        as_causal = self._masks[id(mask)][1]
+        return is_causal if as_causal is None else as_causal
 
     def _check_not_recomputed_elsewhere(self) -> None:
         # A block checkpointed inside the model (Hugging Face's gradient_checkpointing_enable(), a user's own
@@ -265,6 +280,7 @@ class SequenceSplitter:
         self.skip_root_calls = 0  # calls of the root that are not model calls (Lightning's DDP redirect)
         self._depth = 0
         self._handles: list[Any] = []
+        self._module_names = {id(m): name for name, m in root.named_modules()}
         modules = [root] + [child for child in root.children() if any(True for _ in child.parameters())]
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._before_call, with_kwargs=True))
@@ -293,7 +309,7 @@ class SequenceSplitter:
         args, kwargs = tree_map(split, (args, kwargs))
         # Looked up at each call: placement and sharding replace parameters and buffers after the hooks exist.
         module_tensors = {id(t) for t in (*self.root.parameters(), *self.root.buffers())}
-        self.mode = ContextParallelMode(layout, self.group, module_tensors)
+        self.mode = ContextParallelMode(layout, self.group, module_tensors, self._module_names)
         self.mode.__enter__()
         self._depth = 1
         return args, kwargs
@@ -334,7 +350,16 @@ class SequenceSplitter:
                 f"Context parallelism splits the model call's [batch, sequence, ...] inputs along dim 1, but "
                 f"{type(module).__name__} was called with {shapes}."
             )
-        return SequenceLayout(sequences[0].size(SEQUENCE_DIM), self.size, self.rank), sequences[0].size(0)
+        first = sequences[0]
+        if first.dim() >= 4 and first.is_floating_point():  # pixel_values [batch, channels, height, width]
+            name = next((f"{k}=" for k, v in kwargs.items() if v is first), "its first tensor argument")
+            raise TypeError(
+                f"{type(module).__name__} was called with {name} of shape {tuple(first.shape)} under context "
+                "parallelism: an image-like [batch, channels, height, width] input, not a token sequence. Context "
+                "parallelism splits [batch, sequence, ...] inputs along dim 1; an image model makes its patches "
+                "inside the model, so the call has no sequence to split. Set context_parallel_size=1 for this model."
+            )
+        return SequenceLayout(first.size(SEQUENCE_DIM), self.size, self.rank), first.size(0)
 
     def _gather_outputs(self, module: nn.Module, output: Any, layout: SequenceLayout) -> Any:
         def per_token(value: Any) -> bool:

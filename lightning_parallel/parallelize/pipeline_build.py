@@ -15,6 +15,8 @@ are ``None`` (their memory is freed). No Lightning here.
 from __future__ import annotations
 
 import copy
+import os
+import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -157,8 +159,8 @@ def build_local_pipeline(
         )
         raise TypeError(
             f"Pipeline parallelism could not trace {type(module).__name__}.forward with torch.export: "
-            f"{_root_cause(error)}. Make forward traceable (no Python control flow on tensor values, no calls "
-            f"torch.export cannot capture); {fallback}."
+            f"{_root_cause(error)}{_where_it_stopped(error)}. Make forward traceable (no Python control flow on "
+            f"tensor values, no calls torch.export cannot capture); {fallback}."
         ) from error
     if train_pipe.num_stages != num_stages:
         raise ValueError(
@@ -576,6 +578,37 @@ def _set_by_name(module: nn.Module, name: str, value: Tensor | None) -> None:
     parent_name, _, attribute = name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     setattr(parent, attribute, value)
+
+
+def _where_it_stopped(error: BaseException) -> str:
+    """`` in Module.method (file:line)``: the innermost module code the failed trace ran, with a hint for
+    control flow on tensor values (a mixture-of-experts loop over the experts a batch routes to, above all)."""
+    site = None
+    seen: BaseException | None = error
+    while seen is not None:
+        for frame, lineno in traceback.walk_tb(seen.__traceback__):
+            owner = frame.f_locals.get("self")
+            path = frame.f_code.co_filename
+            if isinstance(owner, nn.Module) and _TORCH_FILES not in path and _OUR_FILES not in path:
+                site = (type(owner).__name__, frame.f_code.co_name, os.path.basename(path), lineno)
+        seen = seen.__cause__
+    if site is None:
+        return ""
+    owner_name, method, filename, lineno = site
+    text = f" in {owner_name}.{method} ({filename}:{lineno})"
+    if "DataDependent" in _root_cause(error) or "data-dependent" in _root_cause(error):
+        text += ", whose control flow depends on tensor values"
+        if "expert" in owner_name.lower() or "moe" in owner_name.lower():
+            text += (
+                " (a loop over the experts a batch routes to; a transformers model traces with "
+                "experts_implementation='grouped_mm', its default, or 'batched_mm', passed to from_pretrained "
+                "or from_config)"
+            )
+    return text
+
+
+_TORCH_FILES = os.sep + "torch" + os.sep
+_OUR_FILES = os.sep + "lightning_parallel" + os.sep
 
 
 def _root_cause(error: BaseException) -> str:

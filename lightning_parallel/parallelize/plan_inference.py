@@ -31,6 +31,7 @@ from lightning_parallel.parallelize.projections import (
     is_projection,
 )
 from lightning_parallel.parallelize.published_plan import published_plan
+from lightning_parallel.parallelize.split_region import interleaved_groups
 
 # Attention projections by conventional names: (query, key, value, output).
 _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
@@ -149,6 +150,10 @@ def _match_block(
         if grouped is not None and out is not None:
             if published.get(f"{prefix}{grouped}") == "colwise" or grouped_qkv_heads(sub, projections[grouped]):
                 return {grouped: "colwise", out: "rowwise"}
+        if qkv is not None and out is not None and interleaved_groups(sub) is not None:
+            # Rows in mp_num groups, each q_g | v_g | k_g for its heads (CodeGen): contiguous rows are whole
+            # groups, so a plain column split gives each rank whole heads (check_plan: the degree divides mp_num).
+            return {qkv: "colwise", out: "rowwise"}
         if qkv is not None and out is not None and head_count(sub, QUERY_HEADS):
             return {qkv: "fused_qkv", out: "rowwise"}
         warn(f"{prefix}{fused}: fused q/k/v projection of unknown layout (or without head counts); left replicated.")
@@ -163,7 +168,16 @@ def _match_block(
     if attention:
         *qkv_names, out_name = attention
         return {**{child: "colwise" for child in qkv_names}, out_name: "rowwise"}
+    if any(_holds_projection(child) for child in sub.children() if not is_projection(child)):
+        # A module holding blocks of its own (a decoder layer: attention, MLP) is no MLP, though two of its
+        # projections may have MLP shapes (Gemma4's per-layer input gate and projection, which mixes in a
+        # replicated per-layer input of the hidden width): left replicated.
+        return {}
     return _match_mlp(projections)
+
+
+def _holds_projection(module: nn.Module) -> bool:
+    return any(is_projection(m) for m in module.modules())
 
 
 def _match_siblings(parent: nn.Module, prefix: str, taken: set[str]) -> list[Unit]:

@@ -163,7 +163,9 @@ def ring_attention(
     """``F.scaled_dot_product_attention`` over a sequence split head-tail across ``group``'s ranks.
 
     Args:
-        query, key, value: This rank's ``[batch, heads, local sequence, head_dim]`` slices.
+        query, key, value: This rank's ``[batch, heads, local sequence, head_dim]`` slices (``value``'s head
+            width may differ from ``query``'s and ``key``'s, as in multi-head latent attention; one key/value
+            head broadcasts over the query heads).
         group: The context-parallel ranks, in the order of the head-tail layout.
         is_causal: Causal attention over the global positions.
         scale: Softmax scale (``None``: ``1/sqrt(head_dim)``).
@@ -174,11 +176,25 @@ def ring_attention(
     """
     if key.size(1) != query.size(1):
         # Grouped-query attention: the ring passes the keys/values with their own heads (see _grouped_ops).
-        if not enable_gqa:
+        # One key/value head broadcasts over the query heads (multi-query attention without enable_gqa, as
+        # Falcon calls it): the same math as grouped-query attention with one group.
+        if not enable_gqa and not (key.size(1) == 1 and value.size(1) == 1):
             raise ValueError(
                 f"scaled_dot_product_attention got {query.size(1)} query heads and {key.size(1)} key/value heads "
                 "without enable_gqa=True."
             )
         if query.size(1) % key.size(1) != 0:
             raise ValueError(f"{query.size(1)} query heads are not a multiple of {key.size(1)} key/value heads.")
-    return _RingAttention.apply(query, key.contiguous(), value.contiguous(), is_causal, scale, group)
+    qk_width, v_width = query.size(-1), value.size(-1)
+    if v_width == qk_width:
+        return _RingAttention.apply(query, key.contiguous(), value.contiguous(), is_causal, scale, group)
+    # The fused kernels need one head width for queries, keys and values (multi-head latent attention has
+    # narrower values). Zero columns change nothing: padded values give zero output columns, sliced off;
+    # padded queries and keys add zero to every score, with the scale of the true query/key width.
+    width = max(qk_width, v_width)
+    scale = qk_width ** -0.5 if scale is None else scale
+    pad = torch.nn.functional.pad
+    query, key = pad(query, (0, width - qk_width)), pad(key, (0, width - qk_width))
+    out = _RingAttention.apply(query, key.contiguous(), pad(value, (0, width - v_width)).contiguous(), is_causal, scale,
+                               group)
+    return out[..., :v_width]

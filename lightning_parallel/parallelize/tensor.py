@@ -43,6 +43,7 @@ from lightning_parallel.parallelize.sequence import (
     sequence_parallel_plan,
     split_trunk_sequence,
 )
+from lightning_parallel.parallelize.split_region import check_split_regions, track_split_region_parameters
 from lightning_parallel.parallelize.tensor_plan import (
     STYLE_ALIASES,
     STYLES,
@@ -274,6 +275,7 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     for fqn, attrs in resolved.head_attributes.items():
         for attr in attrs:
             _require_divisible(fqn, attr, _get_attribute(modules[fqn], attr), tp_size)
+    check_split_regions(module, resolved, tp_size)
     _check_tied_parameters(module, resolved)
 
 
@@ -314,6 +316,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         elif style in ("rowwise", "embedding_rowwise"):
             modules[fqn].register_forward_hook(_output_of_its_own)
     slice_per_head_inputs(modules, resolved, tp_mesh)
+    # Replicated parameters used on this rank's slice (per-head norms) are found in forward; their gradients are
+    # summed over the group after backward (split_region.reduce_split_region_gradients, called by the strategy).
+    track_split_region_parameters(modules, resolved, tp_mesh)
     _divide_head_attributes(modules, resolved, tp_size)
     return module
 

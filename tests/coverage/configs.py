@@ -25,6 +25,7 @@ IMAGE = 32
 PATCH = 4
 NUM_LABELS = 4
 EXPERTS = 4
+WINDOW = 2  # attention window (in patches) of Swin-like hierarchical vision models
 TOP_K = 2
 
 TASKS = ("causal_lm", "masked_lm", "image_classification")
@@ -98,6 +99,20 @@ def _stage_widths(widths: list[int]) -> list[int]:
     return [max(8, round(w * 32 / top / 8) * 8) for w in widths]
 
 
+def image_size(present: dict[str, Any]) -> int:
+    """The tiny image side: :data:`IMAGE`, or more where a windowed hierarchy needs it.
+
+    A Swin-like model (``window_size`` and a ``depths`` stage list) halves its patch grid after every stage
+    but the last, and each stage's grid must be a whole number of windows: the side must be a multiple of
+    window × patch × 2^(stages - 1).
+    """
+    depths = present.get("depths")
+    if not (isinstance(depths, list) and isinstance(present.get("window_size"), int)):
+        return IMAGE
+    unit = WINDOW * PATCH * 2 ** (len(depths) - 1)
+    return max(IMAGE, -(-IMAGE // unit) * unit)
+
+
 def tiny_fields(config: Any, task: str) -> dict[str, Any]:
     """Config fields that make ``config`` (a default-constructed config) tiny; see the module docstring."""
     present = config.to_dict()
@@ -134,7 +149,7 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
             # Multi-head latent attention rotates only its rope part: head_dim is that part's width there.
             fields["head_dim"] = _MLA["qk_rope_head_dim"] if "qk_rope_head_dim" in present else HIDDEN // HEADS
         put(("rotary_dim",), (HIDDEN // HEADS) // 2)  # GPT-J/CodeGen rotate part of each head
-        put(("num_groups",), 4)  # group norms over the (now 8-multiple) stage widths
+    put(("num_groups",), 4)  # group norms (BiT's too) over the now 8-multiple widths and 16-wide stems
     # Linear-attention (gated delta net) layers beside the softmax ones: their own head counts and widths.
     put(("linear_num_value_heads",), HEADS)
     put(("linear_num_key_heads",), KV_HEADS)
@@ -156,9 +171,9 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
     put(("hidden_size_per_layer_input",), 8)
     put(_POSITION_NAMES, POSITIONS)
     put(_WINDOW_NAMES, SEQUENCE // 2)
-    put(("image_size", "img_size"), IMAGE)
+    put(("image_size", "img_size"), image_size(present))
     put(("patch_size",), PATCH)
-    put(("window_size",), 2)  # Swin-like windows must tile the 8 x 8 patch grid and its halvings
+    put(("window_size",), WINDOW)  # Swin-like windows must tile the patch grid and each stage's halving of it
     if task == "image_classification":
         fields["num_labels"] = NUM_LABELS
     for name, value in present.items():  # dropout off, token ids inside the small vocabulary
@@ -199,18 +214,35 @@ AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForM
 MAX_PARAMETERS = 3_000_000  # a "tiny" config above this kept a size no rule shrank: say so rather than crawl
 
 
-def build_model(task: str, model_type: str) -> Any:
+#: The experts implementation a mixture-of-experts layer is built with, by layout (default: :data:`EAGER_EXPERTS`).
+#: transformers' default, ``"grouped_mm"``, has no float64 CPU kernel when it runs eagerly, so the eager
+#: layouts and the single-device reference use ``"eager"`` (a loop over the experts a batch routes to: the
+#: same function). The pipeline traces its stages with torch.export, which cannot capture that loop (its
+#: trip count is data-dependent). ``"grouped_mm"`` does trace (traced, it becomes transformers'
+#: ``grouped_mm_fallback`` custom op), but the automatic split profiles the model eagerly first, which
+#: float64 on CPU cannot run; ``"batched_mm"`` (each token's experts gathered, one batched matmul: static
+#: shapes, float64 kernels, the same function) is what pp2 runs here. On GPU a user's default traces.
+EXPERTS_BY_LAYOUT: dict[str, str | None] = {"pp2": "batched_mm"}
+EAGER_EXPERTS = "eager"
+
+
+def experts_implementation(layout: str | None) -> str | None:
+    """What ``experts_implementation`` the sweep passes for ``layout`` (``None``: transformers' default)."""
+    return EXPERTS_BY_LAYOUT.get(layout, EAGER_EXPERTS) if layout is not None else EAGER_EXPERTS
+
+
+def build_model(task: str, model_type: str, experts: str | None = EAGER_EXPERTS) -> Any:
     """The family's model from its tiny config, through the task's auto class (as a user builds it), with the
-    attention implementation transformers picks by default."""
+    attention implementation transformers picks by default and the experts implementation ``experts``
+    (``None``: transformers' default; see :data:`EXPERTS_BY_LAYOUT`)."""
     import transformers
 
     config = tiny_config(task, model_type)
     # What a pretrained config carries; the auto class needs it to choose where the mapping lists several classes.
     config.architectures = [mapping(task)[model_type]]
     auto = getattr(transformers, AUTO_CLASSES[task])
-    # Mixture-of-experts layers default to torch's grouped_mm, which has no float64 kernel: the eager experts
-    # compute the same function (float64 is what the 1e-6 comparison needs, for every family alike).
-    model = auto.from_config(config, experts_implementation="eager")
+    options = {} if experts is None else {"experts_implementation": experts}
+    model = auto.from_config(config, **options)
     count = sum(p.numel() for p in model.parameters())
     if count > MAX_PARAMETERS:
         biggest = max(model.named_parameters(), key=lambda item: item[1].numel())

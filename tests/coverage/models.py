@@ -19,18 +19,19 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from recipes.data.images import make_images
-from tests.coverage.configs import IMAGE, NUM_LABELS, SEQUENCE, VOCAB, build_model, image_input_name
+from tests.coverage.configs import EAGER_EXPERTS, IMAGE, NUM_LABELS, SEQUENCE, VOCAB, build_model, image_input_name
 
 MASK_TOKEN = 3  # what masked positions read (any in-vocabulary id: the model learns it is the mask)
 
 
 class CoverageModule(L.LightningModule):
-    """One family for one task, from its tiny config (built in ``__init__``: every rank builds the same)."""
+    """One family for one task, from its tiny config (built in ``__init__``: every rank builds the same);
+    ``experts`` is the mixture-of-experts implementation (see :func:`tests.coverage.configs.build_model`)."""
 
-    def __init__(self, task: str, model_type: str, lr: float = 0.05) -> None:
+    def __init__(self, task: str, model_type: str, lr: float = 0.05, experts: str | None = EAGER_EXPERTS) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = build_model(task, model_type)
+        self.net = build_model(task, model_type, experts)
         self.input_name = image_input_name(self.net) if task == "image_classification" else "input_ids"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,10 +52,10 @@ class CoverageModule(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
-def make_dataset(task: str, count: int, channels: int, generator: torch.Generator) -> TensorDataset:
+def make_dataset(task: str, count: int, channels: int, generator: torch.Generator, image: int = IMAGE) -> TensorDataset:
     if task == "image_classification":
-        templates = torch.randn(NUM_LABELS, channels, IMAGE, IMAGE, generator=generator)
-        images, labels = make_images(count, NUM_LABELS, channels, IMAGE, 0.5, generator, templates).tensors
+        templates = torch.randn(NUM_LABELS, channels, image, image, generator=generator)
+        images, labels = make_images(count, NUM_LABELS, channels, image, 0.5, generator, templates).tensors
         return TensorDataset(images.double(), labels)
     tokens = torch.randint(4, VOCAB, (count, SEQUENCE + 1), generator=generator)
     if task == "causal_lm":
@@ -68,18 +69,27 @@ def make_dataset(task: str, count: int, channels: int, generator: torch.Generato
 class CoverageData(L.LightningDataModule):
     """Synthetic rows for one task: no shuffling (the harness reorders the single-device run to match)."""
 
-    def __init__(self, task: str, batch_size: int, val_batch_size: int, channels: int = 3, num_train: int = 32, num_val: int = 8) -> None:
+    def __init__(self, task: str, batch_size: int, val_batch_size: int, channels: int = 3, num_train: int = 32,
+                 num_val: int = 8, image: int = IMAGE) -> None:
         super().__init__()
         self.task, self.batch_size, self.val_batch_size = task, batch_size, val_batch_size
         generator = torch.Generator().manual_seed(1234)
-        self.train_set = make_dataset(task, num_train, channels, generator)
-        self.val_set = make_dataset(task, num_val, channels, generator)
+        self.train_set = make_dataset(task, num_train, channels, generator, image)
+        self.val_set = make_dataset(task, num_val, channels, generator, image)
 
     def train_dataloader(self) -> DataLoader:
         return StatefulDataLoader(self.train_set, batch_size=self.batch_size, shuffle=False, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.val_batch_size)
+
+
+def image_size_of(module: CoverageModule) -> int:
+    """The image side the family's tiny config was built for (:func:`tests.coverage.configs.image_size`)."""
+    config = module.net.config
+    size = getattr(config, "image_size", None) or getattr(getattr(config, "vision_config", None), "image_size", None)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    return int(size) if isinstance(size, int) else IMAGE
 
 
 def channels_of(module: CoverageModule) -> int:

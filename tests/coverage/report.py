@@ -44,7 +44,9 @@ def _cell_text(cell: dict[str, Any] | None) -> str:
     if status in ("crash", "refused"):
         message = cell.get("message", "").replace("|", "\\|")
         return f"{status}: {cell.get('error', '')}: {message[:80]}"
-    return status
+    # What the cell ran beyond its layout's defaults (tests.coverage.cells.settings), so the table says it.
+    extra = ", ".join(f"{k}={v}" for k, v in cell.get("settings", {}).items())
+    return f"{status} ({extra})" if extra else status
 
 
 def render(results: dict[str, Any], readme: bool = False) -> str:

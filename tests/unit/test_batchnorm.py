@@ -40,3 +40,36 @@ def test_without_a_process_group_it_is_plain_batchnorm():
 def test_rejects_inputs_without_channels():
     with pytest.raises(ValueError, match="at least 2D input"):
         CPUSyncBatchNorm(3)(torch.randn(3))
+
+
+def test_unsynchronized_batchnorm_is_warned_with_the_count_and_the_fix():
+    from lightning_parallel.parallelize.batchnorm import batch_statistics_layers, unsynchronized_batchnorm_warning
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.BatchNorm2d(8))
+    message = unsynchronized_batchnorm_warning(batch_statistics_layers(model, training=True), "Sequential", 2)
+    assert message is not None
+    assert "2 BatchNorm layers (1, 3)" in message and "sync_batchnorm=True" in message
+    assert "trainer.sync_batchnorm=true" in message and "2 data-parallel replicas" in message
+    assert unsynchronized_batchnorm_warning([], "Sequential", 2) is None
+    assert unsynchronized_batchnorm_warning(["1"], "Sequential", 1) is None
+
+
+def test_data_parallel_setup_warns_once_about_unsynchronized_batchnorm():
+    from types import SimpleNamespace
+
+    from lightning_parallel.parallelize.data import DataParallelConfig
+    from lightning_parallel.parallelize.periodic_sync import SyncConfig
+    from lightning_parallel.strategies.components.data import DataParallelComponent
+
+    def engine(replicas: int) -> SimpleNamespace:
+        layout = SimpleNamespace(pipeline_parallel_size=1, data_parallel_size=replicas)
+        return SimpleNamespace(model=nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), _layer_sync=None, layout=layout)
+
+    with pytest.warns(UserWarning, match=r"BatchNorm layers .* sync_batchnorm=True"):
+        DataParallelComponent(engine(2), DataParallelConfig(), SyncConfig(), sync_batchnorm=False).prepare(None, fitting=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DataParallelComponent(engine(1), DataParallelConfig(), SyncConfig(), sync_batchnorm=False).prepare(None, fitting=True)
+        DataParallelComponent(engine(2), DataParallelConfig(), SyncConfig(), sync_batchnorm=False).prepare(None, fitting=False)

@@ -56,7 +56,7 @@ def test_positions_built_from_the_local_length_become_global():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"attn_mask": torch.ones(4, 4, dtype=torch.bool)}, TypeError, "attn_mask"),
+        ({"attn_mask": torch.eye(4, dtype=torch.bool)}, TypeError, "attn_mask .*neither the causal mask"),
         ({"dropout_p": 0.1}, ValueError, "dropout_p=0.1"),
     ],
 )
@@ -150,3 +150,186 @@ def test_combinations_not_supported_yet_are_refused_before_launch(options, match
     strategy = lightning_parallel.HybridParallelStrategy(data_parallel_size=-1, context_parallel_size=2, **options)
     with pytest.raises(ValueError, match=f"context_parallel_size=2 does not combine with {match}"):
         L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
+
+
+# --- ops along the sequence (parallelize/context_ops.py) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_cumsum_over_the_split_sequence_is_global_on_every_simulated_rank(size):
+    from lightning_parallel.parallelize.context import split_sequence
+    from lightning_parallel.parallelize.context_ops import (
+        chunk_cumsum,
+        chunk_last,
+        chunk_offsets,
+        diff_after,
+        order_chunks,
+    )
+
+    mask = torch.randint(0, 2, (2, 12 * size))  # attention_mask / input_ids.ne(pad): position ids by cumsum
+    layouts = [SequenceLayout(mask.size(1), size, rank) for rank in range(size)]
+    parts = [chunk_cumsum(split_sequence(mask, layout), 1) for layout in layouts]
+    totals = torch.stack([part[1] for part in parts])  # what the all-gather hands every rank
+    for layout, (sums, _) in zip(layouts, parts):
+        local = (sums + chunk_offsets(order_chunks(totals, layout, 1), layout, 1).unsqueeze(2)).flatten(1, 2)
+        assert torch.equal(local, split_sequence(mask.cumsum(1), layout))
+    # diff(position_ids, prepend=first - 1): Hugging Face's packed-sequence check, one reset at position 5.
+    positions = torch.cat([torch.arange(5), torch.arange(12 * size - 5)]).expand(2, -1)
+    lasts = torch.stack([chunk_last(split_sequence(positions, layout), 1) for layout in layouts])
+    for layout in layouts:
+        local = diff_after(split_sequence(positions, layout), order_chunks(lasts, layout, 1), layout,
+                           split_sequence(positions, layout)[:, :1] - 1, 1)
+        assert torch.equal(local, split_sequence(torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1), layout))
+
+
+def test_cumsum_in_the_mode_is_global_and_other_sequence_ops_are_refused(one_rank_group):
+    # One rank holds the whole sequence as head and tail: the chunk offsets still have to be right.
+    layout = SequenceLayout(8, 1, 0)
+    mask = torch.tensor([[1, 1, 0, 1, 1, 1, 0, 1]])
+    names = {}
+    conv = torch.nn.Conv1d(3, 3, kernel_size=2, padding=1)
+    names[id(conv)] = "mixer.conv1d"
+    with ContextParallelMode(layout, one_rank_group, module_tensors=set(), module_names=names):
+        assert torch.equal(torch.cumsum(mask, dim=1), mask.cumsum(-1))
+        assert mask.cumsum(dim=1).tolist() == [[1, 2, 2, 3, 4, 5, 5, 6]]
+        assert torch.cumsum(mask.bool(), 1).dtype == torch.int64
+        assert torch.cumsum(torch.ones(2, 3), 0).tolist() == [[1, 1, 1], [2, 2, 2]]  # not along the sequence
+        assert torch.ones(8, 3).cumsum(0)[-1].tolist() == [8, 8, 8]  # dim 0: batch, or tokens flattened across rows
+        conv1d_refused = r"mixer.conv1d \(Conv1d\) calls conv1d on a tensor of shape \(1, 3, 8\)"
+        with pytest.raises(NotImplementedError, match=conv1d_refused):
+            conv(torch.randn(1, 3, 8))
+        with pytest.raises(NotImplementedError, match="calls cumprod"):
+            torch.randn(2, 8).cumprod(1)
+        positions = torch.arange(8).unsqueeze(0)
+        assert torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1).tolist() == [[1] * 8]
+        with pytest.raises(NotImplementedError, match="calls diff"):
+            torch.diff(positions)  # the global result is one shorter: no even split
+        with pytest.raises(NotImplementedError, match="calls flip"):
+            torch.flip(torch.randn(2, 8, 3), dims=(1,))
+        with pytest.raises(NotImplementedError, match="calls cumsum.*along dim 2"):
+            torch.randn(2, 4, 8).cumsum(-1)
+        with pytest.raises(NotImplementedError, match="calls cumsum.*needs gradients"):
+            torch.randn(2, 8, requires_grad=True).cumsum(1)
+
+
+def _causal(positions):
+    return positions.unsqueeze(1) >= positions.unsqueeze(0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_materialised_causal_mask_runs_as_is_causal_and_other_masks_are_refused(rank):
+    from lightning_parallel.parallelize.context_ops import mask_as_causal
+
+    layout = SequenceLayout(8, 2, rank)
+    positions = layout.positions()
+    causal = _causal(positions)
+    assert mask_as_causal(causal.expand(3, 1, 4, 4), layout, group=None) is True
+    additive = torch.zeros(4, 4, dtype=torch.float64).masked_fill(~causal, torch.finfo(torch.float64).min)
+    assert mask_as_causal(additive, layout, group=None) is True
+    assert mask_as_causal(torch.ones(2, 1, 4, 4, dtype=torch.bool), layout, group=None) is None  # padding mask of ones
+    window = causal & (positions.unsqueeze(1) - positions.unsqueeze(0) < 2)  # sliding window of 2 < sequence of 8
+    padded = causal.clone()
+    padded[:, 0] = False  # a padded key
+    for mask in (window, padded):
+        with pytest.raises(TypeError, match="neither the causal mask nor all-allowing: it blocks query position"):
+            mask_as_causal(mask, layout, group=None)
+    with pytest.raises(TypeError, match="lets query position .* attend to the later key position"):
+        mask_as_causal(torch.ones(4, 4, dtype=torch.bool).tril(1), layout, group=None)
+    with pytest.raises(TypeError, match="adds -0.5 to the score: an attention bias"):
+        mask_as_causal(additive.masked_fill(causal, -0.5), layout, group=None)
+    with pytest.raises(TypeError, match=r"attn_mask of shape \(8, 8\)"):
+        mask_as_causal(torch.ones(8, 8, dtype=torch.bool), layout, group=None)
+
+
+def test_ring_attention_with_narrower_values_than_queries_and_keys(one_rank_group):
+    # Multi-head latent attention (DeepSeek-V2/V3): v's head width differs from q/k's.
+    from lightning_parallel.parallelize.ring_attention import ring_attention
+
+    torch.manual_seed(0)
+    for v_width in (3, 12):
+        q, k = (torch.randn(2, 2, 8, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        v = torch.randn(2, 2, 8, v_width, dtype=torch.float64, requires_grad=True)
+        out = ring_attention(q, k, v, one_rank_group, is_causal=True)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.testing.assert_close(out, expected)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        for grad, want in zip(grads, torch.autograd.grad(expected.square().sum(), (q, k, v))):
+            torch.testing.assert_close(grad, want)
+
+
+def test_ring_attention_broadcasts_one_key_value_head_without_enable_gqa(one_rank_group):
+    # Falcon's multi-query attention calls SDPA with one key/value head and no enable_gqa: SDPA broadcasts it.
+    from lightning_parallel.parallelize.ring_attention import ring_attention
+
+    q = torch.randn(2, 4, 8, 6, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 1, 8, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = ring_attention(q, k, v, one_rank_group, is_causal=True)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected)
+    for grad, want in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(expected.sum(), (q, k, v))):
+        torch.testing.assert_close(grad, want)
+    with pytest.raises(ValueError, match="4 query heads and 2 key/value heads without enable_gqa"):
+        ring_attention(q, torch.randn(2, 2, 8, 6), torch.randn(2, 2, 8, 6), one_rank_group)
+
+
+class ImageModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 8, kernel_size=4, stride=4)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.patches(pixel_values).flatten(2).transpose(1, 2)
+
+
+def test_image_model_call_is_refused_naming_the_input():
+    splitter = SequenceSplitter(ImageModel(), group=None, rank=0, size=2)
+    with pytest.raises(TypeError, match=r"pixel_values= of shape \(2, 3, 8, 8\).*not a token sequence"):
+        splitter.root(pixel_values=torch.randn(2, 3, 8, 8))
+    with pytest.raises(TypeError, match=r"its first tensor argument of shape \(2, 3, 8, 8\)"):
+        splitter.root(torch.randn(2, 3, 8, 8))
+
+
+def _tiny_hf_model(transformers, family):
+    if family == "falcon":  # materialises the causal mask and calls SDPA with one key/value head
+        config = transformers.FalconConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                           multi_query=True, alibi=False, max_position_embeddings=16)
+    else:  # Mistral with a sliding window of 8, shorter than the sequence of 16
+        config = transformers.MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, sliding_window=8,
+                                            max_position_embeddings=16)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModel.from_config(config).double()
+
+
+@pytest.mark.parametrize("family", ["falcon", "mistral"])
+def test_hugging_face_causal_mask_runs_as_is_causal_and_a_shorter_sliding_window_is_refused(monkeypatch, family):
+    # The mask transformers materialises, built inside the mode on rank 0 of two (queries and keys at global
+    # positions 0-3 and 12-15): Falcon's is the plain causal mask; a window of 8 blocks 12 -> 0.
+    transformers = pytest.importorskip("transformers")
+    import lightning_parallel.parallelize.context as context
+
+    model = _tiny_hf_model(transformers, family)
+    masks, calls = [], []
+
+    def checked(mask, layout, group):
+        masks.append(tuple(mask.shape))
+        return mask_as_causal(mask, layout, group)
+
+    def local_attention(query, key, value, group, is_causal=False, scale=None, enable_gqa=False):
+        calls.append(is_causal)  # no ring here: only the decision is checked
+        return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa or key.size(1) != query.size(1))
+
+    from lightning_parallel.parallelize.context_ops import mask_as_causal
+
+    monkeypatch.setattr(context, "mask_as_causal", checked)
+    monkeypatch.setattr(context, "ring_attention", local_attention)
+    layout = SequenceLayout(16, 2, 0)
+    tokens = context.split_sequence(torch.randint(0, 32, (2, 16)), layout)
+    with ContextParallelMode(layout, group=None, module_tensors=set()):
+        if family == "mistral":
+            with pytest.raises(TypeError, match="blocks query position 12 from key position 0 .*sliding window"):
+                model(input_ids=tokens)
+        else:
+            model(input_ids=tokens)
+            assert masks == [(2, 1, 8, 8)] and calls == [True]

@@ -118,3 +118,30 @@ def test_batchnorm_pipelines_are_refused_with_the_reason_and_the_fixes():
     # One micro-batch of the whole batch is what one device computes; no BatchNorm, nothing to refuse.
     check_pipeline_batch_statistics(["bn1"], "ResNet", microbatches=1, rows=8, padded_rows=8)
     check_pipeline_batch_statistics([], "GPT", microbatches=4, rows=6, padded_rows=8)
+
+
+class _RoutedExperts(nn.Module):
+    """A mixture-of-experts layer written as an eager loop over the experts the batch routes to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        route = x.sum(-1).long().remainder(3)
+        out = torch.zeros_like(x)
+        for e in torch.nonzero(torch.bincount(route, minlength=3)).flatten():
+            rows = torch.where(route == e)[0]
+            out[rows] = self.experts[e](x[rows])
+        return out
+
+
+def test_an_untraceable_data_dependent_module_is_named_with_the_fix():
+    from lightning_parallel.parallelize.pipeline_build import _root_cause, _where_it_stopped
+
+    model = nn.Sequential(nn.Linear(4, 4), _RoutedExperts(), nn.Linear(4, 4))
+    with pytest.raises(Exception) as caught:
+        _trace(model, (torch.randn(6, 4),), {}, ["2"], training=True)
+    where = _where_it_stopped(caught.value)
+    assert "_RoutedExperts.forward" in where and "test_pipeline_stages.py" in where, (_root_cause(caught.value), where)
+    assert "experts_implementation='grouped_mm'" in where

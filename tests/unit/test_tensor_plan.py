@@ -303,3 +303,126 @@ def test_alibi_biases_are_cut_to_the_heads_of_each_rank(as_keyword):
     assert attention(hidden, hidden, per_head[0])[:, 0, 0].tolist() == [2.0, 3.0]
     with pytest.raises(RuntimeError, match=r"alibi of shape \(7, 1, 5\) has no dimension of its 4 heads"):
         attention(hidden, hidden, torch.zeros(7, 1, 5))
+
+
+# --- Split regions: replicated parameters used on a rank's slice, and what cannot run on a slice -------------
+
+
+class NormedAttention(nn.Module):
+    """4 query, 2 key/value heads of width 4, with a norm per head (Qwen3) or over the whole k width (OLMo2),
+    and a replicated pre-norm of the input width."""
+
+    def __init__(self, whole_width_norm: bool = False, latent: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = 4, 2, 4
+        self.pre_norm = nn.LayerNorm(16)
+        self.q_proj, self.o_proj = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+        self.k_proj, self.v_proj = nn.Linear(16, 8, bias=False), nn.Linear(16, 8, bias=False)
+        self.q_norm = nn.LayerNorm(4)
+        self.k_norm = nn.LayerNorm(8) if whole_width_norm else nn.Identity()
+        if latent:  # a replicated projection beside the split ones (DeepSeek's kv_a_proj_with_mqa)
+            self.kv_a_proj = nn.Linear(16, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre_norm(x)
+        q = self.q_norm(self.q_proj(x).view(*x.shape[:-1], -1, self.head_dim)).flatten(-2)
+        k, v = (t.view(*x.shape[:-1], -1, self.head_dim).repeat_interleave(2, -2).flatten(-2)
+                for t in (self.k_norm(self.k_proj(x)), self.v_proj(x)))
+        return self.o_proj(q * k + v)
+
+
+def test_per_head_norm_gradient_is_summed_over_the_group_and_the_pre_norm_is_not(monkeypatch):
+    from lightning_parallel.parallelize import split_region
+
+    reduced: list[int] = []
+
+    def fake_all_reduce(tensor, op=None, group=None):  # two ranks holding the same partial sum
+        reduced.append(tensor.numel())
+        tensor.mul_(2)
+
+    monkeypatch.setattr(split_region.dist, "all_reduce", fake_all_reduce)
+    model = NormedAttention()
+    wrapper = nn.ModuleDict({"attn": model})
+    resolved = resolve_plan(wrapper, infer_plan(wrapper))
+    assert split_region.split_regions(resolved) == {"attn": (["q_proj", "k_proj", "v_proj"], ["o_proj"])}
+    check_plan(wrapper, resolved, 2)  # a norm of the input width (pre_norm) is no whole-width norm over the split
+
+    class Mesh:
+        def get_group(self):
+            return None
+
+        def size(self):
+            return 2
+
+    x = torch.randn(2, 3, 16)
+    model(x).sum().backward()  # what each of two identical ranks computes
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    split_region.track_split_region_parameters(dict(wrapper.named_modules()), resolved, Mesh())
+    model.zero_grad()
+    model(x).sum().backward()
+    # The q_norm weight and bias (a partial sum per rank) are summed, in one all-reduce; nothing else.
+    assert split_region.reduce_split_region_gradients(wrapper) == 2 and reduced == [8]
+    torch.testing.assert_close(model.q_norm.weight.grad, 2 * expected["q_norm.weight"])
+    torch.testing.assert_close(model.pre_norm.weight.grad, expected["pre_norm.weight"])
+    torch.testing.assert_close(model.q_proj.weight.grad, expected["q_proj.weight"])
+
+
+def test_a_norm_over_the_whole_split_width_is_refused_when_called_on_a_slice():
+    from lightning_parallel.parallelize import split_region
+
+    tracker = split_region.SplitRegionParameters(None, "attn", tp_size=2)
+    norm = nn.LayerNorm(16)  # the whole q width, which is also the input width: only the call tells
+    tracker._open()
+    with pytest.raises(RuntimeError, match=r"attn\.q_norm\.weight has the whole split width 16.*this rank's 8 features"):
+        tracker._called("q_norm", norm, norm, (torch.randn(2, 8),))
+
+
+def test_norm_over_the_whole_split_width_leaves_the_attention_whole():
+    from lightning_parallel.parallelize.tensor import TensorParallelConfig
+
+    model = nn.ModuleDict({"attn": NormedAttention(whole_width_norm=True), "mlp": SwiGLU(16, 32)})
+    with pytest.raises(ValueError, match=r"attn\.k_norm\.weight: its width 8 is the whole output width of the split attn\.k_proj"):
+        check_plan(model, resolve_plan(model, infer_plan(model)), 2)
+    resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
+    assert "attn.q_proj" not in resolved.styles and "mlp.w1" in resolved.styles
+    assert "not per head" in resolved.kept_whole["attn"]
+
+
+def test_replicated_projection_beside_split_ones_leaves_the_attention_whole():
+    model = nn.ModuleDict({"attn": NormedAttention(latent=True)})
+    with pytest.raises(ValueError, match=r"attn\.kv_a_proj: a projection left replicated inside attn"):
+        check_plan(model, resolve_plan(model, {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise", "attn.o_proj": "rowwise"}), 2)
+    # A row-wise projection left alone (its column-wise partners refused) is refused too.
+    with pytest.raises(ValueError, match="left replicated inside attn"):
+        check_plan(model, resolve_plan(model, {"attn.o_proj": "rowwise"}), 2)
+
+
+class InterleavedQKVAttention(nn.Module):
+    """CodeGen's layout: qkv rows in mp_num groups, each q_g | v_g | k_g."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_attention_heads, self.mp_num = 4, 4
+        self.qkv_proj = nn.Linear(16, 48, bias=False)
+        self.out_proj = nn.Linear(16, 16, bias=False)
+
+
+def test_interleaved_fused_qkv_is_split_by_whole_groups():
+    model = nn.ModuleDict({"attn": InterleavedQKVAttention()})
+    plan = infer_plan(model, warn=lambda _: None)
+    assert plan == {"attn.qkv_proj": "colwise", "attn.out_proj": "rowwise"}
+    check_plan(model, resolve_plan(model, plan), 2)
+    model.attn.num_attention_heads, model.attn.mp_num = 8, 2  # 8 heads divide by 4; 2 groups do not
+    with pytest.raises(ValueError, match=r"interleaved in mp_num=2 model-parallel groups.*tensor_parallel_size=4"):
+        check_plan(model, resolve_plan(model, plan), 4)
+
+
+def test_a_layer_holding_blocks_is_not_taken_for_an_mlp():
+    class Layer(nn.Module):  # Gemma4: a per-layer input gate and projection beside attention and MLP
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn, self.mlp = NormedAttention(), SwiGLU(16, 32)
+            self.per_layer_input_gate, self.per_layer_projection = nn.Linear(16, 8), nn.Linear(8, 16)
+
+    plan = infer_plan(nn.ModuleDict({"layer": Layer()}), warn=lambda _: None)
+    assert "layer.per_layer_input_gate" not in plan and plan["layer.self_attn.q_proj"] == "colwise"

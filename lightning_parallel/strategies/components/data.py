@@ -21,8 +21,10 @@ from torchmetrics import Metric
 
 from lightning_parallel.layout import ParallelLayout, replica_mesh
 from lightning_parallel.parallelize.batchnorm import (
+    batch_statistics_layers,
     convert_sync_batchnorm,
     revert_sync_batchnorm,
+    unsynchronized_batchnorm_warning,
 )
 from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.grad_sync import average_gradients
@@ -102,6 +104,14 @@ class DataParallelComponent(Component):
         if fitting and (self.sync_batchnorm or engine._layer_sync is not None):
             engine.model = convert_sync_batchnorm(engine.model, engine.data_parallel_group, engine.root_device.type)
             self._batchnorm_converted = True
+        elif fitting and engine.layout.pipeline_parallel_size == 1:
+            # (A pipeline refuses batch statistics per micro-batch on its own, before the first step.)
+            model = engine.model
+            message = unsynchronized_batchnorm_warning(
+                batch_statistics_layers(model, training=True), type(model).__name__, engine.layout.data_parallel_size
+            )
+            if message is not None:
+                rank_zero_warn(message)
 
     def apply(self, trainer: Trainer, fitting: bool) -> None:
         engine = self.engine

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.sequence import reduce_partial_gradients
+from lightning_parallel.parallelize.split_region import reduce_split_region_gradients
 from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
 from lightning_parallel.parallelize.tensor import (
     TensorParallelConfig,
@@ -100,8 +101,10 @@ class TensorParallelComponent(Component):
 
     def after_backward(self, accumulating: bool) -> None:
         # After the last micro-batch only: sequence-parallel norms leave partial-sum gradients.
+        # Replicated parameters used on a rank's heads only (per-head norms) leave partial sums over the tp group.
         if self.enabled and not accumulating:
             reduce_partial_gradients(self.engine.lightning_module.parameters())
+            reduce_split_region_gradients(self.engine.lightning_module)
 
     def on_exception(self, exception: BaseException) -> None:
         if self.loss_parallel:

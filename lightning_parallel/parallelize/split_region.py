@@ -1,0 +1,242 @@
+"""What runs between a region's column-wise and row-wise projections, on this rank's heads (or hidden units) only.
+
+Between a column-split projection (q/k/v, an MLP's up projection) and the row-split one that closes the region
+(o_proj, down_proj), each rank computes on its own slice: its heads, its hidden units. Modules there that keep
+*replicated* parameters — per-head norms (Qwen3's and Gemma3's ``q_norm``/``k_norm`` over ``head_dim``), gates,
+scales — are used on this rank's slice only, so the gradient each rank computes for them is a partial sum over
+its slice: the whole gradient is the sum over the tensor-parallel group (Megatron reduces these "replicated in
+the split region" parameters the same way). :class:`SplitRegionParameters` finds them by call order — a child
+of the region called after a column-wise projection returned and before the row-wise one is called — and
+:func:`reduce_split_region_gradients` all-reduces their gradients over the group after backward.
+
+:func:`check_split_regions` refuses what cannot run on a slice at all, so that ``plan="auto"`` leaves those
+attentions and MLPs whole (named with the reason) and an explicit plan stops with the reason:
+
+- a norm (any child module with a parameter) whose width is a column projection's *whole* output width (OLMo2's
+  ``q_norm`` over ``n_heads·head_dim``): its statistic needs every rank's slice;
+- a projection left replicated beside split ones in the same module (DeepSeek's multi-head latent attention:
+  ``kv_a_proj_with_mqa`` makes a rotary key shared by all heads, which reaches each rank's heads without passing
+  a split projection, so its gradient would be a partial sum that nothing reduces);
+- a fused projection laid out in interleaved model-parallel groups (CodeGen's ``mp_num``) that the degree
+  does not divide into whole groups.
+
+No Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.parallelize.projections import features, is_projection
+from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
+
+#: Attributes of an attention module giving how many model-parallel groups its fused q/k/v rows are
+#: interleaved in (CodeGen: ``mp_num`` blocks, each ``q_g | v_g | k_g`` for its heads).
+INTERLEAVED_GROUP_ATTRIBUTES = ("mp_num",)
+
+#: Styles that open a split region inside one module, and the one that closes it.
+_OPENING = ("colwise", "fused_qkv", "fused_gate_up")
+_CLOSING = ("rowwise",)
+
+
+def interleaved_groups(attention: nn.Module | None) -> int | None:
+    """The number of model-parallel groups ``attention``'s fused q/k/v is interleaved in, or ``None``."""
+    for attr in INTERLEAVED_GROUP_ATTRIBUTES:
+        value = getattr(attention, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return None
+
+
+def split_regions(resolved: ResolvedPlan) -> dict[str, tuple[list[str], list[str]]]:
+    """``{module: (column-wise children, row-wise children)}`` for modules holding both (attention, MLP)."""
+    regions: dict[str, tuple[list[str], list[str]]] = {}
+    for fqn, style in resolved.styles.items():
+        parent, _, child = fqn.rpartition(".")
+        if parent and style in _OPENING + _CLOSING:
+            opening, closing = regions.setdefault(parent, ([], []))
+            (opening if style in _OPENING else closing).append(child)
+    return {name: sides for name, sides in regions.items() if all(sides)}
+
+
+def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
+    """Refuse split regions that cannot compute on a slice (see the module docstring).
+
+    Raises:
+        ValueError: Naming the region, the module inside it and why; the fix is to leave the region replicated.
+    """
+    modules = dict(module.named_modules())
+    regions = split_regions(resolved)
+    # Also a row-wise projection's module: one left alone in a plan (its column-wise partners refused) would
+    # read a replicated input as if it were split.
+    split_in = {fqn.rpartition(".")[0] for fqn, style in resolved.styles.items() if style in _OPENING + _CLOSING}
+    for name in sorted(split_in):
+        region = modules[name]
+        for child, sub in region.named_children():
+            fqn = f"{name}.{child}" if name else child
+            if is_projection(sub) and fqn not in resolved.styles:
+                split = ", ".join(c for c, s in resolved.styles.items() if c.rpartition(".")[0] == name)
+                where = name or "the model"
+                raise ValueError(
+                    f"{fqn}: a projection left replicated inside {where}, whose {split} are split: its output can "
+                    f"reach this rank's slice (heads) without passing a split projection (a rotary key shared by every "
+                    f"head, as multi-head latent attention has), and its gradient would then be a partial sum. Split "
+                    f"every projection of {where} or leave {where} replicated in the plan."
+                )
+    for name, (opening, _) in regions.items():
+        region = modules[name]
+        widths: dict[int, str] = {}
+        for child in opening:
+            widths.setdefault(features(modules[f"{name}.{child}"])[1], child)
+        for block_owner in opening:
+            for size in resolved.fused.get(f"{name}.{block_owner}", ()):
+                widths.setdefault(size, block_owner)
+        # A width that is also the region's input width may be a norm of the whole input (run before the split,
+        # on every rank alike): only the call order tells, so SplitRegionParameters refuses that case at its call.
+        inputs = {features(modules[f"{name}.{child}"])[0] for child in opening}
+        for child, sub in region.named_children():
+            if is_projection(sub) or f"{name}.{child}" in resolved.styles:
+                continue
+            for pname, param in sub.named_parameters():
+                if param.dim() == 1 and param.numel() in widths and param.numel() not in inputs:
+                    raise ValueError(
+                        f"{name}.{child}.{pname}: its width {param.numel()} is the whole output width of the split "
+                        f"{name}.{widths[param.numel()]} (a norm over all heads together, not per head): each rank "
+                        f"holds 1/{tp_size} of that width, so the norm's statistic cannot be computed on a rank. "
+                        f"Leave {name} replicated in the plan."
+                    )
+    for fqn, style in resolved.styles.items():
+        parent = modules.get(fqn.rpartition(".")[0])
+        groups = interleaved_groups(parent) if style in _OPENING else None
+        if groups is not None and groups % tp_size:
+            raise ValueError(
+                f"{fqn}: its rows are interleaved in mp_num={groups} model-parallel groups, which "
+                f"tensor_parallel_size={tp_size} cannot divide into whole groups per rank. Choose a "
+                f"tensor_parallel_size that divides {groups}, or leave {fqn.rpartition('.')[0]} replicated in the plan."
+            )
+
+
+class SplitRegionParameters:
+    """Finds the replicated parameters a split region uses on this rank's slice, and sums their gradients.
+
+    A child of the region that holds parameters (and is not one of the split projections) is *inside* when it is
+    called after a column-wise projection of the region returned and before the row-wise one is called. Its
+    parameters' gradients are then partial sums over this rank's slice; :func:`reduce_split_region_gradients`
+    all-reduces them over the group once, after the last accumulated backward (as the strategy reduces the
+    partial-sum gradients of sequence-parallel norms). The parameters are looked up on the child at that time,
+    so wrapping that replaces them (FSDP2 over data-parallel replicas) is followed. A child called both inside
+    and outside the split in one forward cannot be reduced correctly and stops with an error, as does one whose
+    parameter has the whole split width (a norm over all heads together, whose statistic needs every slice).
+
+    Args:
+        group: The tensor-parallel process group.
+        name: The region's FQN, for messages.
+        tp_size: The tensor-parallel degree.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, name: str, tp_size: int) -> None:
+        self.group, self.name, self.tp_size = group, name, tp_size
+        self._split = False
+        self._children: dict[str, nn.Module] = {}
+        self._inside: dict[str, bool] = {}
+        self._seen: dict[str, bool] = {}
+
+    def attach(
+        self, region: nn.Module, opening: list[nn.Module], closing: list[nn.Module], candidates: Mapping[str, nn.Module]
+    ) -> None:
+        """Hook ``region``, its split projections and the ``candidates`` (children with parameters)."""
+        region.register_forward_pre_hook(self._enter)
+        for projection in opening:
+            projection.register_forward_hook(self._open)
+        for projection in closing:
+            projection.register_forward_pre_hook(self._close)
+        for child, sub in candidates.items():
+            self._children[child] = sub
+            sub.register_forward_pre_hook(partial(self._called, child, sub))
+        # Found again by reduce_split_region_gradients from the model's root (a plain attribute: no state_dict entry).
+        region._split_region_parameters = self
+
+    def inside_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the children the last forward called inside the split."""
+        return [p for child, sub in self._children.items() if self._inside.get(child) for p in sub.parameters()]
+
+    def _enter(self, *_: Any) -> None:
+        self._split, self._seen = False, {}
+
+    def _open(self, *_: Any) -> None:
+        self._split = True
+
+    def _close(self, *_: Any) -> None:
+        self._split = False
+
+    def _called(self, child: str, sub: nn.Module, _: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._split and args and isinstance(args[0], Tensor) and args[0].dim() >= 1:
+            width = args[0].shape[-1]
+            whole = [n for n, p in sub.named_parameters() if p.dim() == 1 and p.numel() == width * self.tp_size]
+            if whole:
+                raise RuntimeError(
+                    f"{self.name}.{child}.{whole[0]} has the whole split width {width * self.tp_size}, but is applied to "
+                    f"this rank's {width} features (a norm over all heads together, not per head): its statistic "
+                    f"needs every rank's slice. Leave {self.name} replicated: give TensorParallelStrategy(plan={{pattern: "
+                    f"style}}) without its projections (plan='auto' cannot tell this norm from one of the input width)."
+                )
+        if self._seen.get(child, self._split) != self._split:
+            raise RuntimeError(
+                f"{self.name}.{child} is called both on the whole input and on this rank's split slice in one forward: "
+                f"its gradient cannot be reduced correctly. Leave {self.name} replicated in the plan."
+            )
+        self._seen[child] = self._inside[child] = self._split
+
+
+def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: ResolvedPlan, tp_mesh: Any) -> None:
+    """Attach :class:`SplitRegionParameters` to every split region holding children with parameters."""
+    group, tp_size = tp_mesh.get_group(), tp_mesh.size()
+    for name, (opening, closing) in split_regions(resolved).items():
+        region = modules[name]
+        split = set(opening) | set(closing)
+        candidates = {
+            child: sub for child, sub in region.named_children()
+            if child not in split and f"{name}.{child}" not in resolved.styles and any(True for _ in sub.parameters())
+        }
+        if candidates:
+            SplitRegionParameters(group, name, tp_size).attach(
+                region, [modules[f"{name}.{c}"] for c in opening], [modules[f"{name}.{c}"] for c in closing], candidates
+            )
+
+
+@torch.no_grad()
+def reduce_split_region_gradients(root: nn.Module) -> int:
+    """Sum over the tensor-parallel group the gradients of the replicated parameters that split regions of
+    ``root`` used on their rank's slice (one all-reduce per group and dtype); returns how many were summed.
+
+    Call once after the last accumulated backward, before clipping and the optimizer step. A DTensor gradient
+    (FSDP2's shard over data-parallel replicas) has its local part summed: every rank of the tensor-parallel
+    group holds the same part of it.
+    """
+    buckets: dict[tuple[Any, torch.dtype, torch.device], list[Tensor]] = {}
+    seen: set[int] = set()
+    for sub in root.modules():
+        tracker = getattr(sub, "_split_region_parameters", None)
+        if not isinstance(tracker, SplitRegionParameters):
+            continue
+        for param in tracker.inside_parameters():
+            if param.grad is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            buckets.setdefault((tracker.group, grad.dtype, grad.device), []).append(grad)
+    for (group, _, _), grads in buckets.items():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return len(seen)
