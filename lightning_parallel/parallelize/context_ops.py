@@ -10,9 +10,11 @@ SequenceLayout`), so an op that runs along the sequence sees this rank's part on
   (Hugging Face's packed-sequence check on position ids), from the last value of the chunk before each;
 * a materialised attention mask that is exactly the causal mask of the global positions (or allows everything)
   becomes ``is_causal=True`` (or no mask); the ranks agree on that with one tiny all-reduce per mask;
-* what cannot be made global cheaply — a 1-d convolution along the sequence, ``cumprod``/``cummax``/
-  ``cummin``/``logcumsumexp``, other ``diff``s, ``flip`` and ``roll`` along it, ``cumsum`` along another dimension of the local
-  length, a cumulative sum that needs gradients — is refused, naming the op and the module. No Lightning here.
+* what cannot be made global cheaply — a 1-d convolution along the sequence, ``cumprod``/``cummax``/``cummin``/
+  ``logcumsumexp``, other ``diff``s, ``flip`` and ``roll`` along it, ``cumsum`` along another dimension of the
+  local length, a cumulative sum that needs gradients — is refused, naming the op and the module.
+
+Dim 0 (the batch) is never treated as the sequence. No Lightning here.
 """
 
 from __future__ import annotations
@@ -41,12 +43,10 @@ _SCANS = {
     "cummax": (torch.cummax, Tensor.cummax),
     "cummin": (torch.cummin, Tensor.cummin),
     "logcumsumexp": (torch.logcumsumexp, Tensor.logcumsumexp),
-    "diff": (torch.diff, Tensor.diff),
+    "diff": (torch.diff, Tensor.diff),  # made global for the first difference with a prepended column only
 }
 _FLIPS = {"flip": (torch.flip, Tensor.flip), "roll": (torch.roll, Tensor.roll)}
 _CONVOLUTIONS = {"conv1d": (torch.conv1d,), "conv_transpose1d": (torch.conv_transpose1d,)}
-
-
 _BY_FUNCTION = {func: name for table in ({"cumsum": _CUMSUM}, _SCANS, _FLIPS, _CONVOLUTIONS)
                 for name, funcs in table.items() for func in funcs}
 
