@@ -287,6 +287,7 @@ def _trace(
     module.train(training)
     try:
         pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+        _check_stage_inputs(pipe)
         contiguous_boundaries(pipe)  # p2p sends need contiguous activations and gradients
         for submodule in pipe.split_gm.modules():
             if isinstance(submodule, InterpreterModule):
@@ -303,6 +304,27 @@ def _trace(
                 submodule.__dict__.pop("forward", None)
             else:
                 submodule.forward = forward
+
+
+def _check_stage_inputs(pipe: Any) -> None:
+    """Refuse a split whose stage reads values its caller does not pass (torch 2.13's split can leave a stage
+    with inputs that another stage computes): it would fail only when the schedule first runs it."""
+    for owner_name, owner in pipe.split_gm.named_modules():
+        if not isinstance(getattr(owner, "graph", None), torch.fx.Graph):
+            continue
+        for node in owner.graph.nodes:
+            if node.op != "call_module":
+                continue
+            graph = getattr(owner.get_submodule(node.target), "graph", None)
+            wanted = [n.target for n in graph.nodes if n.op == "placeholder"] if isinstance(graph, torch.fx.Graph) else []
+            given = len(node.args) + len(node.kwargs)
+            if len(wanted) > given:
+                where = f"{owner_name}.{node.target}" if owner_name else node.target
+                raise TypeError(
+                    f"the split at the split points gives {where} inputs it never receives "
+                    f"({', '.join(map(str, wanted[given:][:5]))}): values one stage computes are read by an earlier "
+                    f"one (a module or tensor shared across layers?). Choose other split_points"
+                )
 
 
 _ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)

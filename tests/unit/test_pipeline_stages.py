@@ -145,3 +145,24 @@ def test_an_untraceable_data_dependent_module_is_named_with_the_fix():
     where = _where_it_stopped(caught.value)
     assert "_RoutedExperts.forward" in where and "test_pipeline_stages.py" in where, (_root_cause(caught.value), where)
     assert "experts_implementation='grouped_mm'" in where
+
+
+def test_a_split_whose_stage_misses_inputs_is_refused_with_the_stage_named():
+    from types import SimpleNamespace
+
+    from lightning_parallel.parallelize.pipeline_build import _check_stage_inputs
+
+    class Two(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a + b
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_module("inner", (x,)))  # the stage takes (a, b); the split passes only x
+    split = torch.fx.GraphModule({"inner": torch.fx.symbolic_trace(Two())}, graph)
+    with pytest.raises(TypeError, match=r"gives inner inputs it never receives \(b\)"):
+        _check_stage_inputs(SimpleNamespace(split_gm=split))
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_module("inner", (x, x)))
+    _check_stage_inputs(SimpleNamespace(split_gm=torch.fx.GraphModule({"inner": torch.fx.symbolic_trace(Two())}, graph)))
