@@ -15,8 +15,6 @@ are ``None`` (their memory is freed). No Lightning here.
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -29,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 from torch.utils._pytree import tree_map
 
+from lightning_parallel.parallelize.pipeline_graph import check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
 from lightning_parallel.parallelize.pipeline_schedule import stages_on
 from lightning_parallel.parallelize.stage_boundary import contiguous_boundaries, contiguous_module_boundaries
 from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
@@ -150,7 +149,7 @@ def build_local_pipeline(
             allocated = _allocate_local_parts(module, split_points, local, device) if deferred else {}
             result = _slice_sequential(module, split_points, stage_to_rank, local, device, group)
             result.replaced.update(allocated)
-            result.note = f"torch.export cannot trace it ({_root_cause(error)}), so the nn.Sequential is sliced"
+            result.note = f"torch.export cannot trace it ({root_cause(error)}), so the nn.Sequential is sliced"
             return result
         fallback = (
             "with tensor parallelism stages must be traced (an nn.Sequential is sliced only without it)"
@@ -159,7 +158,7 @@ def build_local_pipeline(
         )
         raise TypeError(
             f"Pipeline parallelism could not trace {type(module).__name__}.forward with torch.export: "
-            f"{_root_cause(error)}{_where_it_stopped(error)}. Make forward traceable (no Python control flow on "
+            f"{root_cause(error)}{where_trace_stopped(error)}. Make forward traceable (no Python control flow on "
             f"tensor values, no calls torch.export cannot capture); {fallback}."
         ) from error
     if train_pipe.num_stages != num_stages:
@@ -182,7 +181,7 @@ def build_local_pipeline(
     if deferred:
         _check_no_meta([pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local], type(module).__name__, device)
     if chained:
-        _check_chain(train_pipe, type(module).__name__)
+        check_chain(train_pipe, type(module).__name__)
         train_stages = [PipelineStage(train_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
         eval_stages = [PipelineStage(eval_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
     else:
@@ -287,11 +286,11 @@ def _trace(
     module.train(training)
     try:
         pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
-        _check_stage_inputs(pipe)
+        check_stage_inputs(pipe)
         contiguous_boundaries(pipe)  # p2p sends need contiguous activations and gradients
         for submodule in pipe.split_gm.modules():
             if isinstance(submodule, InterpreterModule):
-                _clean_graph(submodule, device)
+                clean_graph(submodule, device)
                 # Run the generated Python code rather than torch.fx.Interpreter node by node (16% faster).
                 submodule._run_with_interpreter = False
         return pipe
@@ -304,94 +303,6 @@ def _trace(
                 submodule.__dict__.pop("forward", None)
             else:
                 submodule.forward = forward
-
-
-def _check_stage_inputs(pipe: Any) -> None:
-    """Refuse a split whose stage reads values its caller does not pass (torch 2.13's split can leave a stage
-    with inputs that another stage computes): it would fail only when the schedule first runs it."""
-    for owner_name, owner in pipe.split_gm.named_modules():
-        if not isinstance(getattr(owner, "graph", None), torch.fx.Graph):
-            continue
-        for node in owner.graph.nodes:
-            if node.op != "call_module":
-                continue
-            graph = getattr(owner.get_submodule(node.target), "graph", None)
-            wanted = [n.target for n in graph.nodes if n.op == "placeholder"] if isinstance(graph, torch.fx.Graph) else []
-            given = len(node.args) + len(node.kwargs)
-            if len(wanted) > given:
-                where = f"{owner_name}.{node.target}" if owner_name else node.target
-                raise TypeError(
-                    f"the split at the split points gives {where} inputs it never receives "
-                    f"({', '.join(map(str, wanted[given:][:5]))}): values one stage computes are read by an earlier "
-                    f"one (a module or tensor shared across layers?). Choose other split_points"
-                )
-
-
-_ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)
-
-
-def _clean_graph(submodule: InterpreterModule, device: torch.device | None) -> None:
-    """Drop export's metadata assertions and retarget a meta trace to ``device``; regenerate the code.
-
-    ``_assert_tensor_metadata`` nodes only check dtype and device of values the graph already computes,
-    and DTensor has no rule for them (tensor-parallel stages run the graph on DTensors).
-    """
-    graph = submodule.graph
-    changed = _rename_nodes_named_self(graph)
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
-            graph.erase_node(node)
-            changed = True
-        elif node.op == "call_function" and node.target is torch.ops.aten.cat.default and _drop_empty_cat_inputs(node):
-            changed = True
-        elif device is not None and node.op == "call_function":
-            args, kwargs = tree_map(lambda a: device if _is_meta_device(a) else a, (node.args, node.kwargs))
-            if (args, kwargs) != (node.args, node.kwargs):
-                node.args, node.kwargs = args, kwargs
-                changed = True
-    if changed:
-        submodule.finalize()
-
-
-def _rename_nodes_named_self(graph: torch.fx.Graph) -> bool:
-    """Rename nodes called ``self``: the generated ``forward(self, ...)`` would assign them over ``self``.
-
-    Export's unflattening names a submodule call after the submodule, and torch 2.13's FX namespace does not
-    reserve ``self``: BERT's ``attention.self`` becomes ``self = self.self(...)``, and the next submodule
-    call fails with "'Tensor' object has no attribute 'output'". (torch.fx.Interpreter, which reads the
-    graph rather than the code, is unaffected; the stages run the generated code.)
-    """
-    renamed = False
-    for node in list(graph.nodes):
-        if node.name != "self" or node.op == "placeholder":
-            continue
-        with graph.inserting_after(node):
-            replacement = graph.create_node(node.op, node.target, node.args, node.kwargs, name="self_output")
-        replacement.meta = dict(node.meta)
-        node.replace_all_uses_with(replacement)
-        graph.erase_node(node)
-        renamed = True
-    return renamed
-
-
-def _drop_empty_cat_inputs(node: torch.fx.Node) -> bool:
-    """Drop 1-D empty tensors from a ``cat``: torch skips them anyway (an empty key/value cache that Hugging
-    Face models concatenate new keys to), but DTensor would try to shard them like the other inputs."""
-    tensors, *rest = node.args
-    kept = [t for t in tensors if not (isinstance(t, torch.fx.Node) and _is_empty_vector(t))]
-    if len(kept) == len(tensors) or not kept:
-        return False
-    node.args = (kept, *rest)
-    return True
-
-
-def _is_empty_vector(node: torch.fx.Node) -> bool:
-    value = node.meta.get("val")
-    return isinstance(value, Tensor) and value.dim() == 1 and value.shape[0] == 0
-
-
-def _is_meta_device(value: Any) -> bool:
-    return isinstance(value, torch.device) and value.type == "meta"
 
 
 def _split_over_tensor_parallel(
@@ -411,29 +322,6 @@ def _split_over_tensor_parallel(
         tp.wrap(stage_module)
     for key, tensor in list(canonical.items()):
         canonical[key] = placed.get(id(tensor), tensor)
-
-
-def _check_chain(pipe: Any, module_name: str) -> None:
-    """Every stage must read only the previous stage's outputs (the first: only the model's inputs)."""
-    producer: dict[Any, int] = {}
-    checked = 0
-    stage_of = {name: i for i, (name, _) in enumerate(pipe.split_gm.named_children())}
-    for node in pipe.split_gm.graph.nodes:
-        if node.op == "call_module" and node.target in stage_of:
-            index = stage_of[node.target]
-            sources = {producer.get(arg, -1) for arg in node.all_input_nodes}
-            if sources != {index - 1}:
-                raise ValueError(
-                    f"{module_name}'s stage {index} reads activations of stages {sorted(s for s in sources if s >= 0)} "
-                    f"or of the model's inputs, not only of stage {index - 1}; V-shaped schedules (zbv_zero_bubble, "
-                    f"dualpipev) need a plain chain of stages. Use interleaved_zero_bubble or interleaved_1f1b."
-                )
-            producer[node] = index
-            checked += 1
-        elif node.op == "call_function" and node.all_input_nodes and node.all_input_nodes[0] in producer:
-            producer[node] = producer[node.all_input_nodes[0]]  # getitem on a stage's output tuple
-    if checked != pipe.num_stages:
-        raise RuntimeError(f"Could not find the {pipe.num_stages} stages in the traced pipeline's graph.")
 
 
 def _slice_sequential(
@@ -600,44 +488,6 @@ def _set_by_name(module: nn.Module, name: str, value: Tensor | None) -> None:
     parent_name, _, attribute = name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
     setattr(parent, attribute, value)
-
-
-def _where_it_stopped(error: BaseException) -> str:
-    """`` in Module.method (file:line)``: the innermost module code the failed trace ran, with a hint for
-    control flow on tensor values (a mixture-of-experts loop over the experts a batch routes to, above all)."""
-    site = None
-    seen: BaseException | None = error
-    while seen is not None:
-        for frame, lineno in traceback.walk_tb(seen.__traceback__):
-            owner = frame.f_locals.get("self")
-            path = frame.f_code.co_filename
-            if isinstance(owner, nn.Module) and _TORCH_FILES not in path and _OUR_FILES not in path:
-                site = (type(owner).__name__, frame.f_code.co_name, os.path.basename(path), lineno)
-        seen = seen.__cause__
-    if site is None:
-        return ""
-    owner_name, method, filename, lineno = site
-    text = f" in {owner_name}.{method} ({filename}:{lineno})"
-    if "DataDependent" in _root_cause(error) or "data-dependent" in _root_cause(error):
-        text += ", whose control flow depends on tensor values"
-        if "expert" in owner_name.lower() or "moe" in owner_name.lower():
-            text += (
-                " (a loop over the experts a batch routes to; a transformers model traces with "
-                "experts_implementation='grouped_mm', its default, or 'batched_mm', passed to from_pretrained "
-                "or from_config)"
-            )
-    return text
-
-
-_TORCH_FILES = os.sep + "torch" + os.sep
-_OUR_FILES = os.sep + "lightning_parallel" + os.sep
-
-
-def _root_cause(error: BaseException) -> str:
-    while error.__cause__ is not None:
-        error = error.__cause__
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def remap_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Parameter | None]) -> None:

@@ -137,20 +137,20 @@ class _RoutedExperts(nn.Module):
 
 
 def test_an_untraceable_data_dependent_module_is_named_with_the_fix():
-    from lightning_parallel.parallelize.pipeline_build import _root_cause, _where_it_stopped
+    from lightning_parallel.parallelize.pipeline_graph import root_cause, where_trace_stopped
 
     model = nn.Sequential(nn.Linear(4, 4), _RoutedExperts(), nn.Linear(4, 4))
     with pytest.raises(Exception) as caught:
         _trace(model, (torch.randn(6, 4),), {}, ["2"], training=True)
-    where = _where_it_stopped(caught.value)
-    assert "_RoutedExperts.forward" in where and "test_pipeline_stages.py" in where, (_root_cause(caught.value), where)
+    where = where_trace_stopped(caught.value)
+    assert "_RoutedExperts.forward" in where and "test_pipeline_stages.py" in where, (root_cause(caught.value), where)
     assert "experts_implementation='grouped_mm'" in where
 
 
 def test_a_split_whose_stage_misses_inputs_is_refused_with_the_stage_named():
     from types import SimpleNamespace
 
-    from lightning_parallel.parallelize.pipeline_build import _check_stage_inputs
+    from lightning_parallel.parallelize.pipeline_graph import check_stage_inputs
 
     class Two(nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -161,8 +161,8 @@ def test_a_split_whose_stage_misses_inputs_is_refused_with_the_stage_named():
     graph.output(graph.call_module("inner", (x,)))  # the stage takes (a, b); the split passes only x
     split = torch.fx.GraphModule({"inner": torch.fx.symbolic_trace(Two())}, graph)
     with pytest.raises(TypeError, match=r"gives inner inputs it never receives \(b\)"):
-        _check_stage_inputs(SimpleNamespace(split_gm=split))
+        check_stage_inputs(SimpleNamespace(split_gm=split))
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     graph.output(graph.call_module("inner", (x, x)))
-    _check_stage_inputs(SimpleNamespace(split_gm=torch.fx.GraphModule({"inner": torch.fx.symbolic_trace(Two())}, graph)))
+    check_stage_inputs(SimpleNamespace(split_gm=torch.fx.GraphModule({"inner": torch.fx.symbolic_trace(Two())}, graph)))
