@@ -1,4 +1,4 @@
-"""``python -m tests.coverage``: the coverage sweep over every transformers family (see tests/coverage/README).
+"""``python -m tests.coverage``: the coverage sweep over every transformers family (README: "Every family").
 
     python -m tests.coverage                                  # every family, every layout (about an hour)
     python -m tests.coverage --families llama,bert --layouts tp2,pp2
