@@ -22,8 +22,8 @@ from torch import nn
 import lightning_parallel
 from tests.regressor import GuardedLayer, RegressionData
 
-FORWARD_S = 0.06
-BACKWARD_S = 0.12
+FORWARD_S = 0.1
+BACKWARD_S = 0.2
 MICROBATCHES = 4
 SCHEDULES = ("gpipe", "1f1b")
 
