@@ -53,7 +53,7 @@ def worker(variant: str, setup: dict[str, Any], peak_tflops: float | None, out: 
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_parallel import DataParallelStrategy
-    from lightning_parallel.measure.utilization import (
+    from lightning_parallel.observe.utilization import (
         model_flops_per_sample,
         training_dtype,
     )

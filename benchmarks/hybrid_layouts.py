@@ -69,7 +69,7 @@ def worker(name: str, steps: int, warmup: int, out: Path) -> None:
 
     from lightning_parallel import HybridParallelStrategy
     from lightning_parallel.measure.memory import state_bytes
-    from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
+    from lightning_parallel.strategies.optimizer import unwrap_optimizer
     from recipes.data.chars import CharCorpusDataModule
     from recipes.models.gpt import GPTLightningModule
 

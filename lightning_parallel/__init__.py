@@ -10,15 +10,15 @@ from lightning_parallel.layout import ParallelLayout, RankCoordinates
 from lightning_parallel.measure.comm import CommStats
 from lightning_parallel.observe.monitor import ScalingMonitor
 from lightning_parallel.observe.summary import TrainingSummary
-from lightning_parallel.parallelize.data import (
+from lightning_parallel.parallelize.data.replicated import (
     COMM_HOOKS,
     DATA_PARALLEL_MODES,
     DataParallelConfig,
 )
-from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES
-from lightning_parallel.parallelize.tensor import TensorParallelConfig
-from lightning_parallel.parallelize.tensor_plan import STYLES
+from lightning_parallel.parallelize.pipeline.config import PipelineConfig
+from lightning_parallel.parallelize.pipeline.schedule import SCHEDULES
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+from lightning_parallel.parallelize.tensor.plan import STYLES
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     HybridParallelStrategy,

@@ -267,7 +267,7 @@ def replica_mesh(mesh: DeviceMesh, sharded: bool = False) -> DeviceMesh:
     """The ranks that hold replicas of the same parameters and average their gradients.
 
     Data-parallel ranks, and context-parallel peers too (same weights, other parts of each sequence: their
-    gradients are partial sums, see :mod:`lightning_parallel.parallelize.context`). ``sharded``: the 2-D
+    gradients are partial sums, see :mod:`lightning_parallel.parallelize.context.splitter`). ``sharded``: the 2-D
     ``(dp_replicate, dp_shard[×cp])`` mesh FSDP2 replicates and shards over (context-parallel peers shard one
     replica's state, as torchtitan does); otherwise the 1-D mesh of them all (DDP's group).
     """

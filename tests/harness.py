@@ -30,8 +30,8 @@ import lightning_parallel
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.observe.monitor import ScalingMonitor
-from lightning_parallel.parallelize.fused import original_order
-from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
+from lightning_parallel.parallelize.tensor.fused import original_order
+from lightning_parallel.strategies.optimizer import unwrap_optimizer
 from recipes.data.chars import CharCorpusDataModule
 from recipes.data.images import SyntheticImagesDataModule
 from recipes.models.convnet import ConvNetLightningModule

@@ -12,7 +12,7 @@ Every optimizer step's wall time (first batch start to last batch end) is split 
 
 FSDP2's collectives (sharded data parallelism) have no hook and count as compute. Throughput is logged as
 ``scaling/tokens_per_s`` (global and ``_per_device``) and, given a model profile and hardware, model FLOPs
-utilisation as ``scaling/mfu`` (:mod:`~lightning_parallel.measure.utilization`). Steps after the warm-up
+utilisation as ``scaling/mfu`` (:mod:`~lightning_parallel.observe.utilization`). Steps after the warm-up
 are logged to the Trainer's loggers under ``scaling/``; when training ends a table compares the means with
 the planner's prediction for the same layout (given a model profile and hardware), the figures go to
 ``scaling.json`` and, under pipeline parallelism, a timeline of one step to ``pipeline_timeline.png``.
@@ -34,7 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel.measure.collectives import DTensorCollectives
-from lightning_parallel.measure.utilization import (
+from lightning_parallel.observe.utilization import (
     Utilization,
     model_flops_per_sample,
     tokens_in,

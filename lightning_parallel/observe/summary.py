@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_parallel.measure.utilization import tokens_in
+from lightning_parallel.observe.utilization import tokens_in
 
 
 class TrainingSummary(Callback):

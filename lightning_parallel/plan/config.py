@@ -16,7 +16,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout, Workload
 from lightning_parallel.plan.profile import ModelProfile, profile_model

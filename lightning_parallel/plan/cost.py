@@ -275,7 +275,7 @@ def _stages_by_pipeline_rank(profile: ModelProfile, layout: Layout) -> list[list
     layers = list(profile.trunk_layers)
     if layout.pp == 1:
         return [[list(profile.segments)]]
-    from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES, stage_ranks
+    from lightning_parallel.parallelize.pipeline.schedule import SCHEDULES, stage_ranks
 
     num_stages = layout.pp * layout.stages_per_rank
     bounds = [0, *profile.split_points(num_stages), len(layers)]

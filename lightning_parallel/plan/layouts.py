@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from lightning_parallel.parallelize.pipeline_schedule import SCHEDULES, check_schedule
+from lightning_parallel.parallelize.pipeline.schedule import SCHEDULES, check_schedule
 
 if TYPE_CHECKING:
     from lightning_parallel.layout import ParallelLayout
-    from lightning_parallel.parallelize.pipeline import PipelineConfig
+    from lightning_parallel.parallelize.pipeline.config import PipelineConfig
 
 #: Pipeline schedules the planner compares (one stage per rank, and the common virtual-stage ones).
 PLANNED_SCHEDULES: tuple[str, ...] = ("1f1b", "gpipe", "interleaved_1f1b", "zbv_zero_bubble")

@@ -33,14 +33,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.measure.collectives import DTensorCollectives
 from lightning_parallel.measure.memory import local_bytes
-from lightning_parallel.parallelize.model_call import capture_model_call
-from lightning_parallel.parallelize.pipeline_split import (
+from lightning_parallel.parallelize.common.model_call import capture_model_call
+from lightning_parallel.parallelize.pipeline.split import (
     find_trunk,
     layer_costs,
     partition,
     trunk_layer_names,
 )
-from lightning_parallel.parallelize.tensor import (
+from lightning_parallel.parallelize.tensor.apply import (
     TensorParallelConfig,
     apply_tensor_parallel,
     check_plan,

@@ -52,10 +52,10 @@ from lightning_parallel.checkpoint.sharded import (
     stored_keys,
     whole_to_states,
 )
-from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
+from lightning_parallel.strategies.optimizer import unwrap_optimizer
 
 if TYPE_CHECKING:
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class CheckpointFiles:
     """
 
     def __init__(
-        self, engine: ParallelEngineStrategy, save_format: CheckpointFormat, async_save: bool, timeout: timedelta
+        self, engine: EngineHost, save_format: CheckpointFormat, async_save: bool, timeout: timedelta
     ) -> None:
         if save_format not in SAVE_FORMATS:
             raise ValueError(f"save_format={save_format!r} is unknown; choose one of {', '.join(SAVE_FORMATS)}.")

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
@@ -45,16 +44,17 @@ from lightning_parallel.checkpoint.state import (
     all_pipeline_parts,
     describe_mismatch,
 )
-from lightning_parallel.parallelize.fused import (
+from lightning_parallel.parallelize.tensor.fused import (
     fused_layouts,
     optimizer_state_to_original,
     optimizer_state_to_rank_major,
 )
 from lightning_parallel.strategies.collectives import whole
+from lightning_parallel.strategies.optimizer import unwrap_optimizer
 
 if TYPE_CHECKING:
     from lightning_parallel.strategies.checkpoint_files import CheckpointFiles
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 
 class CheckpointState:
@@ -65,7 +65,7 @@ class CheckpointState:
         files: Where the loaded checkpoint came from (a sharded one is read in place, not from memory).
     """
 
-    def __init__(self, engine: ParallelEngineStrategy, files: CheckpointFiles) -> None:
+    def __init__(self, engine: EngineHost, files: CheckpointFiles) -> None:
         self.engine = engine
         self.files = files
         self.set_up = False  # setup has run since the last teardown: the module is as it trains
@@ -225,8 +225,3 @@ class CheckpointState:
     def teardown(self) -> None:
         self.set_up = False
         self._deferred_model_state = None
-
-
-def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
-    """The torch optimizer behind Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

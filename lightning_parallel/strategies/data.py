@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.compile import CompileConfig
-from lightning_parallel.parallelize.data import DataParallelConfig
-from lightning_parallel.parallelize.periodic_sync import SyncConfig
+from lightning_parallel.parallelize.common.compile import CompileConfig
+from lightning_parallel.parallelize.data.replicated import DataParallelConfig
+from lightning_parallel.parallelize.data.periodic_sync import SyncConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 
@@ -36,7 +36,7 @@ class DataParallelStrategy(ParallelEngineStrategy):
         powersgd_rank: Low-rank approximation rank for PowerSGD.
         powersgd_start_iter: Exact steps before PowerSGD compression starts.
         sync: ``"every_step"`` (exact), ``"local_sgd"`` or ``"diloco"`` (replicas step on local gradients and
-            synchronize every ``sync_every`` steps; see :mod:`lightning_parallel.parallelize.periodic_sync`).
+            synchronize every ``sync_every`` steps; see :mod:`lightning_parallel.parallelize.data.periodic_sync`).
         sync_every: Optimizer steps between synchronizations (``local_sgd``, ``diloco``).
         sync_warmup_steps: ``local_sgd``: synchronous steps first (post-local SGD).
         outer_lr, outer_momentum, outer_nesterov: ``diloco``'s outer SGD.

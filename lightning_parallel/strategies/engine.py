@@ -33,13 +33,13 @@ from lightning_parallel.checkpoint.files import CheckpointFormat
 from lightning_parallel.checkpoint.replica_sampler import split_custom_sampler
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.measure.comm import CommStats
-from lightning_parallel.parallelize.compile import CompileConfig
-from lightning_parallel.parallelize.data import DataParallelConfig
-from lightning_parallel.parallelize.deferred_init import parameters_on_meta
-from lightning_parallel.parallelize.grad_norm import clip_optimizer_grad_norm
-from lightning_parallel.parallelize.periodic_sync import SyncConfig
-from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.parallelize.common.compile import CompileConfig
+from lightning_parallel.parallelize.data.replicated import DataParallelConfig
+from lightning_parallel.parallelize.placement.deferred_init import parameters_on_meta
+from lightning_parallel.parallelize.common.grad_norm import clip_optimizer_grad_norm
+from lightning_parallel.parallelize.data.periodic_sync import SyncConfig
+from lightning_parallel.parallelize.pipeline.config import PipelineConfig
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 from lightning_parallel.plan.layouts import Layout
 from lightning_parallel.strategies.checkpoint_files import CheckpointFiles
 from lightning_parallel.strategies.checkpoint_state import CheckpointState
@@ -58,7 +58,7 @@ from lightning_parallel.strategies.components import (
 from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.mesh_strategy import DEFAULT_TIMEOUT_S, MeshStrategy
 from lightning_parallel.strategies.options import preset_options, preset_signature
-from lightning_parallel.strategies.pipeline_runner import PipelineRunner
+from lightning_parallel.strategies.components.pipeline.runner import PipelineRunner
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class ParallelEngineStrategy(MeshStrategy):
 
     A module built under ``with trainer.init_module(empty_init=True):`` has its parameters on the meta device
     (no memory); setup splits it there and allocates and initialises only this rank's part, with the values
-    eager construction gives (see :mod:`lightning_parallel.parallelize.deferred_init`).
+    eager construction gives (see :mod:`lightning_parallel.parallelize.placement.deferred_init`).
     """
 
     #: Presets: engine argument -> config dataclass whose fields they take as flat keywords (see options.py).

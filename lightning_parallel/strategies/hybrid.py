@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.compile import CompileConfig
-from lightning_parallel.parallelize.data import DataParallelConfig
-from lightning_parallel.parallelize.periodic_sync import SyncConfig
-from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.parallelize.common.compile import CompileConfig
+from lightning_parallel.parallelize.data.replicated import DataParallelConfig
+from lightning_parallel.parallelize.data.periodic_sync import SyncConfig
+from lightning_parallel.parallelize.pipeline.config import PipelineConfig
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.compile import CompileConfig
-from lightning_parallel.parallelize.pipeline import PipelineConfig
+from lightning_parallel.parallelize.common.compile import CompileConfig
+from lightning_parallel.parallelize.pipeline.config import PipelineConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 

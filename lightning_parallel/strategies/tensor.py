@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.compile import CompileConfig
-from lightning_parallel.parallelize.data import DataParallelConfig
-from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.parallelize.common.compile import CompileConfig
+from lightning_parallel.parallelize.data.replicated import DataParallelConfig
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 
 

@@ -17,7 +17,7 @@ import lightning as L
 import torch
 
 import lightning_parallel
-from lightning_parallel.parallelize.batchnorm import batch_statistics_layers
+from lightning_parallel.parallelize.data.batchnorm import batch_statistics_layers
 from tests.coverage.configs import experts_implementation
 from tests.coverage.models import CoverageData, CoverageModule, channels_of, image_size_of
 from tests.harness import Recorder, single_device_order

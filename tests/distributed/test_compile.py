@@ -11,7 +11,7 @@ from functools import cache
 
 import pytest
 
-from lightning_parallel.measure.utilization import check_mfu
+from lightning_parallel.observe.utilization import check_mfu
 from tests.distributed.test_data_parallel import assert_same_training
 from tests.harness import JobSpec, run_distributed_jobs, run_job
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_parallel.measure.utilization import check_mfu
+from lightning_parallel.observe.utilization import check_mfu
 
 from tests.harness import REPO_ROOT
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.parallelize.tensor import (
+from lightning_parallel.parallelize.tensor.apply import (
     apply_tensor_parallel,
     check_plan,
     infer_plan,

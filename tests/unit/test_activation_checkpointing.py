@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_parallel.parallelize.checkpointing import (
+from lightning_parallel.parallelize.common.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
 )

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.batchnorm import (
+from lightning_parallel.parallelize.data.batchnorm import (
     CPUSyncBatchNorm,
     convert_sync_batchnorm,
     revert_sync_batchnorm,
@@ -43,7 +43,7 @@ def test_rejects_inputs_without_channels():
 
 
 def test_unsynchronized_batchnorm_is_warned_with_the_count_and_the_fix():
-    from lightning_parallel.parallelize.batchnorm import batch_statistics_layers, unsynchronized_batchnorm_warning
+    from lightning_parallel.parallelize.data.batchnorm import batch_statistics_layers, unsynchronized_batchnorm_warning
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.BatchNorm2d(8))
     message = unsynchronized_batchnorm_warning(batch_statistics_layers(model, training=True), "Sequential", 2)
@@ -57,8 +57,8 @@ def test_unsynchronized_batchnorm_is_warned_with_the_count_and_the_fix():
 def test_data_parallel_setup_warns_once_about_unsynchronized_batchnorm():
     from types import SimpleNamespace
 
-    from lightning_parallel.parallelize.data import DataParallelConfig
-    from lightning_parallel.parallelize.periodic_sync import SyncConfig
+    from lightning_parallel.parallelize.data.replicated import DataParallelConfig
+    from lightning_parallel.parallelize.data.periodic_sync import SyncConfig
     from lightning_parallel.strategies.components.data import DataParallelComponent
 
     def engine(replicas: int) -> SimpleNamespace:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.compile import CompileConfig, compile_blocks, trunk_blocks
+from lightning_parallel.parallelize.common.compile import CompileConfig, compile_blocks, trunk_blocks
 from recipes.models.gpt import GPT
 
 EAGER_BACKEND = {"backend": "eager"}  # dynamo only: these tests are about the wrapping, not inductor

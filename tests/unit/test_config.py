@@ -110,7 +110,7 @@ class _HFStyleDecoder(torch.nn.Module):
 
 @pytest.mark.parametrize("preset", ["gpt", "llama"])
 def test_plan_presets_equal_the_inferred_plan(preset, tmp_path):
-    from lightning_parallel.parallelize.tensor import infer_plan, resolve_plan
+    from lightning_parallel.parallelize.tensor.apply import infer_plan, resolve_plan
 
     cfg = compose_config(["strategy=tensor", f"+strategy/plan={preset}"], tmp_path)
     strategy = instantiate(cfg.strategy)

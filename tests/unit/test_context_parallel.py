@@ -12,12 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import lightning_parallel
-from lightning_parallel.parallelize.context import (
-    ContextParallelMode,
-    SequenceLayout,
-    SequenceSplitter,
-    check_sequence_length,
-)
+from lightning_parallel.parallelize.context.sequence import SequenceLayout, check_sequence_length
+from lightning_parallel.parallelize.context.splitter import ContextParallelMode, SequenceSplitter
 
 
 def test_head_tail_layout_gives_each_rank_a_head_and_a_tail_chunk():
@@ -152,13 +148,13 @@ def test_combinations_not_supported_yet_are_refused_before_launch(options, match
         L.Trainer(accelerator="cpu", devices=4, strategy=strategy, logger=False)
 
 
-# --- ops along the sequence (parallelize/context_ops.py) ---------------------------------------------------
+# --- ops along the sequence (parallelize/context/ops.py) ---------------------------------------------------
 
 
 @pytest.mark.parametrize("size", [1, 2, 3])
 def test_cumsum_over_the_split_sequence_is_global_on_every_simulated_rank(size):
-    from lightning_parallel.parallelize.context import split_sequence
-    from lightning_parallel.parallelize.context_ops import (
+    from lightning_parallel.parallelize.context.sequence import split_sequence
+    from lightning_parallel.parallelize.context.ops import (
         chunk_cumsum,
         chunk_last,
         chunk_offsets,
@@ -218,7 +214,7 @@ def _causal(positions):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_materialised_causal_mask_runs_as_is_causal_and_other_masks_are_refused(rank):
-    from lightning_parallel.parallelize.context_ops import mask_as_causal
+    from lightning_parallel.parallelize.context.ops import mask_as_causal
 
     layout = SequenceLayout(8, 2, rank)
     positions = layout.positions()
@@ -243,7 +239,7 @@ def test_a_materialised_causal_mask_runs_as_is_causal_and_other_masks_are_refuse
 
 def test_ring_attention_with_narrower_values_than_queries_and_keys(one_rank_group):
     # Multi-head latent attention (DeepSeek-V2/V3): v's head width differs from q/k's.
-    from lightning_parallel.parallelize.ring_attention import ring_attention
+    from lightning_parallel.parallelize.context.ring_attention import ring_attention
 
     torch.manual_seed(0)
     for v_width in (3, 12):
@@ -259,7 +255,7 @@ def test_ring_attention_with_narrower_values_than_queries_and_keys(one_rank_grou
 
 def test_ring_attention_broadcasts_one_key_value_head_without_enable_gqa(one_rank_group):
     # Falcon's multi-query attention calls SDPA with one key/value head and no enable_gqa: SDPA broadcasts it.
-    from lightning_parallel.parallelize.ring_attention import ring_attention
+    from lightning_parallel.parallelize.context.ring_attention import ring_attention
 
     q = torch.randn(2, 4, 8, 6, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 1, 8, 6, dtype=torch.float64, requires_grad=True) for _ in range(2))
@@ -306,7 +302,7 @@ def test_hugging_face_causal_mask_runs_as_is_causal_and_a_shorter_sliding_window
     # The mask transformers materialises, built inside the mode on rank 0 of two (queries and keys at global
     # positions 0-3 and 12-15): Falcon's is the plain causal mask; a window of 8 blocks 12 -> 0.
     transformers = pytest.importorskip("transformers")
-    import lightning_parallel.parallelize.context as context
+    import lightning_parallel.parallelize.context.splitter as context
 
     model = _tiny_hf_model(transformers, family)
     masks, calls = [], []
@@ -320,7 +316,7 @@ def test_hugging_face_causal_mask_runs_as_is_causal_and_a_shorter_sliding_window
         return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
                                               enable_gqa=enable_gqa or key.size(1) != query.size(1))
 
-    from lightning_parallel.parallelize.context_ops import mask_as_causal
+    from lightning_parallel.parallelize.context.ops import mask_as_causal
 
     monkeypatch.setattr(context, "mask_as_causal", checked)
     monkeypatch.setattr(context, "ring_attention", local_attention)

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from lightning_parallel import COMM_HOOKS, DataParallelConfig
-from lightning_parallel.parallelize.data import gradient_bytes, unwrap_ddp
+from lightning_parallel.parallelize.data.replicated import gradient_bytes, unwrap_ddp
 
 
 def test_defaults_are_exact_allreduce():

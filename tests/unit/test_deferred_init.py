@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.checkpoint.pretrained import load_pretrained
-from lightning_parallel.parallelize.deferred_init import (
+from lightning_parallel.parallelize.placement.deferred_init import (
     InitialValues,
     allocate_local,
     parameters_on_meta,
@@ -163,7 +163,7 @@ def test_random_draws_outside_parameters_keep_the_stream_as_built():
 
 
 def test_one_value_parameters_fill_this_ranks_part_without_the_whole_tensor(monkeypatch):
-    from lightning_parallel.parallelize import deferred_init
+    from lightning_parallel.parallelize.placement import deferred_init
 
     requested: list[int] = []
     tensors = deferred_init.HostScratch.tensors

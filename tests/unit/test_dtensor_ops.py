@@ -1,4 +1,4 @@
-"""The CPU attention rules of ``parallelize/dtensor_ops.py``: SDPA on DTensors split over heads or batch, with
+"""The CPU attention rules of ``parallelize/tensor/dtensor_ops.py``: SDPA on DTensors split over heads or batch, with
 every kind of mask transformers and hand-written models pass, equals SDPA on whole tensors (values and
 gradients). Two ranks are simulated in this process (torch's ``LocalTensorMode`` over the ``fake`` backend)."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-import lightning_parallel.parallelize.dtensor_ops  # noqa: F401  (registers the rules)
+import lightning_parallel.parallelize.tensor.dtensor_ops  # noqa: F401  (registers the rules)
 
 
 @pytest.fixture

@@ -13,18 +13,18 @@ from lightning_parallel import (
     ParallelLayout,
     PipelineParallelStrategy,
 )
-from lightning_parallel.parallelize.pipeline_build import check_split_points
-from lightning_parallel.parallelize.pipeline_schedule import (
+from lightning_parallel.parallelize.pipeline.build import check_split_points
+from lightning_parallel.parallelize.pipeline.schedule import (
     check_schedule,
     stage_ranks,
     stages_on,
 )
-from lightning_parallel.parallelize.pipeline_split import (
+from lightning_parallel.parallelize.pipeline.split import (
     find_trunk,
     partition,
     plan_split,
 )
-from lightning_parallel.strategies.microbatches import combine
+from lightning_parallel.strategies.components.pipeline.microbatches import combine
 from recipes.models.gpt import GPT
 
 

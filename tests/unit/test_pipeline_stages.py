@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from lightning_parallel.parallelize.batchnorm import batch_statistics_layers, check_pipeline_batch_statistics
-from lightning_parallel.parallelize.pipeline_build import _trace
-from lightning_parallel.parallelize.stage_boundary import contiguous_boundaries
+from lightning_parallel.parallelize.data.batchnorm import batch_statistics_layers, check_pipeline_batch_statistics
+from lightning_parallel.parallelize.pipeline.build import _trace
+from lightning_parallel.parallelize.pipeline.stage_boundary import contiguous_boundaries
 
 B, L, D = 2, 3, 4
 
@@ -137,7 +137,7 @@ class _RoutedExperts(nn.Module):
 
 
 def test_an_untraceable_data_dependent_module_is_named_with_the_fix():
-    from lightning_parallel.parallelize.pipeline_graph import root_cause, where_trace_stopped
+    from lightning_parallel.parallelize.pipeline.graph import root_cause, where_trace_stopped
 
     model = nn.Sequential(nn.Linear(4, 4), _RoutedExperts(), nn.Linear(4, 4))
     with pytest.raises(Exception) as caught:
@@ -150,7 +150,7 @@ def test_an_untraceable_data_dependent_module_is_named_with_the_fix():
 def test_a_split_whose_stage_misses_inputs_is_refused_with_the_stage_named():
     from types import SimpleNamespace
 
-    from lightning_parallel.parallelize.pipeline_graph import check_stage_inputs
+    from lightning_parallel.parallelize.pipeline.graph import check_stage_inputs
 
     class Two(nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from lightning_parallel.parallelize.pipeline_build import _named_tensors, _set_by_name, _trace
-from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
-from lightning_parallel.parallelize.stage_views import contiguous_before_views, contiguous_local
-from lightning_parallel.parallelize.tensor import TensorParallelConfig
+from lightning_parallel.parallelize.pipeline.build import _named_tensors, _set_by_name, _trace
+from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
+from lightning_parallel.parallelize.pipeline.stage_views import contiguous_before_views, contiguous_local
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 
 aten = torch.ops.aten
 

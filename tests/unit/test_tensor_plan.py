@@ -4,12 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.tensor import (
+from lightning_parallel.parallelize.tensor.apply import (
     check_plan,
     infer_plan,
     resolve_plan,
 )
-from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
+from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 from recipes.models.gpt import GPT
 
 
@@ -226,7 +226,7 @@ def test_sibling_modules_holding_more_than_the_pair_are_left_whole():
 
 
 def test_auto_plan_that_splits_nothing_is_refused_with_the_reason():
-    from lightning_parallel.parallelize.tensor import TensorParallelConfig
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 
     config = TensorParallelConfig()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with plan='auto' splits nothing in MultiheadAttention(.|\n)*keeps q/k/v fused"):
@@ -252,7 +252,7 @@ class NoOverride(nn.Linear):
 
 
 def test_linear_subclasses_are_projections_only_if_they_compute_the_linear_map():
-    from lightning_parallel.parallelize.projections import is_projection
+    from lightning_parallel.parallelize.tensor.projections import is_projection
 
     assert is_projection(SameMap(4, 8)) and is_projection(NoOverride(4, 8))
     assert not is_projection(Scaled(4, 8))
@@ -284,7 +284,7 @@ class AlibiAttention(GroupedAttention):
 
 @pytest.mark.parametrize("as_keyword", [True, False])
 def test_alibi_biases_are_cut_to_the_heads_of_each_rank(as_keyword):
-    from lightning_parallel.parallelize.head_inputs import slice_per_head_inputs
+    from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
 
     batch, heads, keys = 3, 4, 5
     # BLOOM's layout [batch·heads, 1, keys]; each bias holds its head's index.
@@ -332,7 +332,7 @@ class NormedAttention(nn.Module):
 
 
 def test_per_head_norm_gradient_is_summed_over_the_group_and_the_pre_norm_is_not(monkeypatch):
-    from lightning_parallel.parallelize import split_region
+    from lightning_parallel.parallelize.tensor import split_region
 
     reduced: list[int] = []
 
@@ -368,7 +368,7 @@ def test_per_head_norm_gradient_is_summed_over_the_group_and_the_pre_norm_is_not
 
 
 def test_a_norm_over_the_whole_split_width_is_refused_when_called_on_a_slice():
-    from lightning_parallel.parallelize import split_region
+    from lightning_parallel.parallelize.tensor import split_region
 
     tracker = split_region.SplitRegionParameters(None, "attn", tp_size=2)
     norm = nn.LayerNorm(16)  # the whole q width, which is also the input width: only the call tells
@@ -378,7 +378,7 @@ def test_a_norm_over_the_whole_split_width_is_refused_when_called_on_a_slice():
 
 
 def test_norm_over_the_whole_split_width_leaves_the_attention_whole():
-    from lightning_parallel.parallelize.tensor import TensorParallelConfig
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 
     model = nn.ModuleDict({"attn": NormedAttention(whole_width_norm=True), "mlp": SwiGLU(16, 32)})
     with pytest.raises(ValueError, match=r"attn\.k_norm\.weight: its width 8 is the whole output width of the split attn\.k_proj"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_parallel.parallelize.fused import FusedLayout
-from lightning_parallel.parallelize.tensor import TensorParallelConfig, check_plan
+from lightning_parallel.parallelize.tensor.fused import FusedLayout
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, check_plan
 
 pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lightning_parallel.measure.utilization import (
+from lightning_parallel.observe.utilization import (
     check_mfu,
     model_flops_per_sample,
     tokens_in,

@@ -17,7 +17,7 @@ from lightning_parallel.strategies.components.nonfinite import (
     NONFINITE_MODES,
     NonFiniteGuard,
 )
-from lightning_parallel.strategies.components.pipeline import PipelineComponent
+from lightning_parallel.strategies.components.pipeline.component import PipelineComponent
 from lightning_parallel.strategies.components.placement import ModelPlacement
 from lightning_parallel.strategies.components.progress import ProgressReport
 from lightning_parallel.strategies.components.tensor import TensorParallelComponent

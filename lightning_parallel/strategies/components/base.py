@@ -14,11 +14,12 @@ from lightning_parallel.layout import ParallelLayout
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 
 class Component:
-    """One kind of parallelism (or memory technique) inside :class:`ParallelEngineStrategy`.
+    """One kind of parallelism (or memory technique) inside the engine, which it sees as an
+    :class:`~lightning_parallel.strategies.host.EngineHost`.
 
     The engine owns launch, the process group, the mesh and Lightning's hooks. At each of these points it
     calls every component, in its fixed order; each method here is a no-op by default:
@@ -36,7 +37,7 @@ class Component:
     their own config; what one component offers another (the TP plan for pipeline stages) is a method.
     """
 
-    def __init__(self, engine: ParallelEngineStrategy) -> None:
+    def __init__(self, engine: EngineHost) -> None:
         self.engine = engine
 
     def validate(self, layout: ParallelLayout) -> None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_parallel.parallelize.checkpointing import (
+from lightning_parallel.parallelize.common.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
     normalize_patterns,
@@ -17,7 +17,7 @@ from lightning_parallel.strategies.components.base import Component
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 
 class ActivationCheckpointingComponent(Component):
@@ -27,7 +27,7 @@ class ActivationCheckpointingComponent(Component):
     Inside a pipeline the stages are wrapped after the cut, by the pipeline (it reads :attr:`patterns`).
     """
 
-    def __init__(self, engine: ParallelEngineStrategy, patterns: str | Sequence[str] | None) -> None:
+    def __init__(self, engine: EngineHost, patterns: str | Sequence[str] | None) -> None:
         super().__init__(engine)
         self.patterns = normalize_patterns(patterns)
         self.checkpointed: list[str] | None = None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.parallelize.compile import (
+from lightning_parallel.parallelize.common.compile import (
     CompileConfig,
     compile_blocks,
     trunk_blocks,
@@ -22,13 +22,13 @@ from lightning_parallel.strategies.components.base import Component
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 
 class CompileComponent(Component):
     """Compiles each layer of the model's trunk with ``torch.compile`` (``compile=true``)."""
 
-    def __init__(self, engine: ParallelEngineStrategy, config: CompileConfig) -> None:
+    def __init__(self, engine: EngineHost, config: CompileConfig) -> None:
         super().__init__(engine)
         self.config = config
         self.compiled: list[str] = []

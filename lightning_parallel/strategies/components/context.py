@@ -1,9 +1,9 @@
 """Context parallelism in the engine: each sequence split over the ``cp`` axis, attention as a ring.
 
-The transform is :mod:`lightning_parallel.parallelize.context`; this component decides when it applies
+The transform is :mod:`lightning_parallel.parallelize.context.splitter`; this component decides when it applies
 (``context_parallel_size > 1``) and refuses what it cannot combine with. Blocks that activation
 checkpointing recomputes in backward run under the same torch function mode again (see
-:mod:`lightning_parallel.parallelize.checkpointing`).
+:mod:`lightning_parallel.parallelize.common.activation_checkpointing`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.context import SequenceSplitter
+from lightning_parallel.parallelize.context.splitter import SequenceSplitter
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class ContextParallelComponent(Component):
-    """Splits the sequence of every model call over the ``cp`` ranks (see :mod:`~lightning_parallel.parallelize.context`)."""
+    """Splits the sequence of every model call over the ``cp`` ranks (see :mod:`~lightning_parallel.parallelize.context.splitter`)."""
 
     splitter: SequenceSplitter | None = None
 

@@ -20,16 +20,16 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_parallel.layout import ParallelLayout, replica_mesh
-from lightning_parallel.parallelize.batchnorm import (
+from lightning_parallel.parallelize.data.batchnorm import (
     batch_statistics_layers,
     convert_sync_batchnorm,
     revert_sync_batchnorm,
     unsynchronized_batchnorm_warning,
 )
-from lightning_parallel.parallelize.data import DataParallelConfig, apply_ddp
-from lightning_parallel.parallelize.grad_sync import average_gradients
-from lightning_parallel.parallelize.periodic_sync import PeriodicSync, SyncConfig
-from lightning_parallel.parallelize.sharded import (
+from lightning_parallel.parallelize.data.replicated import DataParallelConfig, apply_ddp
+from lightning_parallel.parallelize.data.grad_sync import average_gradients
+from lightning_parallel.parallelize.data.periodic_sync import PeriodicSync, SyncConfig
+from lightning_parallel.parallelize.data.sharded import (
     set_gradient_sync,
     shard_over_data_parallel,
 )
@@ -39,7 +39,7 @@ from lightning_parallel.strategies.precision import fsdp_mixed_precision
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 
 class DataParallelComponent(Component):
@@ -53,7 +53,7 @@ class DataParallelComponent(Component):
     """
 
     def __init__(
-        self, engine: ParallelEngineStrategy, config: DataParallelConfig, sync: SyncConfig, sync_batchnorm: bool
+        self, engine: EngineHost, config: DataParallelConfig, sync: SyncConfig, sync_batchnorm: bool
     ) -> None:
         super().__init__(engine)
         self.config = config

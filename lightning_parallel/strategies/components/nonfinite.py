@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 #: What to do when a loss or gradient holds NaN or Inf on any rank.
 NONFINITE_MODES: dict[str, str] = {
@@ -32,7 +32,7 @@ class NonFiniteGuard(Component):
     the same step and the message names the ranks where it happened.
     """
 
-    def __init__(self, engine: ParallelEngineStrategy, mode: str) -> None:
+    def __init__(self, engine: EngineHost, mode: str) -> None:
         super().__init__(engine)
         if mode not in NONFINITE_MODES:
             raise ValueError(f"nonfinite={mode!r} is unknown; choose one of {', '.join(NONFINITE_MODES)}.")

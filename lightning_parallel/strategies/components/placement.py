@@ -2,7 +2,7 @@
 
 A module built under ``trainer.init_module(empty_init=True)`` has its parameters on the meta device. The
 tensor-parallel plan and FSDP2 split it there; this component then allocates only this rank's shards on
-its device, gives them the values eager construction would have (``parallelize/deferred_init.py``: the
+its device, gives them the values eager construction would have (``parallelize/placement/deferred_init.py``: the
 creations recorded while the module was built replayed, ``reset_parameters()``, ``_init_weights``) and,
 with ``weights_from``, reads pretrained weights into them (``checkpoint/pretrained.py``). Pipeline stages
 are placed the same way when the pipeline is cut, on the first batch. A module built eagerly is split on
@@ -22,20 +22,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_parallel.checkpoint.pretrained import load_pretrained
-from lightning_parallel.parallelize.deferred_init import (
+from lightning_parallel.parallelize.placement.deferred_init import (
     InitialValues,
     allocate_local,
     has_meta_tensors,
     tied_aliases,
 )
-from lightning_parallel.parallelize.fused import fused_layouts
-from lightning_parallel.parallelize.pipeline_build import allocate_meta_in_place
+from lightning_parallel.parallelize.tensor.fused import fused_layouts
+from lightning_parallel.parallelize.pipeline.build import allocate_meta_in_place
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 
 class ModelPlacement(Component):
@@ -48,7 +48,7 @@ class ModelPlacement(Component):
             (``*.safetensors``, one file or sharded with ``model.safetensors.index.json``).
     """
 
-    def __init__(self, engine: ParallelEngineStrategy, weights_from: str | None = None) -> None:
+    def __init__(self, engine: EngineHost, weights_from: str | None = None) -> None:
         super().__init__(engine)
         self.weights_from = weights_from
         self.initial_values: InitialValues | None = None

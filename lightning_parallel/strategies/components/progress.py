@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 #: Phases of one optimizer step, in order.
 PHASES = ("training_step", "backward", "optimizer_step")
@@ -39,7 +39,7 @@ _KEY = "lightning_parallel/progress/{rank}"
 class ProgressReport(Component):
     """Records each rank's step and phase in the store; on a timed-out collective, reports them all."""
 
-    def __init__(self, engine: ParallelEngineStrategy) -> None:
+    def __init__(self, engine: EngineHost) -> None:
         super().__init__(engine)
         self._store: dist.Store | None = None
         self._phase: str | None = None  # the phase of the step this rank is in

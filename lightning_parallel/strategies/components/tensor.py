@@ -16,10 +16,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.sequence import reduce_partial_gradients
-from lightning_parallel.parallelize.split_region import reduce_split_region_gradients
-from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
-from lightning_parallel.parallelize.tensor import (
+from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
+from lightning_parallel.parallelize.tensor.split_region import reduce_split_region_gradients
+from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
+from lightning_parallel.parallelize.tensor.apply import (
     TensorParallelConfig,
     apply_tensor_parallel,
     check_plan,
@@ -30,7 +30,7 @@ from lightning_parallel.strategies.components.base import Component
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 
 class TensorParallelComponent(Component):
@@ -40,7 +40,7 @@ class TensorParallelComponent(Component):
     split after the cut through :meth:`stage_plan`.
     """
 
-    def __init__(self, engine: ParallelEngineStrategy, config: TensorParallelConfig) -> None:
+    def __init__(self, engine: EngineHost, config: TensorParallelConfig) -> None:
         super().__init__(engine)
         self.config = config
         self.loss_parallel = False  # the head keeps vocabulary-sharded logits in training_step

@@ -1,8 +1,8 @@
 """Ops that mix tokens along the split sequence, under context parallelism: made global, or refused.
 
-Each rank holds two chunks of every sequence (head-tail, see :class:`~lightning_parallel.parallelize.context.
+Each rank holds two chunks of every sequence (head-tail, see :class:`~lightning_parallel.parallelize.context.sequence.
 SequenceLayout`), so an op that runs along the sequence sees this rank's part only. Inside the model call
-:class:`~lightning_parallel.parallelize.context.ContextParallelMode` sends such ops here:
+:class:`~lightning_parallel.parallelize.context.splitter.ContextParallelMode` sends such ops here:
 
 * ``cumsum`` along the sequence dimension (dim 1: Hugging Face's position ids from ``attention_mask.cumsum(1)``
   or ``input_ids.ne(pad).cumsum(1)``) is made exact: each chunk's cumulative sum plus the totals of the chunks
@@ -31,7 +31,7 @@ from torch import Tensor
 from lightning_parallel.measure.collectives import context_parallel_exchange
 
 if TYPE_CHECKING:
-    from lightning_parallel.parallelize.context import SequenceLayout
+    from lightning_parallel.parallelize.context.sequence import SequenceLayout
 
 #: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
 SEQUENCE_DIM = 1

@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_parallel.parallelize.pipeline_split import find_trunk, trunk_layer_names
+from lightning_parallel.parallelize.common.trunk import find_trunk, trunk_layer_names
 
 #: Marks a module whose forward is already checkpointed (applying twice would recompute twice).
 _MARK = "_lightning_parallel_checkpointed"

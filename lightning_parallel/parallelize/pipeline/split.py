@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_parallel.parallelize.common.trunk import find_trunk, parameter_count, trunk_layer_names
+
 Balance = Literal["params", "time"]
 BALANCES: tuple[str, ...] = ("params", "time")
 
@@ -47,31 +49,6 @@ class SplitPlan:
             share = f" {100 * self.stage_costs[index] / total:5.1f}% of {self.balance}" if self.stage_costs else ""
             lines.append(f"  stage {index}: from {start}{share}")
         return "\n".join(lines)
-
-
-def find_trunk(module: nn.Module) -> tuple[str, nn.Module]:
-    """The longest ``ModuleList``/``Sequential`` in ``module`` (ties: more parameters), with its name.
-
-    Raises:
-        ValueError: If the module has no list of at least two layers to split between.
-    """
-    candidates = [
-        (len(child), _numel(child), name, child)
-        for name, child in module.named_modules()
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
-    ]
-    if not candidates:
-        raise ValueError(
-            f"{type(module).__name__} has no nn.ModuleList or nn.Sequential of layers to split into pipeline stages. "
-            f"Keep the repeated layers in one (e.g. self.blocks = nn.ModuleList(...)), or give split_points explicitly."
-        )
-    _, _, name, trunk = max(candidates, key=lambda c: (c[0], c[1]))
-    return name, trunk
-
-
-def trunk_layer_names(trunk_name: str, trunk: nn.Module) -> list[str]:
-    """Names of the trunk's layers relative to the pipelined module (``blocks.0``, ``blocks.1``, ...)."""
-    return [f"{trunk_name}.{child}" if trunk_name else child for child, _ in trunk.named_children()]
 
 
 def partition(costs: Sequence[float], num_parts: int) -> list[int]:
@@ -145,7 +122,7 @@ def layer_costs(
         costs[0] += profile.before_seconds
         costs[-1] += profile.after_seconds
         return costs
-    costs = [float(_numel(layer)) for layer in layers]
+    costs = [float(parameter_count(layer)) for layer in layers]
     costs[0] += profile.before_params
     costs[-1] += profile.after_params
     return costs
@@ -279,7 +256,3 @@ def _differentiable_sum(output: Any, module: nn.Module) -> Tensor:
             f"with; use balance='params'."
         )
     return sum(t.sum() for t in floats)
-
-
-def _numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

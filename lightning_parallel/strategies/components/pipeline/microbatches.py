@@ -1,6 +1,6 @@
 """Micro-batches of a step: cutting a batch by rows, padding to the traced shape, combining results and logs.
 
-No torch.distributed here: :class:`~lightning_parallel.strategies.pipeline_runner.PipelineRunner` uses these
+No torch.distributed here: :class:`~lightning_parallel.strategies.components.pipeline.runner.PipelineRunner` uses these
 to turn one Lightning step into micro-batch calls of the user's step and back.
 """
 

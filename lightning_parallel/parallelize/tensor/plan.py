@@ -2,8 +2,8 @@
 
 :data:`STYLES` lists the names a plan may use, :class:`ResolvedPlan` is a plan bound to one module, and
 :func:`parallel_style` turns one style name into the torch ``ParallelStyle`` that ``parallelize_module``
-applies. Kept apart from :mod:`~lightning_parallel.parallelize.tensor` (resolving and applying plans) so
-that :mod:`~lightning_parallel.parallelize.sequence` and :mod:`~lightning_parallel.parallelize.stage_tensor`
+applies. Kept apart from :mod:`~lightning_parallel.parallelize.tensor.apply` (resolving and applying plans) so
+that :mod:`~lightning_parallel.parallelize.tensor.sequence` and :mod:`~lightning_parallel.parallelize.pipeline.stage_tensor`
 can use a plan without importing the module that uses them. No Lightning here.
 """
 

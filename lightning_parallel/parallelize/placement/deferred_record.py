@@ -216,7 +216,7 @@ def parameters_on_meta() -> Iterator[None]:
 
     Each parameter is moved right after it is registered, so a layer's own ``reset_parameters()`` in its
     ``__init__`` runs on the meta tensor: it neither allocates nor draws random numbers. Every torch call
-    inside is recorded (:class:`~lightning_parallel.parallelize.deferred_record.Recorder`), and each
+    inside is recorded (:class:`~lightning_parallel.parallelize.placement.deferred_record.Recorder`), and each
     parameter keeps how it was made (:data:`RECIPES`). When the random numbers drawn inside all went into
     parameters (and nothing reseeded the generator), it is given back its state from before, as if nothing
     had been drawn: the draws are replayed in construction's order when the parameters get their values.

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.parallelize.projections import features, is_projection
-from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
+from lightning_parallel.parallelize.tensor.projections import features, is_projection
+from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 
 #: Attributes of an attention module giving how many model-parallel groups its fused q/k/v rows are
 #: interleaved in (CodeGen: ``mp_num`` blocks, each ``q_g | v_g | k_g`` for its heads).

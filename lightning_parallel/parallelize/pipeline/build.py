@@ -27,10 +27,10 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.export.unflatten import InterpreterModule
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.parallelize.pipeline_graph import check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
-from lightning_parallel.parallelize.pipeline_schedule import stages_on
-from lightning_parallel.parallelize.stage_boundary import contiguous_boundaries, contiguous_module_boundaries
-from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
+from lightning_parallel.parallelize.pipeline.graph import check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
+from lightning_parallel.parallelize.pipeline.schedule import stages_on
+from lightning_parallel.parallelize.pipeline.stage_boundary import contiguous_boundaries, contiguous_module_boundaries
+from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """DTensor sharding rules torch lacks for CPU attention, so traced tensor-parallel stages run on CPU too.
 
 Pipeline stages split by tensor parallelism run their traced ATen graph on DTensors (see
-:mod:`lightning_parallel.parallelize.stage_tensor`). The graph keeps ``aten.scaled_dot_product_attention``,
+:mod:`lightning_parallel.parallelize.pipeline.stage_tensor`). The graph keeps ``aten.scaled_dot_product_attention``,
 which DTensor decomposes at run time into the kernel the device picks. On CUDA those kernels have rules in
 torch; on CPU the kernel is ``_scaled_dot_product_flash_attention_for_cpu``, which has none. Attention is
 independent per head and per sequence, so the rules are the ones torch gives the CUDA kernels: everything

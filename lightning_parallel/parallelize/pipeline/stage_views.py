@@ -3,7 +3,7 @@
 torch.export records a ``reshape`` (or ``flatten``, ``view``) of a tensor that was contiguous at trace time
 as ``aten.view``, and drops a ``contiguous()`` that copied nothing there: facts about the strides of the
 *whole* tensors the trace saw. A tensor-parallel stage runs the same graph in DTensor's global view
-(:mod:`lightning_parallel.parallelize.stage_tensor`), where each rank's local tensor has the layout of the
+(:mod:`lightning_parallel.parallelize.pipeline.stage_tensor`), where each rank's local tensor has the layout of the
 kernels and redistributions that actually ran — a shard split out of a replicated tensor is a fresh
 contiguous copy, and a CPU attention kernel returns its output in its query's layout — while the DTensor
 still reports the trace's strides. A later ``view`` of such a tensor (merging heads back with

@@ -30,9 +30,9 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils._pytree import tree_map
 
-import lightning_parallel.parallelize.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
-from lightning_parallel.parallelize.stage_views import contiguous_before_views
-from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
+import lightning_parallel.parallelize.tensor.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
+from lightning_parallel.parallelize.pipeline.stage_views import contiguous_before_views
+from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 
 #: Placement of each parameter of a module, by style; anything not listed is replicated. Fused projections
 #: are split along their output features in the module's own order: in the global view DTensor slices

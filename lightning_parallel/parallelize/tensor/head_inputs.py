@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_parallel.parallelize.projections import QUERY_HEADS, head_count
-from lightning_parallel.parallelize.region_input import HIDDEN_STATE_KEYWORDS
-from lightning_parallel.parallelize.tensor_plan import ResolvedPlan
+from lightning_parallel.parallelize.tensor.projections import QUERY_HEADS, head_count
+from lightning_parallel.parallelize.tensor.region_input import HIDDEN_STATE_KEYWORDS
+from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 
 #: Arguments of attention modules that hold one bias per head.
 PER_HEAD_ARGUMENTS = ("alibi", "position_bias")

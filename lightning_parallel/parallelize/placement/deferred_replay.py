@@ -1,6 +1,6 @@
 """Making a recorded parameter again on the host (:func:`replay`), or knowing it is one value (:func:`constant`).
 
-The nodes come from :class:`~lightning_parallel.parallelize.deferred_record.Recorder`. A replay runs the
+The nodes come from :class:`~lightning_parallel.parallelize.placement.deferred_record.Recorder`. A replay runs the
 same calls in the same order, under the default dtype they ran under; random calls draw from the global
 generator's current state (an explicit ``torch.Generator`` from a copy of its recorded state), so the
 caller decides where in the random stream a replay happens.
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_parallel.parallelize.deferred_record import GeneratorState, Node, Unreplayable
+from lightning_parallel.parallelize.placement.deferred_record import GeneratorState, Node, Unreplayable
 
 #: Calls that leave memory uninitialised: a node rooted there has no value until something writes it.
 EMPTY = {"empty", "empty_like", "new_empty", "empty_strided"}

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_parallel.parallelize.pipeline_schedule import (
+from lightning_parallel.parallelize.pipeline.schedule import (
     SCHEDULES,
     ScheduleSpec,
     check_schedule,
 )
-from lightning_parallel.parallelize.pipeline_split import BALANCES
+from lightning_parallel.parallelize.pipeline.split import BALANCES
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class PipelineConfig:
     """How a pipeline runs.
 
     Args:
-        schedule: One of :data:`~lightning_parallel.parallelize.pipeline_schedule.SCHEDULES`
+        schedule: One of :data:`~lightning_parallel.parallelize.pipeline.schedule.SCHEDULES`
             (``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``,
             ``zbv_zero_bubble``, ``dualpipev``).
         microbatches: Micro-batches each batch is cut into (the batch size must divide by it).

@@ -3,7 +3,7 @@
 Under ``trainer.init_module(empty_init=True)`` the strategies build the module with its parameters on the
 meta device (:func:`parameters_on_meta`); buffers are built as usual, so tables computed in ``__init__``
 (rotary frequencies, causal masks) are right, and how each parameter was made is recorded
-(``parallelize/deferred_record.py``). The strategy then splits the meta module (tensor-parallel plan,
+(``parallelize/placement/deferred_record.py``). The strategy then splits the meta module (tensor-parallel plan,
 pipeline stages, FSDP2), allocates only this rank's part (:func:`allocate_local`), and gives it the values
 eager construction would have (:class:`InitialValues`): each module is materialised whole on the host one
 at a time, initialised in the order eager construction initialises it (its recorded creations replayed,
@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.checkpoint.state import copy_part_into, copy_whole_into, listing
-from lightning_parallel.parallelize.deferred_record import Node, Recipe, recipes_of
-from lightning_parallel.parallelize.deferred_record import parameters_on_meta as parameters_on_meta  # the strategies' entry point
-from lightning_parallel.parallelize.deferred_replay import ReplayError, constant, reason_not_replayable, replay
-from lightning_parallel.parallelize.fused import FusedLayout
+from lightning_parallel.parallelize.placement.deferred_record import Node, Recipe, recipes_of
+from lightning_parallel.parallelize.placement.deferred_record import parameters_on_meta as parameters_on_meta  # the strategies' entry point
+from lightning_parallel.parallelize.placement.deferred_replay import ReplayError, constant, reason_not_replayable, replay
+from lightning_parallel.parallelize.tensor.fused import FusedLayout
 
 #: A target tensor by full name: a parameter or buffer this rank holds (whole, a DTensor shard, a stage's).
 Targets = Mapping[str, Tensor]

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.region_input import map_hidden_states
-from lightning_parallel.parallelize.tensor_plan import ResolvedPlan, parallel_style
+from lightning_parallel.parallelize.tensor.region_input import map_hidden_states
+from lightning_parallel.parallelize.tensor.plan import ResolvedPlan, parallel_style
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
 
@@ -28,7 +28,7 @@ def sequence_parallel_plan(
 ) -> tuple[dict, list[str]]:
     """torch ``ParallelStyle``s for every module involved, ready for ``parallelize_module``, and the regions
     (attention, MLP) whose column-wise projections all-gather their sequence-sharded input once, together
-    (:class:`~lightning_parallel.parallelize.region_input.SharedRegionInput`). The trunk's ends are hooked
+    (:class:`~lightning_parallel.parallelize.tensor.region_input.SharedRegionInput`). The trunk's ends are hooked
     by :func:`split_trunk_sequence` once the plan is applied.
 
     Raises:

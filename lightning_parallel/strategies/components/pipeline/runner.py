@@ -30,17 +30,17 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.parallelize.batchnorm import batch_statistics_layers, check_pipeline_batch_statistics
-from lightning_parallel.parallelize.checkpointing import (
+from lightning_parallel.parallelize.data.batchnorm import batch_statistics_layers, check_pipeline_batch_statistics
+from lightning_parallel.parallelize.common.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
 )
-from lightning_parallel.parallelize.model_call import (
+from lightning_parallel.parallelize.common.model_call import (
     CapturedModelCall,
     capture_model_call,
 )
-from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.pipeline_build import (
+from lightning_parallel.parallelize.pipeline.config import PipelineConfig
+from lightning_parallel.parallelize.pipeline.build import (
     LocalPipeline,
     build_local_pipeline,
     check_split_points,
@@ -48,14 +48,14 @@ from lightning_parallel.parallelize.pipeline_build import (
     on_meta,
     trace_stages,
 )
-from lightning_parallel.parallelize.pipeline_schedule import (
+from lightning_parallel.parallelize.pipeline.schedule import (
     build_forward_only_schedule,
     build_schedule,
     stage_ranks,
 )
-from lightning_parallel.parallelize.pipeline_split import SplitPlan, plan_split
-from lightning_parallel.parallelize.stage_tensor import StageTensorParallel
-from lightning_parallel.strategies.microbatches import (
+from lightning_parallel.parallelize.pipeline.split import SplitPlan, plan_split
+from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
+from lightning_parallel.strategies.components.pipeline.microbatches import (
     LogCall,
     batch_rows,
     combine,

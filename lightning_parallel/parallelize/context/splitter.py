@@ -24,94 +24,24 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_parallel.measure.collectives import context_parallel_exchange
-from lightning_parallel.parallelize.checkpointing import inside_mode_carrying_checkpoint
-from lightning_parallel.parallelize.context_ops import handle_sequence_op, mask_as_causal, sequence_op
-from lightning_parallel.parallelize.ring_attention import ring_attention
-
-#: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
-SEQUENCE_DIM = 1
-
-
-def check_sequence_length(length: int, size: int) -> None:
-    """Refuse a sequence that does not split into ``2 × size`` equal chunks (``ValueError`` with the fix)."""
-    if length % (2 * size) != 0:
-        raise ValueError(
-            f"The sequence length {length} is not divisible by 2 × context_parallel_size = {2 * size}: each of the "
-            f"{size} context-parallel ranks takes two equal chunks (head and tail, for causal load balance). Use "
-            f"sequences whose length is a multiple of {2 * size} (pad them, or change the block size), or a "
-            f"context_parallel_size that divides {length // 2 if length % 2 == 0 else length}/2."
-        )
-
-
-@dataclass(frozen=True)
-class SequenceLayout:
-    """Which positions of a sequence of ``length`` each of ``size`` ranks holds (head-tail: chunks r, 2·size−1−r)."""
-
-    length: int
-    size: int
-    rank: int
-
-    def __post_init__(self) -> None:
-        check_sequence_length(self.length, self.size)
-
-    @property
-    def local_length(self) -> int:
-        return self.length // self.size
-
-    def positions_of(self, rank: int, device: torch.device | str | None = None) -> Tensor:
-        """Global positions of ``rank``'s tokens, in its local order."""
-        chunk = self.length // (2 * self.size)
-        head, tail = rank * chunk, (2 * self.size - 1 - rank) * chunk
-        return torch.cat([torch.arange(head, head + chunk, device=device), torch.arange(tail, tail + chunk, device=device)])
-
-    def positions(self, device: torch.device | str | None = None) -> Tensor:
-        """Global positions of this rank's tokens, in local order."""
-        return self.positions_of(self.rank, device)
-
-    def global_order(self, device: torch.device | str | None = None) -> Tensor:
-        """For each global position, where it sits in the ranks' local slices concatenated in rank order."""
-        concatenated = torch.cat([self.positions_of(rank, device) for rank in range(self.size)])
-        return torch.argsort(concatenated)
-
-
-def split_sequence(tensor: Tensor, layout: SequenceLayout, dim: int = SEQUENCE_DIM) -> Tensor:
-    """This rank's head and tail chunks of ``tensor`` along ``dim`` (differentiable)."""
-    return tensor.index_select(dim, layout.positions(tensor.device))
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, local: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int) -> Tensor:
-        # Functional collectives: what the monitor counts (as context-parallel traffic, inside the exchange).
-        with context_parallel_exchange():
-            gathered = funcol.wait_tensor(funcol.all_gather_single(local.contiguous(), dim, group))
-        ctx.layout, ctx.dim = layout, dim
-        return gathered.index_select(dim, layout.global_order(local.device))
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        # Every cp rank computed the same loss from the same whole outputs, so the gradients are identical:
-        # no communication, this rank's slice, ×cp so that averaging over dp × cp sums the cp ranks' parts.
-        layout: SequenceLayout = ctx.layout
-        return split_sequence(grad, layout, ctx.dim) * layout.size, None, None, None
-
-
-def gather_sequence(tensor: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
-    """The whole sequence from every rank's slice of it, in global order (see the module docstring for the gradient)."""
-    return _GatherSequence.apply(tensor, layout, group, dim)
-
+from lightning_parallel.parallelize.common.activation_checkpointing import inside_mode_carrying_checkpoint
+from lightning_parallel.parallelize.context.ops import handle_sequence_op, mask_as_causal, sequence_op
+from lightning_parallel.parallelize.context.ring_attention import ring_attention
+from lightning_parallel.parallelize.context.sequence import (
+    SEQUENCE_DIM,
+    SequenceLayout,
+    gather_sequence,
+    split_sequence,
+)
 
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -386,11 +316,4 @@ class SequenceSplitter:
         return tree_map(gather, output)
 
 
-__all__ = [
-    "ContextParallelMode",
-    "SequenceLayout",
-    "SequenceSplitter",
-    "check_sequence_length",
-    "gather_sequence",
-    "split_sequence",
-]
+__all__ = ["ContextParallelMode", "SequenceSplitter"]

@@ -13,7 +13,7 @@ Groups are recognised:
   (``output.dense``). Only where the children hold nothing else that depends on the split width.
 
 Which groups divide by a given TP degree is decided by the caller
-(:meth:`~lightning_parallel.parallelize.tensor.TensorParallelConfig.resolve`). No Lightning here.
+(:meth:`~lightning_parallel.parallelize.tensor.apply.TensorParallelConfig.resolve`). No Lightning here.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
-from lightning_parallel.parallelize.projections import (
+from lightning_parallel.parallelize.tensor.projections import (
     KEY_VALUE_HEADS,
     QUERY_HEADS,
     features,
     head_count,
     is_projection,
 )
-from lightning_parallel.parallelize.published_plan import published_plan
-from lightning_parallel.parallelize.split_region import interleaved_groups
+from lightning_parallel.parallelize.tensor.published_plan import published_plan
+from lightning_parallel.parallelize.tensor.split_region import interleaved_groups
 
 # Attention projections by conventional names: (query, key, value, output).
 _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (

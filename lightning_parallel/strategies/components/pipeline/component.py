@@ -19,19 +19,19 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import Tensor
 
 from lightning_parallel.layout import ParallelLayout
-from lightning_parallel.parallelize.grad_norm import clip_grad_norm_
-from lightning_parallel.parallelize.grad_sync import average_gradients, sum_gradients
-from lightning_parallel.parallelize.pipeline import PipelineConfig
-from lightning_parallel.parallelize.pipeline_build import LocalPipeline, remap_optimizer
-from lightning_parallel.parallelize.sequence import reduce_partial_gradients
-from lightning_parallel.strategies.checkpoint_state import unwrap_optimizer
+from lightning_parallel.parallelize.common.grad_norm import clip_grad_norm_
+from lightning_parallel.parallelize.data.grad_sync import average_gradients, sum_gradients
+from lightning_parallel.parallelize.pipeline.config import PipelineConfig
+from lightning_parallel.parallelize.pipeline.build import LocalPipeline, remap_optimizer
+from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
+from lightning_parallel.strategies.optimizer import unwrap_optimizer
 from lightning_parallel.strategies.components.base import Component
-from lightning_parallel.strategies.pipeline_runner import PipelineRunner
+from lightning_parallel.strategies.components.pipeline.runner import PipelineRunner
 
 if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
-    from lightning_parallel.strategies.engine import ParallelEngineStrategy
+    from lightning_parallel.strategies.host import EngineHost
 
 #: Lightning hooks that run through the pipeline, and whether they train.
 PIPELINED_HOOKS = {"training_step": True, "validation_step": False, "test_step": False, "predict_step": False}
@@ -40,7 +40,7 @@ PIPELINED_HOOKS = {"training_step": True, "validation_step": False, "test_step":
 class PipelineComponent(Component):
     """Cuts the module into stages over the ``pp`` axis (on the first batch) and runs every step hook through them."""
 
-    def __init__(self, engine: ParallelEngineStrategy, config: PipelineConfig) -> None:
+    def __init__(self, engine: EngineHost, config: PipelineConfig) -> None:
         super().__init__(engine)
         self.config = config
         self.runner: PipelineRunner | None = None

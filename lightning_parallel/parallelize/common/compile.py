@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_parallel.parallelize.pipeline_split import find_trunk, trunk_layer_names
+from lightning_parallel.parallelize.common.trunk import find_trunk, trunk_layer_names
 
 #: ``torch.compile`` keywords ``compile_options`` may set.
 COMPILE_KEYWORDS = ("backend", "mode", "fullgraph", "dynamic", "options")

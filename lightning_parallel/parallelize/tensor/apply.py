@@ -5,7 +5,7 @@ A plan is a mapping ``{glob pattern: style name}``, writable in YAML. :func:`res
 from the module tree (Megatron-style: attention q/k/v and MLP input projections column-wise, output
 projections row-wise), :func:`check_plan` validates sizes against the TP degree, and
 :func:`apply_tensor_parallel` hands the plan to torch's ``parallelize_module``. The style names, the
-resolved plan and each style's torch form are in :mod:`~lightning_parallel.parallelize.tensor_plan`.
+resolved plan and each style's torch form are in :mod:`~lightning_parallel.parallelize.tensor.plan`.
 No Lightning here.
 """
 
@@ -21,16 +21,16 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from lightning_parallel.parallelize import fused as fused_layout
-from lightning_parallel.parallelize.head_inputs import slice_per_head_inputs
-from lightning_parallel.parallelize.plan_inference import (
+from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
+from lightning_parallel.parallelize.tensor.inference import (
     grouped_qkv_heads,
     infer_plan,
     infer_units,
     is_attention_projection,
     is_grouped_qkv,
 )
-from lightning_parallel.parallelize.projections import (
+from lightning_parallel.parallelize.tensor.projections import (
     features,
     is_conv1d,
     is_projection,
@@ -38,13 +38,13 @@ from lightning_parallel.parallelize.projections import (
     qkv_blocks,
     qkv_heads,
 )
-from lightning_parallel.parallelize.region_input import SharedRegionInput
-from lightning_parallel.parallelize.sequence import (
+from lightning_parallel.parallelize.tensor.region_input import SharedRegionInput
+from lightning_parallel.parallelize.tensor.sequence import (
     sequence_parallel_plan,
     split_trunk_sequence,
 )
-from lightning_parallel.parallelize.split_region import check_split_regions, track_split_region_parameters
-from lightning_parallel.parallelize.tensor_plan import (
+from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
+from lightning_parallel.parallelize.tensor.plan import (
     STYLE_ALIASES,
     STYLES,
     ResolvedPlan,
@@ -76,7 +76,7 @@ class TensorParallelConfig:
         head_attributes: Attribute names holding head counts on attention modules; those found on the
             parent of a column-split projection are divided by the TP degree.
         sequence_parallel: Also split the residual stream of the trunk's blocks along the sequence
-            (norms and dropout on 1/TP of the tokens; see :mod:`lightning_parallel.parallelize.sequence`).
+            (norms and dropout on 1/TP of the tokens; see :mod:`lightning_parallel.parallelize.tensor.sequence`).
     """
 
     plan: str | Mapping[str, str] = "auto"

@@ -1,0 +1,38 @@
+"""A model's trunk: its longest ``nn.ModuleList``/``nn.Sequential`` of layers (a transformer's blocks).
+
+Pipelines cut between the trunk's layers; activation checkpointing and ``torch.compile`` wrap them one by one.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def find_trunk(module: nn.Module) -> tuple[str, nn.Module]:
+    """The longest ``ModuleList``/``Sequential`` in ``module`` (ties: more parameters), with its name.
+
+    Raises:
+        ValueError: If the module has no list of at least two layers to split between.
+    """
+    candidates = [
+        (len(child), parameter_count(child), name, child)
+        for name, child in module.named_modules()
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
+    ]
+    if not candidates:
+        raise ValueError(
+            f"{type(module).__name__} has no nn.ModuleList or nn.Sequential of layers to split into pipeline stages. "
+            f"Keep the repeated layers in one (e.g. self.blocks = nn.ModuleList(...)), or give split_points explicitly."
+        )
+    _, _, name, trunk = max(candidates, key=lambda c: (c[0], c[1]))
+    return name, trunk
+
+
+def trunk_layer_names(trunk_name: str, trunk: nn.Module) -> list[str]:
+    """Names of the trunk's layers relative to the pipelined module (``blocks.0``, ``blocks.1``, ...)."""
+    return [f"{trunk_name}.{child}" if trunk_name else child for child, _ in trunk.named_children()]
+
+
+def parameter_count(module: nn.Module) -> int:
+    """Parameters of ``module`` (tied ones once)."""
+    return sum(p.numel() for p in module.parameters())

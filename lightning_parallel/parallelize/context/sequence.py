@@ -1,0 +1,93 @@
+"""Which part of a sequence each context-parallel rank holds, and the differentiable split and gather.
+
+Rank ``r`` of ``cp`` keeps chunks ``r`` and ``2·cp−1−r`` of ``2·cp`` (head-tail), so that under a causal mask
+every rank does the same work. The gather's backward hands each rank its slice of the (identical) output
+gradient, scaled by ``cp`` (see :mod:`.splitter`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+from lightning_parallel.measure.collectives import context_parallel_exchange
+
+#: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
+SEQUENCE_DIM = 1
+
+
+def check_sequence_length(length: int, size: int) -> None:
+    """Refuse a sequence that does not split into ``2 × size`` equal chunks (``ValueError`` with the fix)."""
+    if length % (2 * size) != 0:
+        raise ValueError(
+            f"The sequence length {length} is not divisible by 2 × context_parallel_size = {2 * size}: each of the "
+            f"{size} context-parallel ranks takes two equal chunks (head and tail, for causal load balance). Use "
+            f"sequences whose length is a multiple of {2 * size} (pad them, or change the block size), or a "
+            f"context_parallel_size that divides {length // 2 if length % 2 == 0 else length}/2."
+        )
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Which positions of a sequence of ``length`` each of ``size`` ranks holds (head-tail: chunks r, 2·size−1−r)."""
+
+    length: int
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        check_sequence_length(self.length, self.size)
+
+    @property
+    def local_length(self) -> int:
+        return self.length // self.size
+
+    def positions_of(self, rank: int, device: torch.device | str | None = None) -> Tensor:
+        """Global positions of ``rank``'s tokens, in its local order."""
+        chunk = self.length // (2 * self.size)
+        head, tail = rank * chunk, (2 * self.size - 1 - rank) * chunk
+        return torch.cat([torch.arange(head, head + chunk, device=device), torch.arange(tail, tail + chunk, device=device)])
+
+    def positions(self, device: torch.device | str | None = None) -> Tensor:
+        """Global positions of this rank's tokens, in local order."""
+        return self.positions_of(self.rank, device)
+
+    def global_order(self, device: torch.device | str | None = None) -> Tensor:
+        """For each global position, where it sits in the ranks' local slices concatenated in rank order."""
+        concatenated = torch.cat([self.positions_of(rank, device) for rank in range(self.size)])
+        return torch.argsort(concatenated)
+
+
+def split_sequence(tensor: Tensor, layout: SequenceLayout, dim: int = SEQUENCE_DIM) -> Tensor:
+    """This rank's head and tail chunks of ``tensor`` along ``dim`` (differentiable)."""
+    return tensor.index_select(dim, layout.positions(tensor.device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, local: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int) -> Tensor:
+        # Functional collectives: what the monitor counts (as context-parallel traffic, inside the exchange).
+        with context_parallel_exchange():
+            gathered = funcol.wait_tensor(funcol.all_gather_single(local.contiguous(), dim, group))
+        ctx.layout, ctx.dim = layout, dim
+        return gathered.index_select(dim, layout.global_order(local.device))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        # Every cp rank computed the same loss from the same whole outputs, so the gradients are identical:
+        # no communication, this rank's slice, ×cp so that averaging over dp × cp sums the cp ranks' parts.
+        layout: SequenceLayout = ctx.layout
+        return split_sequence(grad, layout, ctx.dim) * layout.size, None, None, None
+
+
+def gather_sequence(tensor: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int = SEQUENCE_DIM) -> Tensor:
+    """The whole sequence from every rank's slice of it, in global order (see the module docstring for the gradient)."""
+    return _GatherSequence.apply(tensor, layout, group, dim)
+
+
+__all__ = ["SEQUENCE_DIM", "SequenceLayout", "check_sequence_length", "gather_sequence", "split_sequence"]
