@@ -1,10 +1,10 @@
-"""``python -m tests.coverage``: the coverage sweep over every transformers family (README: "Every family").
+"""``python -m tests.coverage``: the coverage sweep over every transformers family (docs/coverage.md).
 
     python -m tests.coverage                                  # every family, every layout (about an hour)
     python -m tests.coverage --families llama,bert --layouts tp2,pp2
     python -m tests.coverage --task causal_lm --resume        # skip families already in results.json
     python -m tests.coverage --report                         # the Markdown summary of results.json
-    python -m tests.coverage --report --readme                # ... written into README.md's marked block
+    python -m tests.coverage --report --readme                # ... into README.md (counts), docs/coverage.md (families)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="skip families already in the results")
     parser.add_argument("--results", type=Path, help="results file (default: tests/coverage/results.json)")
     parser.add_argument("--report", action="store_true", help="print the Markdown summary of the results; run nothing")
-    parser.add_argument("--readme", action="store_true", help="with --report: rewrite README.md's coverage block")
+    parser.add_argument("--readme", action="store_true", help="with --report: rewrite the blocks of README.md (counts) and docs/coverage.md (families)")
     return parser.parse_args(argv)
 
 

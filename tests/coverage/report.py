@@ -1,5 +1,6 @@
-"""The sweep's Markdown summary (counts per layout and task, and the table of families), and README.md's
-block rendered from the committed results (``python -m tests.coverage --report --readme``)."""
+"""The sweep's Markdown summary (counts per layout and task, and the table of families), and the two blocks
+rendered from the committed results (``python -m tests.coverage --report --readme``): the counts in README.md,
+the counts and every family's row in docs/coverage.md."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from typing import Any
 from tests.coverage.cells import LAYOUTS
 from tests.coverage.configs import TASKS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+#: The families page: the full summary (counts, then one row per family).
+PAGE = ROOT / "docs" / "coverage.md"
 BEGIN, END = "<!-- coverage:start -->", "<!-- coverage:end -->"
+PAGE_BEGIN, PAGE_END = "<!-- coverage-families:start -->", "<!-- coverage-families:end -->"
 SHARED = "exact, share > 0.6"
 KINDS = ("exact", SHARED, "refused", "wrong", "crash", "not built")
 
@@ -49,8 +54,8 @@ def _cell_text(cell: dict[str, Any] | None) -> str:
     return f"{status} ({extra})" if extra else status
 
 
-def render(results: dict[str, Any], readme: bool = False) -> str:
-    """The summary: one counts table, then one row per family (folded away in the README)."""
+def summary(results: dict[str, Any]) -> str:
+    """The versions line and the counts table (README.md's block)."""
     versions = results.get("versions", {})
     lines = [
         f"Swept with transformers {versions.get('transformers', '?')}, torch {versions.get('torch', '?')} "
@@ -65,8 +70,12 @@ def render(results: dict[str, Any], readme: bool = False) -> str:
             if (task, layout) in table:
                 row = table[task, layout]
                 lines.append(f"| {task} | {layout} | " + " | ".join(str(row[k]) for k in KINDS) + " |")
-    lines += [""] + (["<details><summary>Every family, cell by cell</summary>", ""] if readme else [])
-    lines += ["| family | task | " + " | ".join(LAYOUTS) + " |", "|---|---|" + "---|" * len(LAYOUTS)]
+    return "\n".join(lines)
+
+
+def families(results: dict[str, Any]) -> str:
+    """One row per family, cell by cell."""
+    lines = ["| family | task | " + " | ".join(LAYOUTS) + " |", "|---|---|" + "---|" * len(LAYOUTS)]
     for record in results["families"].values():
         name = f"`{record['model_class']}`"
         if not record["built"]:
@@ -75,17 +84,31 @@ def render(results: dict[str, Any], readme: bool = False) -> str:
             continue
         cells = [_cell_text(record.get("cells", {}).get(layout)) for layout in LAYOUTS]
         lines.append(f"| {name} | {record['task']} | " + " | ".join(cells) + " |")
-    if readme:
-        lines += ["", "</details>"]
     return "\n".join(lines)
 
 
+def render(results: dict[str, Any]) -> str:
+    """The whole summary: the counts, then one row per family (docs/coverage.md's block, and ``--report``)."""
+    return summary(results) + "\n\n" + families(results)
+
+
+def block(text: str, begin: str = BEGIN, end: str = END) -> str:
+    """What stands between the markers ``begin`` and ``end`` of ``text``."""
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[start:stop].strip()
+
+
 def readme_block(text: str) -> str:
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[start:end].strip()
+    return block(text, BEGIN, END)
 
 
-def write_readme(results: dict[str, Any], readme: Path = README) -> None:
-    text = readme.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    readme.write_text(text[:start] + "\n" + render(results, readme=True) + "\n" + text[end:])
+def _write(path: Path, begin: str, end: str, content: str) -> None:
+    text = path.read_text()
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    path.write_text(text[:start] + "\n" + content + "\n" + text[stop:])
+
+
+def write_readme(results: dict[str, Any], readme: Path = README, page: Path = PAGE) -> None:
+    """Rewrite README.md's counts block and docs/coverage.md's families block."""
+    _write(readme, BEGIN, END, summary(results))
+    _write(page, PAGE_BEGIN, PAGE_END, render(results))

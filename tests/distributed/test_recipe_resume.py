@@ -1,6 +1,6 @@
 """The main recipe resumed from its own checkpoints goes on as if never interrupted, under every layout.
 
-Exactly the README's commands (Hydra, the ``chars`` data module's ``StatefulDataLoader`` with shuffling,
+Exactly the commands of docs/checkpoints.md (Hydra, the ``chars`` data module's ``StatefulDataLoader`` with shuffling,
 Lightning's injected distributed sampler, ``ckpt_path=last``), on a corpus so small that an epoch is three
 steps: checkpoints every two steps fall mid-epoch (step 2, 4) and at an epoch's end (step 6), so the
 resumed runs start mid-epoch and at an epoch boundary, and cross an epoch boundary.

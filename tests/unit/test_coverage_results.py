@@ -1,4 +1,5 @@
-"""The committed coverage sweep results are well-formed, and README.md's coverage block is what they render."""
+"""The committed coverage sweep results are well-formed, and the blocks they render are what README.md (the counts)
+and docs/coverage.md (every family) hold."""
 
 import json
 
@@ -8,7 +9,7 @@ pytest.importorskip("transformers")
 
 from tests.coverage.cells import LAYOUTS  # noqa: E402
 from tests.coverage.configs import TASKS  # noqa: E402
-from tests.coverage.report import BEGIN, END, README, readme_block, render  # noqa: E402
+from tests.coverage.report import BEGIN, END, PAGE, PAGE_BEGIN, PAGE_END, README, block, render, summary  # noqa: E402
 from tests.coverage.sweep import RESULTS  # noqa: E402
 
 STATUSES = {"exact", "refused", "wrong", "crash"}
@@ -49,4 +50,20 @@ def test_every_record_is_well_formed():
 def test_readme_block_matches_the_committed_results():
     text = README.read_text()
     assert BEGIN in text and END in text, "README.md lacks the coverage markers"
-    assert readme_block(text) == render(results(), readme=True), "README is stale: run `python -m tests.coverage --report --readme`"
+    stale = "README is stale: run `python -m tests.coverage --report --readme`"
+    assert block(text, BEGIN, END) == summary(results()), stale
+
+
+def test_coverage_page_block_matches_the_committed_results():
+    text = PAGE.read_text()
+    assert PAGE_BEGIN in text and PAGE_END in text, "docs/coverage.md lacks the coverage markers"
+    assert block(text, PAGE_BEGIN, PAGE_END) == render(results()), (
+        "docs/coverage.md is stale: run `python -m tests.coverage --report --readme`"
+    )
+
+
+def test_readme_shows_the_counts_and_not_every_family():
+    """The family table (hundreds of rows) lives in docs/coverage.md; the README keeps the counts."""
+    readme = block(README.read_text(), BEGIN, END)
+    assert "| family | task |" not in readme
+    assert any(f"`{record['model_class']}`" in PAGE.read_text() for record in results()["families"].values())
