@@ -4,7 +4,8 @@
 - ``sharded``: each rank writes its shards through ``torch.distributed.checkpoint``; any layout reads them.
 - ``state``: whole-tensor state of split and staged modules (the ``full`` format, one ``torch.save`` file).
 - ``io``: a Lightning ``CheckpointIO`` that lets Lightning's own strategies read sharded checkpoints.
-- ``python -m lightning_parallel.checkpoint inspect|convert``: what a checkpoint holds; sharded ↔ full.
+- ``export``: a Hugging Face model directory (safetensors, config.json) from either format, in one process.
+- ``python -m lightning_parallel.checkpoint inspect|convert|export``: what a checkpoint holds; sharded ↔ full; to Hugging Face.
 """
 
 from lightning_parallel.checkpoint.files import (

@@ -3,6 +3,8 @@
     python -m lightning_parallel.checkpoint inspect outputs/run/checkpoints/last.ckpt [--tensors] [--json]
     python -m lightning_parallel.checkpoint convert last.ckpt last-full.ckpt       # sharded -> full
     python -m lightning_parallel.checkpoint convert model.ckpt model-sharded.ckpt  # full -> sharded
+    python -m lightning_parallel.checkpoint export last.ckpt hf-model/ --format hf [--config CONFIG] [--prefix net.]
+                                                       [--max-shard-size 5GB] [--dtype bfloat16] [--overwrite]
 
 A full checkpoint's ``state_dict`` loads into the plain LightningModule with ``load_state_dict`` (export,
 inference); either format resumes training under any layout.
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lightning_parallel.checkpoint.export import export
 from lightning_parallel.checkpoint.files import (
     INFO_KEY,
     atomic_torch_save,
@@ -133,6 +136,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     conversion = commands.add_parser("convert", help="sharded -> full (one file) or full -> sharded (a directory)")
     conversion.add_argument("source", type=Path)
     conversion.add_argument("destination", type=Path)
+    exporting = commands.add_parser(
+        "export", help="write a Hugging Face model directory (safetensors, config.json) from a checkpoint"
+    )
+    exporting.add_argument("checkpoint", type=Path)
+    exporting.add_argument("directory", type=Path)
+    exporting.add_argument("--format", default="hf", help="hf: a directory from_pretrained loads (the only one so far)")
+    exporting.add_argument(
+        "--config", help="the Hugging Face config: a config.json, a model directory (its tokenizer is copied too) "
+        "or a hub name; default: the one among the checkpoint's hyperparameters"
+    )
+    exporting.add_argument("--prefix", help="removed from the checkpoint's names (e.g. net.); default: found by matching the config's model")
+    exporting.add_argument("--max-shard-size", default="5GB", help="bytes per weight file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
+    exporting.add_argument("--dtype", help="convert floating-point weights (bfloat16, float16, float32); default: as saved")
+    exporting.add_argument("--overwrite", action="store_true", help="write into a non-empty directory (replaces only the export's own files)")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -141,10 +158,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(json.dumps(summary, indent=2))
             else:
                 _print_summary(summary, args.tensors)
+        elif args.command == "export":
+            summary = export(
+                args.checkpoint, args.directory, args.format, config=args.config, prefix=args.prefix,
+                max_shard_size=args.max_shard_size, dtype=args.dtype, overwrite=args.overwrite,
+            )
+            print(f"wrote {summary.directory}: {summary.tensors} tensors, {summary.bytes / 2**20:.1f} MiB in {', '.join(summary.files)}")
+            print(f"  names without {summary.prefix!r}; config from {summary.config_from}")
+            if summary.tied_left_out:
+                print(f"  tied, left out as from_pretrained expects: {', '.join(summary.tied_left_out)}")
+            if summary.outside_prefix:
+                print(f"  {summary.outside_prefix} tensor(s) outside {summary.prefix!r} not exported")
         else:
             written = convert(args.source, args.destination)
             print(f"wrote a {written} checkpoint at {args.destination}")
-    except (FileNotFoundError, FileExistsError, RuntimeError) as error:
+    except (FileNotFoundError, FileExistsError, RuntimeError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -10,6 +10,7 @@ what users run: transformers' default attention (SDPA; eager attention has a col
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,20 @@ def assert_checkpoint_loads_into_the_plain_model(family: str, path, result: dict
     for name, buffer in momentum.items():
         expected = sum(0.9 ** (len(result["grads"]) - 1 - k) * grads[name] for k, grads in enumerate(result["grads"]))
         torch.testing.assert_close(buffer["momentum_buffer"].double(), expected.double(), rtol=0, atol=TOL, msg=name)
+    assert_exports_for_serving(family, path, plain)
+
+
+def assert_exports_for_serving(family: str, path, plain) -> None:
+    """The checkpoint of a multi-rank run exports to a Hugging Face directory (sharded over several files) that
+    ``from_pretrained`` loads with exactly the trained weights, tied head included."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_parallel.checkpoint.export import export
+
+    directory = Path(path).parent / "hf-export"
+    export(path, directory, config=plain.net.config, max_shard_size="16KB")
+    assert (directory / "model.safetensors.index.json").exists(), sorted(p.name for p in directory.iterdir())
+    served = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=torch.float64)
+    expected = plain.net.state_dict()
+    for name, value in served.state_dict().items():
+        assert torch.equal(value, expected[name]), (family, name)
