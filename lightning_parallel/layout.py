@@ -209,9 +209,10 @@ class ParallelLayout:
         groups = [dict(coordinates)]
         for name in varying:  # outer axis first: ranks come out in increasing order
             groups = [{**c, name: index} for c in groups for index in range(self.size(name))]
-        return [self._rank_of(c) for c in groups]
+        return [self.rank_of(c) for c in groups]
 
-    def _rank_of(self, coordinates: Mapping[str, int]) -> int:
+    def rank_of(self, coordinates: Mapping[str, int]) -> int:
+        """The global rank at ``coordinates`` (an index along every axis of :data:`AXES`)."""
         rank = 0
         for axis in AXES:
             rank = rank * self.size(axis) + coordinates[axis]

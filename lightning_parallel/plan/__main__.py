@@ -5,6 +5,8 @@ The config is composed exactly as for training (``conf/config.yaml`` plus overri
     python -m lightning_parallel.plan model=gpt_1b trainer.devices=8 trainer.num_nodes=8 hardware=h100_ib
     python -m lightning_parallel.plan trainer.devices=4 --json plan.json
     python -m lightning_parallel.plan strategy=hybrid trainer.devices=4 --measure    # run the best ones here
+    python -m lightning_parallel.plan strategy=hybrid trainer.devices=8 trainer.num_nodes=128 \
+        strategy.tensor_parallel_size=4 strategy.pipeline_parallel_size=8 --simulate    # dry-run 1,024 ranks here
 
 Exit status 2 when the request cannot be planned (the message says why and what to change).
 """
@@ -47,6 +49,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--measure-top", type=int, default=3, help="layouts to measure (default: 3)")
     parser.add_argument("--measure-steps", type=int, default=6, help="optimizer steps per measured run (default: 6)")
     parser.add_argument("--train-script", default="recipes/train.py", help="training script for --measure")
+    parser.add_argument("--simulate", action="store_true",
+                        help="dry-run the configured layout as chosen ranks (fake process group, one step) beside the prediction")
+    parser.add_argument("--simulate-ranks", default="auto", help="ranks to simulate: auto (first, last, middle of each axis) or 0,17,...")
     return parser.parse_args(argv)
 
 
@@ -62,6 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose(config_name=args.config_name, overrides=args.overrides)
     fixed = {dim: getattr(args, dim) for dim in ("dp", "cp", "tp", "pp") if getattr(args, dim) is not None}
+    if args.simulate:
+        from lightning_parallel.plan.simulate import simulate_configured
+
+        try:
+            return simulate_configured(cfg, args.overrides, config_dir, args.config_name, args.simulate_ranks, console, args.json)
+        except (PlanError, ValueError, RuntimeError) as error:
+            console.print(f"[red]Cannot simulate:[/red] {error}")
+            return 2
     try:
         hardware = hardware_from_config(cfg)
         workload = workload_from_config(cfg, args.global_batch)

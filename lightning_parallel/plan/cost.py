@@ -202,7 +202,10 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         )
         seconds = flops * micro * tokens / flops_per_s
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
-        tp_b = step.tp_bytes * micro * share * tokens
+        if layout.pp > 1 and step.tp_bytes_by_segment:  # each stage's own traffic (embeddings, head included)
+            tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
+        else:
+            tp_b = step.tp_bytes * micro * share * tokens
         tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce")
         p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
         p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0

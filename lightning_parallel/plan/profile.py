@@ -63,6 +63,8 @@ class StepProfile:
     tp_collectives: int  # DTensor collectives per forward + backward (of any batch size)
     segment_parameters: dict[str, tuple[str, ...]]  # segment -> canonical names of the parameters it uses
     frozen: frozenset[str] = frozenset()  # parameters without gradients (requires_grad=False)
+    # segment -> its part of tp_bytes: forward traffic seen while the segment ran, backward shared out alike
+    tp_bytes_by_segment: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -195,10 +197,12 @@ def _dry_run(
 
         parallel_loss = parallel_loss_context()
     with _quiet(), FlopCounterMode(display=False) as counter, collectives.active(), parallel_loss:
-        tracker.flop_counter = counter
+        tracker.flop_counter, tracker.collectives = counter, collectives
         with tracker.tracking():
             loss = _loss(module.training_step(batch, 0))
         forward = tracker.forward_flops(counter.get_flop_counts(), counter.get_total_flops())
+        tracker._switch(tracker.current)  # close the forward's last segment
+        tracker.collectives = None
         loss.backward()
     backward_factor = counter.get_total_flops() / max(sum(forward.values()), 1)
     parameter_bytes = {names[id(p)]: local_bytes(p) for p in module.parameters()}
@@ -220,6 +224,7 @@ def _dry_run(
         activation_bytes={k: v / rows for k, v in tracker.saved_bytes.items()},
         tp_bytes=collectives.tally.bytes / rows,
         tp_collectives=collectives.tally.calls,
+        tp_bytes_by_segment={k: v / rows for k, v in tracker.tp_bytes_by_segment(collectives.tally.bytes).items()},
         segment_parameters=tracker.segment_parameters(names),
         frozen=frozenset(names[id(p)] for p in module.parameters() if not p.requires_grad),
     )
@@ -267,6 +272,10 @@ class _SegmentTracker:
         self.flop_counter: FlopCounterMode | None = None
         self._seen_storages: set[int] = set()
         self._parameter_storages = {_storage_id(p) for p in module.parameters()}
+        #: Set while DTensor collectives are counted: forward bytes per segment (see :meth:`_switch`).
+        self.collectives: DTensorCollectives | None = None
+        self.forward_tp_bytes: dict[str, float] = dict.fromkeys(self.segments, 0.0)
+        self._bytes_at_switch = 0.0
 
     def owner_segment(self, parameter_name: str) -> str:
         for layer in self.layer_names:
@@ -313,7 +322,7 @@ class _SegmentTracker:
         def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
             if name == self.layer_names[0] and self._flops_before_trunk is None:
                 self._flops_before_trunk = float(self.flop_counter.get_total_flops()) if self.flop_counter else 0.0
-            self.current = name
+            self._switch(name)
             if name not in self.layer_input_bytes:
                 self.layer_input_bytes[name] = float(sum(_local(t).numel() * _local(t).element_size() for t in _tensors(args)))
 
@@ -321,10 +330,26 @@ class _SegmentTracker:
 
     def _leave(self, name: str) -> Callable[..., None]:
         def hook(_: nn.Module, __: Any, ___: Any) -> None:
-            if name == self.layer_names[-1]:
-                self.current = AFTER
+            self._switch(AFTER if name == self.layer_names[-1] else name)
 
         return hook
+
+    def _switch(self, segment: str) -> None:
+        """Another segment starts running: the collectives since the last switch were the current one's."""
+        if self.collectives is not None:
+            total = float(self.collectives.tally.bytes)
+            self.forward_tp_bytes[self.current] += total - self._bytes_at_switch
+            self._bytes_at_switch = total
+        self.current = segment
+
+    def tp_bytes_by_segment(self, total: float) -> dict[str, float]:
+        """``total`` (forward and backward) shared out over the segments as their forward traffic is (backward
+        mirrors forward: a row-split output's all-reduce is a column-split input's gradient all-reduce)."""
+        self._switch(self.current)
+        forward = sum(self.forward_tp_bytes.values())
+        if forward <= 0:
+            return dict.fromkeys(self.segments, 0.0)
+        return {segment: total * value / forward for segment, value in self.forward_tp_bytes.items()}
 
     def _uses_parameters(self, sub: nn.Module, _: Any) -> None:
         for param in sub._parameters.values():

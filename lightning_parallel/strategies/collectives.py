@@ -17,6 +17,15 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 
+def is_dry_run() -> bool:
+    """Whether this process is one simulated rank of a dry run (torch's ``fake`` process-group backend).
+
+    Collectives there move nothing: a decision rank 0 would broadcast is taken by every simulated rank itself
+    (deterministically the same), and object collectives return this rank's own object.
+    """
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
 def whole(value: Any) -> Any:
     """A DTensor's whole value as an ordinary tensor (differentiable); anything else unchanged.
 
@@ -70,7 +79,7 @@ class GroupCollectivesMixin:
             dist.barrier()
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
+        if not _distributed_is_initialized() or is_dry_run():
             return obj
         self._before_collective("broadcast")
         holder = [obj]

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_parallel.strategies.components.base import Component
+from lightning_parallel.strategies.collectives import is_dry_run
 
 if TYPE_CHECKING:
     from lightning_parallel.strategies.host import EngineHost
@@ -59,7 +60,7 @@ class NonFiniteGuard(Component):
         else:
             gathered = [flags]
         culprits = {kind: [rank for rank, f in enumerate(gathered) if f[i]] for i, kind in enumerate(("loss", "gradients"))}
-        if not any(culprits.values()):
+        if not any(culprits.values()) or is_dry_run():  # a dry run's values are whatever fake collectives left
             return
         step = engine.lightning_module.trainer.global_step
         where = "; ".join(f"{kind} on rank(s) {ranks}" for kind, ranks in culprits.items() if ranks)

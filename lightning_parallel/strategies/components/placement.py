@@ -166,7 +166,7 @@ def rank_zero_random_stream() -> Iterator[None]:
         yield
         return
     own = torch.get_rng_state()
-    state = [own if dist.get_rank() == 0 else None]
+    state = [own]  # replaced by rank 0's on every other rank (a dry run's no-op broadcast keeps this rank's)
     dist.broadcast_object_list(state, src=0)
     same = torch.equal(state[0], own)
     torch.set_rng_state(state[0])

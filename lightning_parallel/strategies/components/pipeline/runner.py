@@ -55,6 +55,7 @@ from lightning_parallel.parallelize.pipeline.schedule import (
 )
 from lightning_parallel.parallelize.pipeline.split import SplitPlan, plan_split
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
+from lightning_parallel.strategies.collectives import is_dry_run
 from lightning_parallel.strategies.components.pipeline.microbatches import (
     LogCall,
     batch_rows,
@@ -227,7 +228,7 @@ class PipelineRunner:
         if self.holds_last_stage:
             output = combine([state.outputs.get(j) for j in range(len(rows))], rows)
             payload = (to_cpu(output), combine_logs(state.logs, rows, module))
-        output, logs = self._broadcast_from_last_stage(payload)
+        output, logs = self._broadcast_from_last_stage(payload, training)
         self._replay_logs(module, logs)
         return apply_to_collection(output, Tensor, lambda t: t.to(self.device))
 
@@ -320,12 +321,13 @@ class PipelineRunner:
             # Only which modules run before and after the trunk is needed: follow a meta copy.
             root, (args, kwargs) = meta_copy(root), on_meta((args, kwargs))
         holder: list[Any] = [None]
-        if dist.get_rank() == 0:
+        if dist.get_rank() == 0 or is_dry_run():
             try:
                 holder[0] = plan_split(root, self.num_stages, args, kwargs, self.config.balance)  # type: ignore[arg-type]
             except ValueError as error:
                 holder[0] = error
-        dist.broadcast_object_list(holder, src=0)
+        if not is_dry_run():
+            dist.broadcast_object_list(holder, src=0)
         if isinstance(holder[0], ValueError):
             raise holder[0]
         return holder[0]
@@ -495,7 +497,9 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ results to every stage
 
-    def _broadcast_from_last_stage(self, payload: Any) -> Any:
+    def _broadcast_from_last_stage(self, payload: Any, training: bool) -> Any:
+        if is_dry_run():  # no last stage to hear from: a stand-in loss (a dry run's values mean nothing)
+            return payload if payload is not None else (torch.zeros(()) if training else None, [])
         holder = [payload]
         dist.broadcast_object_list(holder, src=self.pp_global_ranks[self.stage_to_rank[-1]], group=self.pp_group)
         return holder[0]

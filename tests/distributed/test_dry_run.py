@@ -1,0 +1,55 @@
+"""A 1,024-rank layout dry-run on this machine: the real strategy and one step per simulated rank (fake process
+group), every figure beside the planner's prediction for that rank (``python -m lightning_parallel.plan --simulate``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parents[2]
+#: pp 8 × dp 128 on 128 nodes of 8: a tiny-width, 16-layer GPT (two layers per stage), 8 micro-batches.
+LAYOUT = ["strategy=hybrid", "trainer.devices=8", "trainer.num_nodes=128", "strategy.pipeline_parallel_size=8",
+          "model.n_layer=16", "model.n_embd=32", "model.n_head=2", "data.block_size=32", "data.batch_size=16",
+          "strategy.microbatches=8"]
+
+
+def simulate(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "lightning_parallel.plan", *LAYOUT, "--simulate", *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_thousand_ranks_simulate_as_predicted(tmp_path):
+    out = tmp_path / "simulation.json"
+    proc = simulate(tmp_path, "--simulate-ranks", "0,512,1023", "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    ranks = report["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 512, 1023]
+    assert {r["world_size"] for r in ranks} == {1024}
+    assert [r["coordinates"]["pp"] for r in ranks] == [0, 4, 7]
+    assert ranks[-1]["coordinates"]["dp_replicate"] == 127
+    for figures in ranks:
+        pairs = figures["predicted_vs_simulated"]
+        assert {"parameters", "gradients", "optimizer"} <= set(pairs)
+        for name, (predicted, simulated) in pairs.items():
+            assert predicted == pytest.approx(simulated, rel=0.10), (figures["rank"], name)
+        # Only this rank's stage is held: about an eighth of the model's state.
+        assert 0 < figures["state_bytes"]["parameters"] < 0.25 * report["prediction"]["memory_by_pipeline_rank"][0]["parameters"] * 8
+        assert figures["peak_rss_bytes"] < 4 * 2**30
+    # The first stage sends each micro-batch's activations on and received their gradients: real transfers.
+    assert ranks[0]["pipeline"]["sends"] >= 8 and ranks[0]["comm_bytes"]["pp"] > 0
+    assert ranks[0]["comm_bytes"]["dp"] == pytest.approx(ranks[0]["state_bytes"]["gradients"], rel=0.01)
+
+
+def test_a_rank_outside_the_layout_is_refused_before_anything_runs(tmp_path):
+    proc = simulate(tmp_path, "--simulate-ranks", "0,1024")
+    assert proc.returncode == 2
+    assert "ranks must lie in 0..1023" in proc.stdout + proc.stderr
