@@ -426,3 +426,152 @@ def test_a_layer_holding_blocks_is_not_taken_for_an_mlp():
 
     plan = infer_plan(nn.ModuleDict({"layer": Layer()}), warn=lambda _: None)
     assert "layer.per_layer_input_gate" not in plan and plan["layer.self_attn.q_proj"] == "colwise"
+
+
+# --- What the coverage sweep found under tp2 (issue 29): per-head parameters, other widths, clear refusals ------
+
+@pytest.fixture
+def simulated_ranks():
+    # Private torch modules, checked against torch 2.13: no public API simulates ranks in one process.
+    import torch.distributed as dist
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield lambda: LocalTensorMode(2)
+    finally:
+        dist.destroy_process_group()
+
+
+class HeadsAttention(nn.Module):
+    """q/k/v/o, 4 heads; ``extra`` picks what the coverage sweep's families do beside them."""
+
+    def __init__(self, extra: str = "", dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.extra = heads, dim // heads, extra
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, dtype=torch.float64) for _ in range(4))
+        if extra == "sinks":  # gpt-oss, GraniteSWA, MiMo: one logit per head beside the keys'
+            self.sinks = nn.Parameter(torch.linspace(-1, 1, heads, dtype=torch.float64))
+        if extra == "embed_dim":  # XGLM, MVP: the heads' output reshaped by the split width, kept as embed_dim
+            self.embed_dim = dim
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = (p(x).view(B, L, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        scores = q @ k.transpose(-1, -2) / self.head_dim**0.5
+        if self.extra == "sinks":
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+            scores = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+        else:
+            scores = scores.softmax(-1)
+        out = (scores @ v).transpose(1, 2)
+        if self.extra == "chunk_heads":  # DiffLlama: head h paired with head h + H/2
+            first, second = torch.chunk(out, 2, dim=2)
+            out = torch.cat([first - 0.5 * second, second], dim=2)
+        if self.extra == "input_width":  # TrOCR: reshaped by the width of its (whole) input
+            return self.o_proj(out.reshape(B, L, x.shape[-1]))
+        width = self.embed_dim if self.extra == "embed_dim" else self.num_heads * self.head_dim
+        return self.o_proj(out.reshape(B, L, width))
+
+
+def _split_and_run(module: nn.Module, simulated_ranks, x: torch.Tensor):
+    """``module`` split over 2 simulated tp ranks by the auto plan: (output, whole gradient of each parameter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, apply_tensor_parallel
+
+    resolved = TensorParallelConfig().resolve(module, tp_size=2)
+    check_plan(module, resolved, 2)
+    with simulated_ranks():
+        apply_tensor_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), resolved)
+        out = module(x)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        whole = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t)._local_tensors[0]  # noqa: E731
+        return whole(out).detach(), {n: whole(p.grad) for n, p in module.named_parameters()}, resolved
+
+
+def _whole_run(module: nn.Module, x: torch.Tensor):
+    out = module(x)
+    (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("extra", ["sinks", "embed_dim"])
+def test_per_head_parameters_and_split_widths_follow_the_heads(simulated_ranks, extra):
+    # Attention sinks ([num_heads] on the attention module) crashed with a head-count mismatch; embed_dim (the
+    # split width XGLM reshapes by) was not divided: "shape '[8, 16, 32]' is invalid".
+    import copy
+
+    torch.manual_seed(0)
+    module, x = HeadsAttention(extra), torch.randn(2, 5, 32, dtype=torch.float64)
+    expected = _whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    if extra == "sinks":
+        assert resolved.per_head == {"": ("sinks",)}
+        assert module.sinks.placements[0].is_shard(0)
+    else:
+        assert "embed_dim" in resolved.head_attributes[""]
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[1][name], rtol=0, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ("chunk_heads", r"splits its 2 heads on this rank into groups"),
+    ("input_width", r"failed on this rank's heads after the tensor-parallel split: shape"),
+])
+def test_attention_computing_across_heads_or_with_its_input_width_is_refused(simulated_ranks, extra, match):
+    # DiffLlama's head pairing was silently wrong (5.9e-3); TrOCR's reshape crashed deep in torch.
+    module = HeadsAttention(extra)
+    with pytest.raises(RuntimeError, match=match):
+        _split_and_run(module, simulated_ranks, torch.randn(2, 5, 32, dtype=torch.float64))
+
+
+class Swapping(nn.Module):  # BigBird: the attention module replaced in forward (block-sparse → full)
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = HeadsAttention()
+
+    def forward(self, x):
+        fresh = HeadsAttention()
+        fresh.q_proj, fresh.k_proj, fresh.v_proj, fresh.o_proj = self.attn.q_proj, self.attn.k_proj, self.attn.v_proj, self.attn.o_proj
+        self.attn = fresh
+        return self.attn(x)
+
+
+def test_attention_replaced_in_forward_is_refused(simulated_ranks):
+    with pytest.raises(RuntimeError, match=r"attn was replaced during forward by a new HeadsAttention"):
+        _split_and_run(Swapping(), simulated_ranks, torch.randn(2, 5, 32, dtype=torch.float64))
+
+
+def test_rowwise_without_a_split_input_and_embeddings_with_more_parameters_are_refused():
+    # inkling_text: a published "rowwise_split_input" head (its input is whole) and an embedding holding a norm
+    # of its own ("parameter name can't contain '.'" inside torch's split).
+    class NormedEmbedding(nn.Embedding):
+        def __init__(self) -> None:
+            super().__init__(32, 16)
+            self.embed_norm = nn.LayerNorm(16)
+
+    model = nn.ModuleDict({"embed": NormedEmbedding(), "head": nn.Linear(16, 32)})
+    with pytest.raises(ValueError, match=r"head: style 'rowwise' reads its input split over the ranks"):
+        check_plan(model, resolve_plan(model, {"head": "rowwise"}), 2)
+    with pytest.raises(TypeError, match=r"also holds embed_norm.weight, embed_norm.bias"):
+        check_plan(model, resolve_plan(model, {"embed": "embedding_rowwise"}), 2)
+
+
+def test_rowwise_projection_to_another_width_inside_attention_is_refused():
+    # Doge: dt_proj (row-wise in its published plan) maps every head's values to one value per head, used
+    # beside this rank's heads only.
+    model = nn.ModuleDict({"attn": HeadsAttention()})
+    model.attn.dt_proj = nn.Linear(32, 4)
+    plan = {**infer_plan(model), "attn.dt_proj": "rowwise"}
+    with pytest.raises(ValueError, match=r"attn.dt_proj: a row-wise projection to 4 features inside attn"):
+        check_plan(model, resolve_plan(model, plan), 2)
+
+
+def test_a_parameter_as_long_as_both_the_head_count_and_a_head_is_refused():
+    attention = HeadsAttention("sinks", dim=16)  # 4 heads of width 4: one sink per head, or per feature?
+    with pytest.raises(ValueError, match=r"sinks: its 4 entries may be one per head .* or one per feature of a head \(head_dim=4"):
+        resolve_plan(attention, infer_plan(attention))

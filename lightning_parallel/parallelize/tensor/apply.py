@@ -22,7 +22,9 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
+from lightning_parallel.parallelize.tensor.per_head import find_per_head_parameters, shard_per_head_parameters
 from lightning_parallel.parallelize.tensor.inference import (
     grouped_qkv_heads,
     infer_plan,
@@ -64,6 +66,10 @@ HEAD_ATTRIBUTES: tuple[str, ...] = (
     "n_head", "n_heads", "num_heads", "num_attention_heads", "n_kv_heads", "num_key_value_heads", "n_local_heads",
     "num_kv_heads", "split_size", "all_head_size", "n_query_groups",
 )
+#: Widths an attention module may keep under a name that elsewhere means the model width (XGLM's, MVP's,
+#: TrOCR's ``embed_dim``, which they reshape the heads' output by): divided only on the module itself, and only
+#: where the value is the whole output width of one of its column-split q/k/v projections.
+SPLIT_WIDTH_ATTRIBUTES: tuple[str, ...] = ("embed_dim",)
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
@@ -222,9 +228,18 @@ def resolve_plan(
         elif style == "fused_gate_up":
             out = features(modules[fqn])[1] if is_projection(modules[fqn]) else 0
             fused[fqn] = (out // 2, out // 2)
+    head_attrs = _attention_heads(modules, styles, head_attributes)
+    per_head = {}
+    for fqn in head_attrs:
+        split_children = [f for f, s in styles.items() if f.rpartition(".")[0] == fqn and s in ("colwise", "fused_qkv")]
+        if any(styles[f] == "fused_qkv" or is_attention_projection(f.rpartition(".")[2]) for f in split_children):
+            names = find_per_head_parameters(modules[fqn], fqn)
+            if names:
+                per_head[fqn] = names
     return ResolvedPlan(
         styles=styles,
-        head_attributes=_attention_heads(modules, styles, head_attributes),
+        head_attributes=head_attrs,
+        per_head=per_head,
         fused=fused,
         sources={fqn: (sources or {}).get(fqn, "plan") for fqn in styles},
         conv1d=frozenset(fqn for fqn in styles if is_conv1d(modules[fqn])),
@@ -258,6 +273,13 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
         elif style == "embedding_rowwise":
             if not isinstance(sub, nn.Embedding):
                 raise TypeError(f"{fqn}: style 'embedding_rowwise' needs an nn.Embedding, got {type(sub).__name__}.")
+            others = [name for name, _ in sub.named_parameters() if name != "weight"]
+            if others:
+                raise TypeError(
+                    f"{fqn}: style 'embedding_rowwise' splits an nn.Embedding's weight, but {type(sub).__name__} also "
+                    f"holds {', '.join(others)} (a norm or scale of its own), which torch's split cannot place. Leave "
+                    f"{fqn} replicated in the plan."
+                )
             _require_divisible(fqn, "num_embeddings", sub.num_embeddings, tp_size)
     for fqn, blocks in resolved.fused.items():
         names = ("q", "k", "v") if resolved.styles[fqn] == "fused_qkv" else ("gate", "up")
@@ -275,7 +297,13 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     for fqn, attrs in resolved.head_attributes.items():
         for attr in attrs:
             _require_divisible(fqn, attr, _get_attribute(modules[fqn], attr), tp_size)
+    for fqn, names in resolved.per_head.items():
+        for name in names:
+            _require_divisible(fqn, f"{name}.shape[0] (one per head)", getattr(modules[fqn], name).shape[0], tp_size)
     check_split_regions(module, resolved, tp_size)
+    for fqn, style in resolved.styles.items():
+        if style == "rowwise":
+            _require_split_input(fqn, modules, resolved)
     _check_tied_parameters(module, resolved)
 
 
@@ -316,10 +344,16 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         elif style in ("rowwise", "embedding_rowwise"):
             modules[fqn].register_forward_hook(_output_of_its_own)
     slice_per_head_inputs(modules, resolved, tp_mesh)
+    shard_per_head_parameters(modules, resolved.per_head, tp_mesh)
     # Replicated parameters used on this rank's slice (per-head norms) are found in forward; their gradients are
     # summed over the group after backward (split_region.reduce_split_region_gradients, called by the strategy).
     track_split_region_parameters(modules, resolved, tp_mesh)
     _divide_head_attributes(modules, resolved, tp_size)
+    # Attention modules computing with sizes the plan did not divide stop with what and why, not deep in torch.
+    attentions = {fqn: [f for f, s in resolved.styles.items() if f.rpartition(".")[0] == fqn and s in COLUMN_STYLES]
+                  for fqn in resolved.head_attributes}
+    explain_split_failures(modules, list(attentions))
+    refuse_replaced_modules(module, modules, attentions)
     return module
 
 
@@ -403,6 +437,9 @@ def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str]
         config = getattr(parent, "config", None)
         if config is not None and (style == "fused_qkv" or is_attention_projection(child)):
             attrs += [f"config.{a}" for a in attributes if _is_count(getattr(config, a, None))]
+        if is_attention_projection(child) and is_projection(modules[fqn]):
+            width = features(modules[fqn])[1]
+            attrs += [a for a in SPLIT_WIDTH_ATTRIBUTES if _is_count(getattr(parent, a, None)) and getattr(parent, a) == width]
         if attrs:
             found[parent_name] = tuple(dict.fromkeys(found.get(parent_name, ()) + tuple(attrs)))
     return found
@@ -410,6 +447,25 @@ def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str]
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_split_input(fqn: str, modules: Mapping[str, nn.Module], resolved: ResolvedPlan) -> None:
+    """A row-wise projection reads its input split over the ranks: something column-split must produce it, in
+    its own module (attention, MLP) or in a sibling module (BERT's ``intermediate.dense`` → ``output.dense``)."""
+    parent = fqn.rpartition(".")[0]
+    grandparent = parent.rpartition(".")[0] if parent else None
+    for other, style in resolved.styles.items():
+        if style not in ("colwise", "fused_qkv", "fused_gate_up"):  # gathered or loss-parallel outputs are no split input
+            continue
+        owner = other.rpartition(".")[0]
+        if owner == parent or (parent and owner and owner.rpartition(".")[0] == grandparent):
+            return
+    where = parent or "the model"
+    raise ValueError(
+        f"{fqn}: style 'rowwise' reads its input split over the ranks, but nothing in {where} (or beside it) is split "
+        f"column-wise, so its input is whole on every rank. Give it a column-wise partner in the plan, or leave {fqn} "
+        f"replicated."
+    )
 
 
 def _require_divisible(fqn: str, what: str, size: int, tp_size: int) -> None:

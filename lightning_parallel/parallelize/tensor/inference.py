@@ -42,6 +42,7 @@ _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
     ("query", "key", "value", "dense"),
     ("to_q", "to_k", "to_v", "to_out"),
     ("query_proj", "key_proj", "value_proj", "out_proj"),
+    ("q_lin", "k_lin", "v_lin", "out_lin"),  # XLM, FlauBERT, DistilBERT
 )
 # Fused projections laid out as concatenated blocks q | k | v (GQA: k and v narrower), and their output projections.
 _FUSED_QKV_NAMES = ("qkv", "c_attn", "wqkv", "qkv_proj")
@@ -111,11 +112,15 @@ def infer_units(
             units.append(unit)
             taken.update(unit)
     tied = _tied_modules(module)
+    # What the published plan adds, one group per parent module: a column-wise projection and the row-wise one
+    # reading its output (a shared expert's gate/up/down) are split together or not at all.
+    leftovers: dict[str, Unit] = {}
     for fqn, style in published.items():
         if fqn in taken or any(fqn.startswith(f"{done}.") for done in taken) or fqn in tied:
             continue  # tied: shares its weight with another module (an embedding and its head): kept whole
-        units.append({fqn: style})
+        leftovers.setdefault(fqn.rpartition(".")[0] if style in ("colwise", "rowwise") else fqn, {})[fqn] = style
         sources[fqn] = "model's tp_plan"
+    units += leftovers.values()
     for unit in units:
         for fqn in unit:
             sources.setdefault(fqn, "inferred")
@@ -168,12 +173,12 @@ def _match_block(
     if attention:
         *qkv_names, out_name = attention
         return {**{child: "colwise" for child in qkv_names}, out_name: "rowwise"}
-    if any(_holds_projection(child) for child in sub.children() if not is_projection(child)):
-        # A module holding blocks of its own (a decoder layer: attention, MLP) is no MLP, though two of its
-        # projections may have MLP shapes (Gemma4's per-layer input gate and projection, which mixes in a
-        # replicated per-layer input of the hidden width): left replicated.
-        return {}
-    return _match_mlp(projections)
+    # Beside blocks of its own (a decoder layer holding its attention), a module's direct projections are its
+    # MLP only if they widen the model (OPT's, BART's fc1/fc2): two that narrow it are a side path whose
+    # hidden values may meet a replicated tensor of that width (Gemma4's per-layer input gate and
+    # projection), which a column split would cut: left replicated.
+    beside_blocks = any(_holds_projection(child) for child in sub.children() if not is_projection(child))
+    return _match_mlp(projections, widening_only=beside_blocks)
 
 
 def _holds_projection(module: nn.Module) -> bool:
@@ -253,11 +258,12 @@ def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, s
     return None
 
 
-def _match_mlp(linears: Mapping[str, nn.Module]) -> dict[str, str]:
+def _match_mlp(linears: Mapping[str, nn.Module], widening_only: bool = False) -> dict[str, str]:
+    """``d→h, h→d`` or gated ``d→h, d→h, h→d`` (``widening_only``: ``h > d``)."""
     items = [(name, features(m)) for name, m in linears.items()]
     if len(items) == 2:
         (first, (a_in, a_out)), (second, (b_in, b_out)) = items
-        if a_out == b_in and a_in == b_out and a_out != a_in:
+        if a_out == b_in and a_in == b_out and (a_out > a_in if widening_only else a_out != a_in):
             return {first: "colwise", second: "rowwise"}
     if len(items) == 3:
         ins = [(n, f) for n, f in items if f[0] != f[1]]

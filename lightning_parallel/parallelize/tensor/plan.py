@@ -50,6 +50,8 @@ class ResolvedPlan:
         heads: Fused q/k/v projection name -> ``(query heads, key/value heads)``: each rank gets whole heads
             of both, so both must divide by the TP degree.
         kept_whole: Module name -> why the automatic plan leaves it whole at this TP degree (printed).
+        per_head: Split attention module name -> its own parameters holding one entry per head along dim 0
+            (attention sinks, per-head gate biases): sharded on dim 0 like the heads.
     """
 
     styles: dict[str, str]
@@ -59,6 +61,7 @@ class ResolvedPlan:
     conv1d: frozenset[str] = frozenset()
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     kept_whole: dict[str, str] = field(default_factory=dict)
+    per_head: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise  (inferred)``, then what stays whole and why."""
@@ -70,6 +73,7 @@ class ResolvedPlan:
             source = f"  ({self.sources[fqn]})" if fqn in self.sources else ""
             lines.append(f"{fqn} → {style}{blocks}{source}")
         lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
+        lines += [f"{fqn}.{name} → per head (dim 0)" for fqn, names in self.per_head.items() for name in names]
         if not lines:
             lines.append("(nothing split)")
         lines += [f"{fqn} stays whole: {why}" for fqn, why in self.kept_whole.items()]

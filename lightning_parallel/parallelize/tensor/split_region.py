@@ -90,6 +90,20 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
                     f"head, as multi-head latent attention has), and its gradient would then be a partial sum. Split "
                     f"every projection of {where} or leave {where} replicated in the plan."
                 )
+    for name, (opening, closing) in regions.items():
+        inputs = {features(modules[f"{name}.{child}"])[0] for child in opening}
+        outs = {child: features(modules[f"{name}.{child}"])[1] for child in closing}
+        for child, out in outs.items():
+            # Beside the row-wise projection that closes the region (to the model width, or to a stage's next
+            # width: Hiera), another one to a narrower width is read inside the region.
+            if len(outs) > 1 and out not in inputs and out < max(outs.values()):
+                raise ValueError(
+                    f"{name}.{child}: a row-wise projection to {out} features inside {name}, whose column-split "
+                    f"projections read {'/'.join(map(str, sorted(inputs)))}: its output (summed over the ranks, so over "
+                    f"every head) does not go back to the region's input width, so it is used inside {name} beside "
+                    f"this rank's heads only (Doge's dt_proj, which mixes every head's values into each head's mask). "
+                    f"Leave {name} replicated in the plan."
+                )
     for name, (opening, _) in regions.items():
         region = modules[name]
         widths: dict[int, str] = {}
