@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -18,19 +17,6 @@ from lightning_parallel.parallelize.pipeline.stage_views import contiguous_befor
 from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 
 aten = torch.ops.aten
-
-
-@pytest.fixture
-def fake_world():
-    # Private torch modules, checked against torch 2.13: no public API simulates ranks in one process.
-    from torch.distributed._local_tensor import LocalTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield lambda: LocalTensorMode(2)
-    finally:
-        dist.destroy_process_group()
 
 
 def run_split_over_tp(module: nn.Module, tokens: torch.Tensor, split_point: str, simulated_ranks) -> tuple:
@@ -75,7 +61,7 @@ def assert_same(split: tuple[torch.Tensor, dict], whole: tuple[torch.Tensor, dic
         torch.testing.assert_close(grad, whole[1][name], rtol=0, atol=atol, msg=name)
 
 
-def test_hand_written_llama_heads_merged_with_reshape(fake_world):
+def test_hand_written_llama_heads_merged_with_reshape(simulated_ranks):
     # Issue 29 item 4: `o.transpose(1, 2).reshape(B, L, -1)` was traced as a view that the local shards'
     # layout does not allow ("view size is not compatible with input tensor's size and stride").
     from tests.hf_models import ReferenceLlamaLM
@@ -84,10 +70,10 @@ def test_hand_written_llama_heads_merged_with_reshape(fake_world):
     model = ReferenceLlamaLM().double()
     tokens = torch.randint(0, 128, (2, 8))
     whole = whole_model(model, tokens)
-    assert_same(run_split_over_tp(model, tokens, "layers.2", fake_world), whole, atol=1e-12)
+    assert_same(run_split_over_tp(model, tokens, "layers.2", simulated_ranks), whole, atol=1e-12)
 
 
-def test_transformers_llama_with_default_sdpa_attention(fake_world):
+def test_transformers_llama_with_default_sdpa_attention(simulated_ranks):
     # transformers' SDPA passes a [B, 1, L, S] mask as attn_mask: DTensor had no rule placing it (and then
     # the heads were merged by a view, as above). transformers computes rotary tables and norms in float32.
     pytest.importorskip("transformers")
@@ -97,11 +83,11 @@ def test_transformers_llama_with_default_sdpa_attention(fake_world):
     model = HFCausalLM("llama", attention="sdpa").double()
     tokens = torch.randint(0, 128, (2, 8))
     whole = whole_model(model, tokens)
-    assert_same(run_split_over_tp(model, tokens, "net.model.layers.2", fake_world), whole, atol=1e-5)
+    assert_same(run_split_over_tp(model, tokens, "net.model.layers.2", simulated_ranks), whole, atol=1e-5)
 
 
-def test_a_view_is_made_contiguous_only_where_the_local_tensor_needs_it(fake_world):
-    with fake_world():
+def test_a_view_is_made_contiguous_only_where_the_local_tensor_needs_it(simulated_ranks):
+    with simulated_ranks():
         mesh = init_device_mesh("cpu", (2,))
         base = torch.randn(2, 4, 8, 3, dtype=torch.float64, requires_grad=True)
         # Split over dim 1 out of a replicated tensor: each rank's part is a contiguous copy, so its

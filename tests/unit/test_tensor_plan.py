@@ -430,20 +430,6 @@ def test_a_layer_holding_blocks_is_not_taken_for_an_mlp():
 
 # --- What the coverage sweep found under tp2 (issue 29): per-head parameters, other widths, clear refusals ------
 
-@pytest.fixture
-def simulated_ranks():
-    # Private torch modules, checked against torch 2.13: no public API simulates ranks in one process.
-    import torch.distributed as dist
-    from torch.distributed._local_tensor import LocalTensorMode
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        yield lambda: LocalTensorMode(2)
-    finally:
-        dist.destroy_process_group()
-
-
 class HeadsAttention(nn.Module):
     """q/k/v/o, 4 heads; ``extra`` picks what the coverage sweep's families do beside them."""
 
