@@ -39,6 +39,12 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
                  "axial position embeddings: dims sum to hidden_size, shape multiplies to the sequence length; causal LM needs is_decoder"),
 }
 
+#: model type -> why no run of it can equal another run (the sweep lists it as not built, with the reason).
+NOT_COMPARABLE: dict[str, str] = {
+    "phimoe": "not comparable: its router (sparsemixer) samples experts with exponential_() and rand_like in "
+              "training, so two runs of the same model on the same batch differ (no config field turns the sampling off)",
+}
+
 _HIDDEN_NAMES = ("hidden_size", "n_embd", "n_embed", "d_model", "dim", "model_dim", "word_embed_proj_dim")
 _EMBEDDING_NAMES = ("embedding_size", "embed_dim", "embedding_dim", "projection_dim", "text_embed_dim")
 _LAYER_NAMES = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers")

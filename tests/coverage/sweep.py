@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from tests.coverage.cells import LAYOUTS, describe_failure, reference
-from tests.coverage.configs import mapping
+from tests.coverage.configs import NOT_COMPARABLE, mapping
 
 
 def quiet() -> None:
@@ -70,6 +70,10 @@ def prepare(task: str, model_type: str, workdir: Path) -> dict[str, Any]:
     """Build the family and train its single-device reference; the family's record (``built`` or the reason)."""
     record: dict[str, Any] = {"task": task, "model_type": model_type, "model_class": mapping(task)[model_type]}
     start = time.perf_counter()
+    if model_type in NOT_COMPARABLE:
+        record.update(built=False, reason=NOT_COMPARABLE[model_type], where="tests/coverage/configs.py NOT_COMPARABLE",
+                      reference_seconds=0.0)
+        return record
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
