@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -41,8 +42,29 @@ from lightning_parallel.plan.config import (
     preserved_random_state,
     profile_from_config,
 )
+from lightning_parallel.observe.utilization import model_flops_per_sample
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 from lightning_parallel.strategies.launch import restart_attempt
+from recipes.callbacks import PlannedFlopsSummary
+
+# Deprecation warnings that third-party code raises from its own calls, in the versions this project pins, and
+# that no argument of ours avoids: silenced by message and emitting module only (anything else still shows).
+# At module level, so the processes Lightning starts for the other ranks (they re-run this file, or import it
+# under spawn) install them too.
+# torchdata 0.11.0 (the newest release) calls `torch.set_vital`, a deprecated no-op since torch dropped its
+# vitals, in every StatefulDataLoader's __init__ (upstream: meta-pytorch/data#1536, not fixed in a release yet);
+# the recipes' loaders must be stateful to resume mid-epoch.
+warnings.filterwarnings(
+    "ignore", message=r"'set_vital' is deprecated", category=UserWarning,
+    module=r"torchdata\.stateful_dataloader\.stateful_dataloader\Z",
+)
+# Lightning 2.6.6 (the newest release) builds `LeafSpec()` in its CombinedLoader's pytree copy, which torch's
+# pytree deprecates for `treespec_leaf()` (Lightning-AI/pytorch-lightning#21326, unfixed in 2.6.6); every
+# Trainer.fit wraps its loaders in a CombinedLoader.
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
+    module=r"lightning\.pytorch\.utilities\._pytree\Z",
+)
 
 
 def train(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
@@ -71,19 +93,27 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> dict[s
 
 
 def attach_prediction(cfg: DictConfig, trainer: L.Trainer) -> None:
-    """Give the ScalingMonitor (if on) the model's dry run and the hardware, so it can print predicted vs measured.
+    """Give the ScalingMonitor (if on) the model's dry run and the hardware, so it can print predicted vs measured,
+    and the model summary (if on) the dry run's FLOPs count.
 
     Only rank 0 reports, so only rank 0 profiles; the dry run leaves every random generator as it found it.
     """
     monitor = next((c for c in trainer.callbacks if isinstance(c, ScalingMonitor) and c.enabled), None)
-    if monitor is None or rank_zero_only.rank != 0:
+    summary = next((c for c in trainer.callbacks if isinstance(c, PlannedFlopsSummary)), None)
+    if (monitor is None and summary is None) or rank_zero_only.rank != 0:
         return
     try:
         with preserved_random_state():
-            monitor.hardware = hardware_from_config(cfg)
-            monitor.profile = profile_from_config(cfg, {configured_layout(cfg).tp})
+            if monitor is not None:
+                monitor.hardware = hardware_from_config(cfg)
+            profile = profile_from_config(cfg, {configured_layout(cfg).tp})
     except Exception as error:  # noqa: BLE001 — a model the dry run cannot handle still trains; only the prediction is missing
         rank_zero_warn(f"ScalingMonitor: no prediction ({type(error).__name__}: {error})")
+        return
+    if monitor is not None:
+        monitor.profile = profile
+    if summary is not None:
+        summary.flops_per_sample = model_flops_per_sample(profile)
 
 
 def check_single_device(cfg: DictConfig) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,24 @@ def run_recipe(args: list[str], timeout: float = 240) -> subprocess.CompletedPro
     return proc
 
 
+def assert_first_screen_is_the_users(output: str) -> None:
+    """None of the third-party noise issue 30 found on `make train`'s first screen (from any rank)."""
+    for noise in ("set_vital", "LeafSpec", "Epoch 0/-2", "Total FLOPs: 0"):
+        assert noise not in output, f"{noise!r} on the first screen:\n{output[-6000:]}"
+    assert "FLOPs ┃" not in output  # no per-module FLOPs column: Lightning's read 0 on every row
+    flops = re.search(r"Training FLOPs per sample: ([\d.]+) ([KMGT]?)", output)
+    assert flops and float(flops.group(1)) > 0, output[-6000:]  # the planner's count instead
+    assert re.search(r"Steps · epoch \d+ .* 3/3", output)  # the progress bar counts the step budget
+
+
+def test_default_command_prints_only_what_is_the_users(tmp_path):
+    """`make train`'s command (the defaults: GPT, one CPU process), three steps."""
+    proc = run_recipe(["trainer.max_steps=3", f"hydra.run.dir={tmp_path}"])
+    output = proc.stdout + proc.stderr
+    assert "lightning_parallel summary: 3 steps" in output
+    assert_first_screen_is_the_users(output)
+
+
 def metric_rows(run_dir: Path) -> list[dict[str, str]]:
     (metrics,) = run_dir.glob("csv/version_*/metrics.csv")
     with metrics.open() as handle:
@@ -68,6 +87,7 @@ def test_train_recipe_with_data_parallel_strategy(tmp_path):
     assert measured["tokens_per_s"] == pytest.approx(measured["samples_per_s"] * 64)  # data.block_size=64
     assert any(row.get("scaling/mfu") for row in rows) and any(row.get("scaling/tokens_per_s") for row in rows)
     assert "tokens/s over 2 replica(s) · MFU" in output and "(measured peak)" in output
+    assert_first_screen_is_the_users(output)  # rank 1 (a child process) adds no warnings either
 
     # The same run, resumed under another layout from its newest checkpoint, trains on to step 5 (one replica:
     # twice the per-replica batch keeps the global batch, which a resume must).
