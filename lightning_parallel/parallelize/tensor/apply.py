@@ -22,6 +22,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.experts import check_experts, split_experts
 from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
 from lightning_parallel.parallelize.tensor.per_head import find_per_head_parameters, shard_per_head_parameters
@@ -270,6 +271,8 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
             in_features, out_features = features(sub)
             dim_name, size = ("in_features", in_features) if style == "rowwise" else ("out_features", out_features)
             _require_divisible(fqn, dim_name, size, tp_size)
+        elif style == "experts":
+            check_experts(fqn, sub, tp_size)
         elif style == "embedding_rowwise":
             if not isinstance(sub, nn.Embedding):
                 raise TypeError(f"{fqn}: style 'embedding_rowwise' needs an nn.Embedding, got {type(sub).__name__}.")
@@ -324,7 +327,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         torch_plan = {
             fqn: parallel_style(style, conv1d=fqn in resolved.conv1d)
             for fqn, style in resolved.styles.items()
-            if style != "replicate"
+            if style not in ("replicate", "experts")
         }
         # Where several column-wise projections read one input (q/k/v, gated MLPs), they get one shared
         # replicated DTensor: their input gradients add up as one partial sum, one all-reduce.
@@ -334,6 +337,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         SharedRegionInput(tp_mesh, arrives_as).attach(modules[region], projections, region)
     layouts = _order_fused_rank_major(modules, resolved, tp_size)
     parallelize_module(module, tp_mesh, torch_plan)
+    for fqn, style in resolved.styles.items():
+        if style == "experts":
+            experts_layouts = split_experts(fqn, modules[fqn], check_experts(fqn, modules[fqn], tp_size), tp_mesh)
+            if experts_layouts:
+                layouts[fqn] = experts_layouts
     if sequence_parallel:
         split_trunk_sequence(module, resolved, tp_mesh)
     for fqn, parameter_layouts in layouts.items():

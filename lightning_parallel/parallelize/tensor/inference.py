@@ -4,6 +4,8 @@
 published entry) — a group is split whole or not at all; :func:`infer_plan` flattens them into a plan.
 Groups are recognised:
 
+- a MoE block's grouped experts (3-D ``gate_up_proj``/``down_proj``, transformers' fused layout): style
+  ``experts`` (:mod:`~lightning_parallel.parallelize.tensor.experts`); ``nn.ModuleList`` experts are MLPs below;
 - within one module: q/k/v/output by conventional names, fused ``q|k|v`` (blocks or grouped per key/value
   head, as ``query_key_value`` is laid out), fused ``gate|up``, and MLPs by shape (``d→h, h→d``, gated
   ``d→h, d→h, h→d``);
@@ -23,6 +25,7 @@ from collections.abc import Callable, Mapping
 
 from torch import nn
 
+from lightning_parallel.parallelize.tensor.experts import find_experts
 from lightning_parallel.parallelize.tensor.projections import (
     KEY_VALUE_HEADS,
     QUERY_HEADS,
@@ -97,6 +100,12 @@ def infer_units(
     published = published_plan(module)
     units: list[Unit] = []
     taken: set[str] = set()
+    for name, layout in find_experts(module).items():
+        if isinstance(layout, str):
+            warn(f"{name}: grouped experts left replicated: {layout}.")
+        else:
+            units.append({name: "experts"})
+            taken.add(name)
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         if isinstance(sub, nn.MultiheadAttention):

@@ -30,6 +30,8 @@ STYLES: dict[str, str] = {
     "vocab_parallel": "another name for embedding_rowwise",
     "loss_parallel": "output head split over the vocabulary; training_step gets vocabulary-sharded logits for "
     "F.cross_entropy, computed without gathering them (torch loss_parallel); evaluation gets whole logits",
+    "experts": "a MoE block's grouped experts (3-D gate_up_proj/down_proj): every expert's hidden units split, "
+    "gate|up column-wise in blocks, down row-wise, output all-reduced (routing stays replicated)",
     "replicate": "kept whole on every rank (explicit no-op)",
 }
 #: Other names for styles; a resolved plan holds only the names they stand for.
@@ -81,7 +83,7 @@ class ResolvedPlan:
 
 
 def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1d: bool = False) -> ParallelStyle | None:
-    """The torch ``ParallelStyle`` that splits one module by ``style``; ``None`` for ``"replicate"``.
+    """The torch ``ParallelStyle`` that splits one module by ``style``; ``None`` for ``"replicate"`` and ``"experts"``.
 
     Args:
         style: A name from :data:`STYLES` (aliases accepted).
@@ -113,8 +115,8 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1
     if style == "loss_parallel":
         # The logits stay a vocabulary-sharded DTensor, which torch's loss_parallel needs for cross-entropy.
         return ColwiseParallel(use_local_output=False)
-    if style == "replicate":
-        return None
+    if style in ("replicate", "experts"):
+        return None  # experts are split by parallelize.tensor.experts, not by a torch ParallelStyle
     raise ValueError(f"Style {style!r} is unknown. Choose one of: {', '.join(STYLES)}.")
 
 

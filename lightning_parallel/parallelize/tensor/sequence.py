@@ -38,6 +38,13 @@ def sequence_parallel_plan(
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import SequenceParallel
 
+    experts = [fqn for fqn, style in resolved.styles.items() if style == "experts"]
+    if experts:
+        # The experts module reads the block's tokens whole (routing picks rows of them): it has no sequence shard.
+        raise ValueError(
+            f"sequence_parallel=True cannot split the grouped experts of {experts[0]} (their tokens are routed whole). "
+            f"Set sequence_parallel=False, or leave the experts replicated in the plan."
+        )
     modules = dict(module.named_modules())
     blocks = _trunk_blocks(modules, resolved.styles)
     sharded = Shard(sequence_dim)

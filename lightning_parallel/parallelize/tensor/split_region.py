@@ -25,7 +25,7 @@ No Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -137,7 +137,26 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
             )
 
 
-class SplitRegionParameters:
+class PartialSumParameters:
+    """Replicated parameters whose gradient each rank of the tensor-parallel group computes as a partial sum.
+
+    Found by :func:`reduce_split_region_gradients` under the module attribute ``_split_region_parameters``.
+
+    Args:
+        group: The tensor-parallel process group.
+        name: The owning module's FQN, for messages.
+        parameters: Returns the parameters, looked up when reduced (wrapping may replace them).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, name: str, parameters: Callable[[], list[nn.Parameter]]) -> None:
+        self.group, self.name, self._parameters = group, name, parameters
+
+    def inside_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are partial sums after the last forward."""
+        return self._parameters()
+
+
+class SplitRegionParameters(PartialSumParameters):
     """Finds the replicated parameters a split region uses on this rank's slice, and sums their gradients.
 
     A child of the region that holds parameters (and is not one of the split projections) is *inside* when it is
@@ -156,7 +175,8 @@ class SplitRegionParameters:
     """
 
     def __init__(self, group: dist.ProcessGroup, name: str, tp_size: int) -> None:
-        self.group, self.name, self.tp_size = group, name, tp_size
+        super().__init__(group, name, self.inside_parameters)
+        self.tp_size = tp_size
         self._split = False
         self._children: dict[str, nn.Module] = {}
         self._inside: dict[str, bool] = {}
@@ -238,7 +258,7 @@ def reduce_split_region_gradients(root: nn.Module) -> int:
     seen: set[int] = set()
     for sub in root.modules():
         tracker = getattr(sub, "_split_region_parameters", None)
-        if not isinstance(tracker, SplitRegionParameters):
+        if not isinstance(tracker, PartialSumParameters):
             continue
         for param in tracker.inside_parameters():
             if param.grad is None or id(param) in seen:

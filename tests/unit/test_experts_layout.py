@@ -1,0 +1,71 @@
+"""Grouped experts (transformers' fused 3-D MoE layout) recognised for the tensor-parallel plan."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.parallelize.tensor.experts import DOWN, ExpertsLayout, check_experts, experts_layout
+from lightning_parallel.parallelize.tensor.inference import infer_plan
+
+
+class Experts(nn.Module):
+    """Hand-written 3-D experts: ``[E, 2I, H]`` / ``[E, H, I]`` unless ``transposed``."""
+
+    def __init__(self, experts=4, hidden=8, inner=6, transposed=False, gated=True, **attributes):
+        super().__init__()
+        up = "gate_up_proj" if gated else "up_proj"
+        width = (2 if gated else 1) * inner
+        shape_up, shape_down = ((experts, hidden, width), (experts, inner, hidden)) if transposed else (
+            (experts, width, hidden), (experts, hidden, inner))
+        self.register_parameter(up, nn.Parameter(torch.zeros(shape_up)))
+        self.register_parameter(DOWN, nn.Parameter(torch.zeros(shape_down)))
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+
+def test_recorded_layouts_are_read_from_the_module():
+    layout = experts_layout(Experts(is_transposed=False, is_concatenated=True, has_gate=True))
+    assert layout == ExpertsLayout("gate_up_proj", True, False, True, 4, 6)
+    assert layout.split_dims() == {"gate_up_proj": 1, DOWN: 2} and layout.fused_blocks() == (6, 6)
+    flipped = experts_layout(Experts(transposed=True, is_transposed=True, is_concatenated=False, has_gate=True))
+    assert (flipped.transposed, flipped.concatenated, flipped.fused_blocks()) == (True, False, None)
+    assert flipped.split_dims() == {"gate_up_proj": 2, DOWN: 1}
+
+
+def test_transposition_is_inferred_from_shapes_where_they_tell():
+    layout = experts_layout(Experts(transposed=True, is_concatenated=True))
+    assert (layout.transposed, layout.intermediate, layout.split_dims()) == (True, 6, {"gate_up_proj": 2, DOWN: 1})
+    # Ungated [E, a, b] / [E, b, a] fits both storages: only the module's own record decides.
+    assert "is_transposed" in experts_layout(Experts(transposed=True, gated=False))
+    layout = experts_layout(Experts(transposed=True, gated=False, is_transposed=True))
+    assert (layout.up, layout.gated, layout.transposed, layout.intermediate) == ("up_proj", False, True, 6)
+
+
+def test_unrecorded_gate_up_order_outside_transformers_is_not_guessed():
+    reason = experts_layout(Experts(is_transposed=False))
+    assert isinstance(reason, str) and "is_concatenated" in reason
+    with pytest.raises(ValueError, match="cannot be split over tensor-parallel ranks.*is_concatenated"):
+        check_experts("moe.experts", Experts(is_transposed=False), 2)
+
+
+def test_experts_refused_where_the_split_would_change_the_math():
+    norm = Experts(is_transposed=False, is_concatenated=True, has_post_expert_norm=True)
+    assert "post_expert_norm" in experts_layout(norm)
+    extra = Experts(is_transposed=False, is_concatenated=True)
+    extra.scale = nn.Parameter(torch.ones(4))
+    assert "scale" in experts_layout(extra)
+    with pytest.raises(ValueError, match="6 hidden units are not divisible by tensor_parallel_size=4"):
+        check_experts("moe.experts", Experts(is_transposed=False, is_concatenated=True), 4)
+    with pytest.raises(TypeError, match="style 'experts' needs a module holding grouped experts"):
+        check_experts("moe.gate", nn.Linear(8, 4), 2)
+
+
+def test_auto_plan_splits_a_transformers_mixtrals_experts():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )
+    plan = infer_plan(transformers.MixtralForCausalLM(config))
+    assert plan["model.layers.0.mlp.experts"] == "experts"
+    assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
