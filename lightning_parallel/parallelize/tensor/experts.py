@@ -34,6 +34,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.per_head import LocalView
 from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters
 
 #: The down projection's parameter name; the up projection is ``gate_up_proj`` (gated) or ``up_proj``.
@@ -177,7 +178,11 @@ def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout, tp_mesh: A
             fused_layout.rank_major_rows(param, layouts[name])
         placed = distribute_tensor(param.detach(), tp_mesh, [Shard(dim)], src_data_rank=None)
         module.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
-    region = _ExpertsRegion(tp_mesh, tuple(layout.split_dims()), f"{DOWN}_bias" if f"{DOWN}_bias" in layout.biases else None)
+    # During the call the forward reads this rank's slices; named_parameters and state_dict keep the DTensors.
+    sliced = LocalView(tuple(layout.split_dims()))
+    module.register_forward_pre_hook(sliced.enter)
+    module.register_forward_hook(sliced.leave, always_call=True)
+    region = _ExpertsRegion(tp_mesh, f"{DOWN}_bias" if f"{DOWN}_bias" in layout.biases else None)
     module.register_forward_pre_hook(region.enter, with_kwargs=True)
     module.register_forward_hook(region.leave, always_call=True)
     # The down bias's gradient is a partial sum over the group: reduced with the split regions' parameters.
@@ -189,22 +194,18 @@ def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout, tp_mesh: A
 class _ExpertsRegion:
     """The hooks around one split experts module's forward (see the module docstring)."""
 
-    def __init__(self, mesh: Any, sharded: tuple[str, ...], down_bias: str | None) -> None:
-        self.mesh, self.sharded, self.down_bias = mesh, sharded, down_bias
+    def __init__(self, mesh: Any, down_bias: str | None) -> None:
+        self.mesh, self.down_bias = mesh, down_bias
 
     def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        # Attribute lookup finds the instance __dict__ before nn.Module.__getattr__ reads _parameters: during the
-        # call the forward reads this rank's slices, while named_parameters and state_dict keep the DTensors.
-        for name in self.sharded:
-            module.__dict__[name] = module._parameters[name].to_local()
         if self.down_bias is not None:
+            # Read as an instance attribute (found before _parameters), as LocalView's slices are.
             module.__dict__[self.down_bias] = module._parameters[self.down_bias] / self.mesh.size()
         return tuple(self._replicated(a) for a in args), {k: self._replicated(v) for k, v in kwargs.items()}
 
     def leave(self, module: nn.Module, _: tuple[Any, ...], output: Any) -> Any:
-        for name in (*self.sharded, self.down_bias):
-            if name is not None:
-                module.__dict__.pop(name, None)
+        if self.down_bias is not None:
+            module.__dict__.pop(self.down_bias, None)
         return _all_reduced(output, self.mesh) if isinstance(output, Tensor) else output
 
     def _replicated(self, value: Any) -> Any:

@@ -59,11 +59,11 @@ def shard_per_head_parameters(modules: Mapping[str, nn.Module], per_head: Mappin
             param = attention._parameters[name]
             placed = distribute_tensor(param.detach(), tp_mesh, [Shard(0)], src_data_rank=None)
             attention.register_parameter(name, nn.Parameter(placed, requires_grad=param.requires_grad))
-        attention.register_forward_pre_hook(_LocalView(names).enter)
-        attention.register_forward_hook(_LocalView(names).leave, always_call=True)
+        attention.register_forward_pre_hook(LocalView(names).enter)
+        attention.register_forward_hook(LocalView(names).leave, always_call=True)
 
 
-class _LocalView:
+class LocalView:
     """Puts ``to_local()`` of the named DTensor parameters in the module's ``__dict__`` for one forward.
 
     Attribute lookup finds the instance ``__dict__`` before ``nn.Module.__getattr__`` looks in ``_parameters``,
