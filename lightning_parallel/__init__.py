@@ -20,6 +20,7 @@ from lightning_parallel.parallelize.pipeline.schedule import SCHEDULES
 from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 from lightning_parallel.parallelize.tensor.plan import STYLES
 from lightning_parallel.strategies import (
+    AutoParallelStrategy,
     DataParallelStrategy,
     HybridParallelStrategy,
     ParallelEngineStrategy,
@@ -32,6 +33,7 @@ from lightning_parallel.strategies.launch import training_job
 __version__ = package_version()
 
 __all__ = [
+    "AutoParallelStrategy",
     "COMM_HOOKS",
     "DATA_PARALLEL_MODES",
     "SCHEDULES",

@@ -65,6 +65,11 @@ warnings.filterwarnings(
     "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning,
     module=r"lightning\.pytorch\.utilities\._pytree\Z",
 )
+# The same deprecation, raised again where the pipeline runtime deep-copies a micro-batch's tree spec (the
+# warning is attributed to the copy's caller, the standard library's copyreg).
+warnings.filterwarnings(
+    "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning, module=r"copyreg\Z",
+)
 
 
 def train(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:
@@ -106,7 +111,8 @@ def attach_prediction(cfg: DictConfig, trainer: L.Trainer) -> None:
         with preserved_random_state():
             if monitor is not None:
                 monitor.hardware = hardware_from_config(cfg)
-            profile = profile_from_config(cfg, {configured_layout(cfg).tp})
+            layout = configured_layout(cfg)  # None: strategy=auto, whose own dry run the monitor takes at train start
+            profile = profile_from_config(cfg, {layout.tp if layout is not None else 1})
     except Exception as error:  # noqa: BLE001 — a model the dry run cannot handle still trains; only the prediction is missing
         rank_zero_warn(f"ScalingMonitor: no prediction ({type(error).__name__}: {error})")
         return

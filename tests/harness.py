@@ -53,7 +53,7 @@ class JobSpec:
     # | hand_norm_attention (view_attention with Meta's hand-written RMSNorm: no reset_parameters())
     # | litgpt (Lightning's LitGPT model: fused GQA qkv, head counts on its Config dataclass; needs litgpt)
     model: str = "gpt"
-    strategy: str = "single"  # single | data | tensor | pipeline | hybrid
+    strategy: str = "single"  # single | data | tensor | pipeline | hybrid | auto (the planner chooses, for cpu_local)
     devices: int = 1
     batch_size: int = 4  # per data-parallel rank
     val_batch_size: int | None = None  # per data-parallel rank (default: batch_size)
@@ -240,6 +240,7 @@ class Recorder(Callback):
             "reduce_scatters": _REDUCE_SCATTERS[0] - self._reduce_scatters_at_start,
             "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
+            "layout": trainer.strategy.planned_layout().describe() if hasattr(trainer.strategy, "planned_layout") else None,
             "pipeline_training_rows": getattr(getattr(trainer.strategy, "pipeline_runner", None), "training_rows", None),
             "compiled_blocks": list(getattr(getattr(trainer.strategy, "compile", None), "compiled", [])),
             "state_bytes": self.state_bytes,
@@ -331,6 +332,15 @@ def make_model(spec: JobSpec) -> L.LightningModule:
     raise ValueError(f"unknown model {spec.model!r}")
 
 
+def local_hardware() -> Any:
+    """The hardware profile the recipes plan for on this machine (conf/hardware/cpu_local.yaml)."""
+    import yaml
+
+    from lightning_parallel.plan.hardware import HardwareProfile
+
+    return HardwareProfile.from_config(yaml.safe_load((Path(__file__).resolve().parents[1] / "conf/hardware/cpu_local.yaml").read_text()))
+
+
 def job_dir(save_path: Path | None) -> Path:
     """Where a job writes its files: beside its result, or a fresh temporary directory (never the working
     directory: an in-process reference job would leave its files in the repository)."""
@@ -357,6 +367,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         strategy = lightning_parallel.PipelineParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
     elif spec.strategy == "hybrid":
         strategy = lightning_parallel.HybridParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
+    elif spec.strategy == "auto":
+        strategy = lightning_parallel.AutoParallelStrategy(**{"timeout": 60, "hardware": local_hardware(), **spec.strategy_kwargs})
     else:
         raise ValueError(f"unknown strategy {spec.strategy!r}")
     recorder = Recorder(save_path)

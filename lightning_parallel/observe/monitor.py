@@ -118,6 +118,10 @@ class ScalingMonitor(Callback):
         if not self.enabled:
             return
         self.steps, self.summary = [], {}
+        chosen_on = getattr(trainer.strategy, "model_profile", None)
+        if chosen_on is not None:
+            # strategy=auto chose the layout on its own dry run and hardware: compare with what it predicted.
+            self.profile, self.hardware = chosen_on, trainer.strategy.hardware
         self._exit.enter_context(self._collectives.active())
 
     @override

@@ -24,10 +24,12 @@ from rich.console import Console
 from lightning_parallel.plan.config import (
     configured_layout,
     hardware_from_config,
+    pinned_sizes,
     profile_from_config,
     workload_from_config,
     world_of,
 )
+from lightning_parallel.plan.layouts import tensor_parallel_sizes
 from lightning_parallel.plan.planner import PlanError, check_request, plan
 from lightning_parallel.plan.report import print_plan
 
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose(config_name=args.config_name, overrides=args.overrides)
-    fixed = {dim: getattr(args, dim) for dim in ("dp", "cp", "tp", "pp") if getattr(args, dim) is not None}
+    flags = {dim: getattr(args, dim) for dim in ("dp", "cp", "tp", "pp") if getattr(args, dim) is not None}
     if args.simulate:
         from lightning_parallel.plan.simulate import simulate_configured
 
@@ -76,13 +78,12 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[red]Cannot simulate:[/red] {error}")
             return 2
     try:
+        fixed = {**pinned_sizes(cfg), **flags}  # strategy=auto's pin, then the command line's
         hardware = hardware_from_config(cfg)
         workload = workload_from_config(cfg, args.global_batch)
         check_request(workload, hardware, fixed)  # before the dry run: cheap refusals first
         devices, nodes = world_of(cfg)
-        world = devices * nodes
-        sizes = [d for d in range(1, world + 1) if world % d == 0 and ("tp" not in fixed or d in (1, fixed["tp"]))]
-        profile = profile_from_config(cfg, sizes)
+        profile = profile_from_config(cfg, tensor_parallel_sizes(devices * nodes, fixed))
         result = plan(profile, workload, hardware, fixed, configured=configured_layout(cfg))
     except (PlanError, ValueError) as error:
         console.print(f"[red]Cannot plan:[/red] {error}")

@@ -42,23 +42,34 @@ def configured_strategy(cfg: DictConfig) -> Any:
     return instantiate(cfg.strategy)
 
 
-def configured_layout(cfg: DictConfig) -> Layout:
+def configured_layout(cfg: DictConfig) -> Layout | None:
     """The layout ``cfg.strategy`` asks for, resolved over the configured ranks — by the strategy itself, so
-    the planner never keeps a second copy of the presets' defaults. Lightning's own strategies: dp = world."""
+    the planner never keeps a second copy of the presets' defaults. Lightning's own strategies: dp = world.
+    ``None`` for ``strategy=auto``, which leaves the layout to the planner."""
     devices, nodes = world_of(cfg)
     strategy = configured_strategy(cfg)
+    if getattr(strategy, "chooses_layout", False):
+        return None
     if not hasattr(strategy, "layout_for"):
         return Layout(dp=devices * nodes, tp=1, pp=1)
     layout = strategy.layout_for(devices * nodes, devices, f"trainer.devices={devices} × trainer.num_nodes={nodes}")
     return strategy.planned_layout(layout)
 
 
+def pinned_sizes(cfg: DictConfig) -> dict[str, int]:
+    """The sizes ``strategy=auto`` keeps (its ``pin``); nothing for strategies with a configured layout."""
+    return dict(getattr(configured_strategy(cfg), "pin", None) or {})
+
+
 def workload_from_config(cfg: DictConfig, global_batch: int | None = None) -> Workload:
-    """Ranks and batch: by default the global batch the configured layout trains (data.batch_size × dp × accumulation)."""
+    """Ranks and batch: by default the global batch the configured layout trains (data.batch_size × dp ×
+    accumulation; ``strategy=auto``: its ``global_batch``, or data parallelism's over every rank)."""
     devices, nodes = world_of(cfg)
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
     if global_batch is None:
-        global_batch = cfg.data.batch_size * configured_layout(cfg).dp * accumulate
+        layout = configured_layout(cfg)
+        chosen = getattr(configured_strategy(cfg), "global_batch", None) if layout is None else None
+        global_batch = chosen or cfg.data.batch_size * (layout.dp if layout is not None else devices * nodes) * accumulate
     return Workload(
         devices_per_node=devices, num_nodes=nodes, global_batch=global_batch, accumulate=accumulate,
         empty_init=bool(cfg.get("empty_init", False)),

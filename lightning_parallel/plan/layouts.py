@@ -8,6 +8,7 @@ No torch here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -149,6 +150,12 @@ def batch_per_forward(layout: Layout, workload: Workload) -> int | None:
     if workload.global_batch % replicas_and_batches:
         return None
     return workload.global_batch // replicas_and_batches
+
+
+def tensor_parallel_sizes(world_size: int, fixed: Mapping[str, int] | None = None) -> tuple[int, ...]:
+    """The tensor-parallel degrees worth profiling for ``world_size`` ranks: its divisors, or 1 and a pinned ``tp``."""
+    pinned = (fixed or {}).get("tp")
+    return tuple(d for d in _divisors(world_size) if pinned is None or d in (1, pinned))
 
 
 def enumerate_layouts(

@@ -160,8 +160,13 @@ def simulate_configured(
     strategy = configured_strategy(cfg)
     if not hasattr(strategy, "layout_for"):
         raise ValueError(f"--simulate runs lightning_parallel's strategies; strategy={type(strategy).__name__}.")
-    layout = strategy.layout_for(devices * nodes, devices, f"trainer.devices={devices} × trainer.num_nodes={nodes}")
     planned = configured_layout(cfg)
+    if planned is None:
+        raise ValueError(
+            "--simulate dry-runs a configured layout, and strategy=auto chooses its layout at launch: run the planner "
+            "without --simulate to see the choice, then simulate it with the strategy=hybrid overrides it prints."
+        )
+    layout = strategy.layout_for(devices * nodes, devices, f"trainer.devices={devices} × trainer.num_nodes={nodes}")
     started = time.perf_counter()
     prediction = predict(profile_from_config(cfg, {planned.tp}), planned, workload_from_config(cfg), hardware_from_config(cfg))
     console.print(f"predicted {planned.describe()} in {time.perf_counter() - started:.1f} s (meta-device dry run of the model)")

@@ -2,6 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_parallel.strategies.auto import AutoParallelStrategy
 from lightning_parallel.strategies.data import DataParallelStrategy
 from lightning_parallel.strategies.engine import ParallelEngineStrategy
 from lightning_parallel.strategies.hybrid import HybridParallelStrategy
@@ -43,4 +44,4 @@ def _register() -> None:
 
 _register()
 
-__all__ = ["DataParallelStrategy", "HybridParallelStrategy", "ParallelEngineStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]
+__all__ = ["AutoParallelStrategy", "DataParallelStrategy", "HybridParallelStrategy", "ParallelEngineStrategy", "PipelineParallelStrategy", "TensorParallelStrategy"]

@@ -203,6 +203,12 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._prepare_process()
+        self._init_process_group()
+        self._build_mesh()
+
+    def _prepare_process(self) -> None:
+        """Before any process group: the device, the seed, this process's rank and the backend to use."""
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -210,12 +216,18 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
             self.root_device
         )
         self._check_backend(self._process_group_backend)
+
+    def _init_process_group(self) -> None:
+        """Join the default process group (every rank of the job)."""
         device_id = self.root_device if self.root_device.type != "cpu" else None
         store = elastic_restart_store(self.cluster_environment.world_size(), self._timeout)
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id,
             **({"store": store} if store is not None else {}),
         )
+
+    def _build_mesh(self) -> None:
+        """Resolve the layout over the process group's ranks and build its DeviceMesh."""
         layout = self._layout = self.layout_for(dist.get_world_size(), self.num_processes, "processes in the default process group")
         self._mesh = layout.build_mesh(self.root_device.type)
         expected = layout.axis_coordinates(self.global_rank)

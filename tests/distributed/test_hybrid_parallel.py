@@ -143,6 +143,7 @@ def four_rank_results(tmp_path_factory):
     """The 4-rank jobs below, one after another in one launch (starting 4 processes is the slow part)."""
     specs = {name: hybrid_job(4, accumulate=accumulate, **strategy) for name, (strategy, accumulate, _) in PAIRS.items()}
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, (devices, strategy, _) in SHARDED.items() if devices == 4})
+    specs["auto_pin_pp2"] = auto_job(pin={"pp": 2})
     return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=600)
 
 
@@ -155,6 +156,24 @@ def test_each_pair_of_dimensions_matches_single_device(name, four_rank_results):
     assert_planner_predicts_state(hybrid_job(4, accumulate=accumulate, **strategy), result)
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], **fraction))
+
+
+def auto_job(**strategy) -> JobSpec:
+    """strategy=auto on 4 ranks, batch_size given per rank as for data parallelism: the global batch is GLOBAL_BATCH × 2."""
+    return JobSpec(
+        strategy="auto", devices=4, batch_size=GLOBAL_BATCH // 4, steps=STEPS, n_layer=LAYERS, accumulate=2, validate=True,
+        perturb_other_ranks=True, strategy_kwargs=strategy,
+    )
+
+
+def test_auto_strategy_trains_its_choice_exactly(four_rank_results):
+    """The planner keeps the pinned pp=2 and picks the rest (dp=2, a schedule, micro-batches); the per-replica
+    batch doubles so the global batch stays data parallelism's, and training matches one device on it."""
+    result = four_rank_results["auto_pin_pp2"]
+    assert result["layout"].startswith("dp=2 × tp=1 × pp=2 · "), result["layout"]
+    ref = reference(accumulate=2)
+    assert_same_training(ref, result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
 
 
 @pytest.mark.parametrize("name", list(SHARDED))
