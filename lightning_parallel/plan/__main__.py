@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step (default: what the configured layout trains)")
     for dim in ("dp", "cp", "tp", "pp"):
         parser.add_argument(f"--{dim}", type=int, help=f"pin the {dim} size" + (" (context parallelism: compared only when pinned)" if dim == "cp" else ""))
+    parser.add_argument("--measure-hardware", action="store_true",
+                        help="measure this machine again for `measured: true` profiles (cpu_local), instead of the cached figures")
     parser.add_argument("--measure", action="store_true", help="run a few steps of the best layouts here and compare")
     parser.add_argument("--measure-top", type=int, default=3, help="layouts to measure (default: 3)")
     parser.add_argument("--measure-steps", type=int, default=6, help="optimizer steps per measured run (default: 6)")
@@ -66,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (config_dir / f"{args.config_name}.yaml").is_file():
         console.print(f"[red]No {args.config_name}.yaml in {config_dir}[/red]: run from the project root or pass --config-dir.")
         return 2
+    if args.measure_hardware:
+        from lightning_parallel.measure.hardware import REMEASURE_ENV
+
+        os.environ[REMEASURE_ENV] = "1"  # also for the jobs --measure and --simulate start
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         cfg = compose(config_name=args.config_name, overrides=args.overrides)
     flags = {dim: getattr(args, dim) for dim in ("dp", "cp", "tp", "pp") if getattr(args, dim) is not None}

@@ -2,7 +2,7 @@
 
 A profile is a YAML file in ``conf/hardware/`` (selected with ``hardware=<name>``, like any Hydra group).
 Bandwidths are per device, in the direction data flows (an all-reduce's wire bytes divide by them).
-No torch here.
+No torch here (a ``measured: true`` profile imports the measuring code when it is loaded).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ class HardwareProfile:
             ``peak_tflops``.
         peak_dtype: The dtype ``peak_tflops`` is for (``bf16``, ``fp16``, ``fp32``, ``fp64``).
         peak_tflops_by_dtype: Dense peaks of other dtypes, TFLOP/s (MFU divides by the training dtype's).
-        measured_peak: The peaks are this machine's, measured with a matmul benchmark when MFU is first
-            computed (a CPU): ``peak_tflops`` and ``node_tflops`` are then only the planner's estimates.
+        measured_peak: MFU divides by this run's own matmul benchmark (a CPU) instead of ``peak_tflops``.
+        measured: The figures are this machine's (:mod:`lightning_parallel.measure.hardware`): compute peaks,
+            collective bandwidth and latency, memory (the host's RAM over ``devices_per_node``), measured once and
+            cached; keys the profile gives itself win.
         description: Free text (where the numbers come from).
     """
 
@@ -54,6 +56,7 @@ class HardwareProfile:
     peak_dtype: str = "bf16"
     peak_tflops_by_dtype: Mapping[str, float] | None = None
     measured_peak: bool = False
+    measured: bool = False
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -78,6 +81,10 @@ class HardwareProfile:
         unknown = sorted(set(config) - known - {"_target_"})
         if unknown:
             raise ValueError(f"hardware profile has unknown key(s) {unknown}; known keys: {sorted(known)}.")
+        if config.get("measured"):
+            from lightning_parallel.measure.hardware import measured_profile_fields
+
+            config = {**measured_profile_fields(int(config.get("devices_per_node", 1))), **config}
         required = {"name", "device_memory_gib", "peak_tflops", "achievable_fraction", "devices_per_node",
                     "intra_node_gbps", "inter_node_gbps"}
         missing = sorted(required - set(config))
@@ -93,8 +100,8 @@ class HardwareProfile:
     def flops_per_device(self, processes_on_node: int) -> float:
         """Achievable FLOP/s of one process when ``processes_on_node`` share a node."""
         peak = self.peak_tflops
-        if self.node_tflops is not None:
-            peak = min(peak, self.node_tflops / max(1, processes_on_node))
+        if self.node_tflops is not None and processes_on_node > 1:  # alone, a process has the whole node
+            peak = min(peak, self.node_tflops / processes_on_node)
         return peak * 1e12 * self.achievable_fraction
 
     def peak_flops(self, dtype: str, processes_on_node: int) -> float:

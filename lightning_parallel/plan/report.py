@@ -63,6 +63,8 @@ def print_plan(result: Plan, model: ModelProfile, top: int = 10, console: Consol
         f"[bold]{model.name}[/bold]: {model.parameter_count / 1e6:.1f}M parameters, {len(model.trunk_layers)} trunk layers · "
         f"{len(result.predictions)} layouts compared, {sum(not p.fits for p in result.predictions)} out of memory"
     )
+    if result.hardware.description:
+        console.print(f"[dim]hardware {result.hardware.name}: {result.hardware.description}[/dim]")
     console.print(plan_table(result, top))
     body = "\n".join(f"• {reason}" for reason in result.reasons)
     body += "\n\nrun it:\n  python recipes/train.py " + " ".join(best.layout.overrides(best.batch_size))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 import torch.distributed as dist
@@ -63,7 +64,7 @@ class AutoParallelStrategy(HybridParallelStrategy):
     def __init__(
         self,
         hardware: HardwareProfile | Mapping[str, Any] | None = None,
-        pin: Mapping[str, int] | None = None,
+        pin: Mapping[str, int] = MappingProxyType({}),
         global_batch: int | None = None,
         **options: Any,
     ) -> None:

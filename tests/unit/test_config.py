@@ -63,12 +63,15 @@ def test_strategy_files_repeat_no_default_differently(path):
 
     options = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     strategy = get_class(options.pop("_target_"))
+    options.pop("_convert_", None)  # Hydra's own key
     if not issubclass(strategy, lightning_parallel.ParallelEngineStrategy):
         pytest.skip(f"{strategy.__name__} is Lightning's own")
     parameters = inspect.signature(strategy).parameters
     for name, value in options.items():
         assert name in parameters, f"{path.name}: {name} is not an option of {strategy.__name__}"
         default = parameters[name].default
+        if isinstance(value, str) and value.startswith("${"):
+            continue  # taken from another config group (strategy=auto's hardware), not a default
         if isinstance(default, tuple):
             value = tuple(value)
         assert value == default, f"{path.name}: {name}={value!r}, but {strategy.__name__} defaults to {default!r}"

@@ -1,0 +1,196 @@
+"""This machine's compute and collective figures, measured once and cached (what ``measured: true`` profiles use).
+
+Compute: a dense matmul with every core (what one process alone trains on) and with one thread (a process's share
+when several share the cores: Lightning gives each ``cores // processes`` threads, at least one), per dtype.
+Collectives: two processes of the backend in use (gloo on CPU) time an all-reduce of 4 KiB (latency) and of 8 MiB
+(bandwidth, wire bytes per rank per second). Memory: the host's RAM.
+
+The figures are cached per machine in ``$XDG_CACHE_HOME/lightning_parallel/hardware/`` (default ``~/.cache``),
+keyed by host name, core count and torch version; ``LIGHTNING_PARALLEL_MEASURE_HARDWARE=1`` (or
+``python -m lightning_parallel.plan --measure-hardware``) measures again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_parallel.measure.peak import measured_matmul_tflops
+
+#: Set to 1 to measure again instead of reading the cache.
+REMEASURE_ENV = "LIGHTNING_PARALLEL_MEASURE_HARDWARE"
+#: Dtypes whose matmul peak is measured (the recipes train in fp32, the exactness tests in fp64).
+MEASURED_DTYPES = ("fp32", "fp64")
+SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
+_BACKEND = "gloo"  # the CPU processes' backend; GPU profiles stay datasheet-based
+
+
+@dataclass(frozen=True)
+class LocalMeasurements:
+    """What was measured on this machine (TFLOP/s, GB/s, microseconds, GiB)."""
+
+    host: str
+    cores: int
+    torch_version: str
+    backend: str
+    measured_at: str
+    alone_tflops: dict[str, float]  # one process using every core
+    per_thread_tflops: dict[str, float]  # one thread
+    collective_gbps: float  # wire bytes per rank per second of a large all-reduce between 2 processes
+    collective_latency_us: float  # one small all-reduce between 2 processes
+    memory_gib: float  # host RAM
+
+    def describe(self) -> str:
+        return (
+            f"measured on {self.host} ({self.cores} cores, torch {self.torch_version}) at {self.measured_at}: matmul "
+            f"{self.alone_tflops['fp32']:.3g} TFLOP/s fp32 for one process, {self.per_thread_tflops['fp32']:.3g} per thread; "
+            f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency"
+        )
+
+
+def cache_path() -> Path:
+    """Where this machine's measurements are kept."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lightning_parallel" / "hardware"
+    key = f"{socket.gethostname()}-{os.cpu_count()}cores-torch{torch.__version__}".replace("/", "_").replace("+", "_")
+    return root / f"{key}.json"
+
+
+def local_measurements(remeasure: bool | None = None) -> LocalMeasurements:
+    """This machine's figures: from the cache, or measured now (about 10 s) and cached.
+
+    Args:
+        remeasure: Measure even if cached (default: whether ``LIGHTNING_PARALLEL_MEASURE_HARDWARE=1``).
+    """
+    path = cache_path()
+    if remeasure is None:
+        remeasure = os.environ.get(REMEASURE_ENV, "") == "1"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One process measures while the others (the ranks of a job starting together) wait for its figures: measuring
+    # in several at once would measure the contention.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = None if remeasure else _read(path)
+        if cached is not None:
+            return cached
+        print(f"lightning_parallel: measuring this machine's compute and {_BACKEND} once (about 20 s; cached in {path})",
+              file=sys.stderr, flush=True)
+        measured = measure_here()
+        # Written whole then renamed: a reader never sees half a file.
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
+            handle.write(json.dumps(asdict(measured), indent=2))
+        os.replace(handle.name, path)
+    return measured
+
+
+def _read(path: Path) -> LocalMeasurements | None:
+    if not path.is_file():
+        return None
+    try:
+        return LocalMeasurements(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        return None  # a cache written by another version of this file: measure again
+
+
+def measure_here() -> LocalMeasurements:
+    """Measure compute, collectives and memory of this machine now."""
+    import psutil
+
+    cores = os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    try:
+        alone, per_thread = {}, {}
+        for dtype in MEASURED_DTYPES:
+            torch.set_num_threads(cores)
+            alone[dtype] = _fresh_matmul_tflops(dtype)
+            torch.set_num_threads(1)
+            per_thread[dtype] = _fresh_matmul_tflops(dtype)
+    finally:
+        torch.set_num_threads(threads)
+    latency_s, large_s = _all_reduce_seconds()
+    return LocalMeasurements(
+        host=socket.gethostname(),
+        cores=cores,
+        torch_version=torch.__version__,
+        backend=_BACKEND,
+        measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        alone_tflops=alone,
+        per_thread_tflops=per_thread,
+        # A 2-rank ring all-reduce puts 2 (n - 1) / n = 1 × the payload on each rank's wire.
+        collective_gbps=LARGE_BYTES / max(large_s - latency_s, 1e-9) / 1e9,
+        collective_latency_us=latency_s * 1e6,
+        memory_gib=psutil.virtual_memory().total / 2**30,
+    )
+
+
+def _fresh_matmul_tflops(dtype: str) -> float:
+    measured_matmul_tflops.cache_clear()  # the cached value is for the caller's thread count
+    try:
+        return measured_matmul_tflops(dtype)
+    finally:
+        measured_matmul_tflops.cache_clear()
+
+
+def _all_reduce_seconds(world_size: int = 2) -> tuple[float, float]:
+    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (medians)."""
+    with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
+        init = Path(scratch) / "store"
+        out = Path(scratch) / "result.json"
+        mp.start_processes(_all_reduce_worker, args=(world_size, str(init), str(out)), nprocs=world_size, start_method="spawn")
+        result = json.loads(out.read_text())
+    return result["small_s"], result["large_s"]
+
+
+def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(_BACKEND, init_method=f"file://{init}", rank=rank, world_size=world_size)
+    try:
+        small = torch.zeros(SMALL_BYTES // 4)
+        large = torch.zeros(LARGE_BYTES // 4)
+        timings = {}
+        for name, tensor, repeats in (("small_s", small, 30), ("large_s", large, 6)):
+            dist.all_reduce(tensor)  # warm-up (connections, buffers)
+            seconds = []
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                dist.all_reduce(tensor)
+                seconds.append(time.perf_counter() - start)
+            timings[name] = statistics.median(seconds)
+        if rank == 0:
+            Path(out).write_text(json.dumps(timings))
+    finally:
+        dist.destroy_process_group()
+
+
+def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None) -> dict[str, object]:
+    """A hardware profile's figures from this machine's measurements (``measured: true`` in a profile).
+
+    One process alone trains on every core (``peak_tflops``); processes sharing the node get ``cores // processes``
+    threads each (Lightning's launchers), so together they reach ``cores ×`` one thread's figure (``node_tflops``).
+    """
+    found = local_measurements(remeasure)
+    return {
+        "peak_tflops": found.alone_tflops["fp32"],
+        "peak_dtype": "fp32",
+        "peak_tflops_by_dtype": {"fp64": found.alone_tflops["fp64"]},
+        "node_tflops": found.per_thread_tflops["fp32"] * found.cores,
+        "intra_node_gbps": found.collective_gbps,
+        "inter_node_gbps": found.collective_gbps,
+        "intra_node_latency_us": found.collective_latency_us,
+        "inter_node_latency_us": found.collective_latency_us,
+        "device_memory_gib": found.memory_gib / devices_per_node,
+        "description": found.describe() + f" (cached in {cache_path()})",
+    }
