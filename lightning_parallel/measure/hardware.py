@@ -178,14 +178,21 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
 def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None) -> dict[str, object]:
     """A hardware profile's figures from this machine's measurements (``measured: true`` in a profile).
 
-    One process alone trains on every core (``peak_tflops``); processes sharing the node get ``cores // processes``
-    threads each (Lightning's launchers), so together they reach ``cores ×`` one thread's figure (``node_tflops``).
+    One process alone trains on every core (``peak_tflops``; fewer if ``OMP_NUM_THREADS`` says); processes sharing the
+    node get ``cores // processes`` threads each (Lightning's launchers), so together they reach ``cores ×`` one
+    thread's figure (``node_tflops``).
     """
     found = local_measurements(remeasure)
+    # OMP_NUM_THREADS (set by Lightning's launchers for several processes, or by the user) caps a lone process too.
+    threads = max(1, min(found.cores, int(os.environ.get("OMP_NUM_THREADS") or found.cores)))
+
+    def alone(dtype: str) -> float:
+        return found.alone_tflops[dtype] if threads == found.cores else min(found.alone_tflops[dtype], found.per_thread_tflops[dtype] * threads)
+
     return {
-        "peak_tflops": found.alone_tflops["fp32"],
+        "peak_tflops": alone("fp32"),
         "peak_dtype": "fp32",
-        "peak_tflops_by_dtype": {"fp64": found.alone_tflops["fp64"]},
+        "peak_tflops_by_dtype": {"fp64": alone("fp64")},
         "node_tflops": found.per_thread_tflops["fp32"] * found.cores,
         "intra_node_gbps": found.collective_gbps,
         "inter_node_gbps": found.collective_gbps,
