@@ -41,6 +41,21 @@ def context_parallel_exchanging() -> bool:
     return _exchanging[0] > 0
 
 
+#: How many checks outside training (see :func:`outside_training`) are running on this thread.
+_checking = [0]
+
+
+@contextmanager
+def outside_training() -> Iterator[None]:
+    """Collectives issued inside belong to a one-off check, not to training: :class:`DTensorCollectives` leaves
+    them out (the transforms' self-checks enter it)."""
+    _checking[0] += 1
+    try:
+        yield
+    finally:
+        _checking[0] -= 1
+
+
 #: The functional collectives DTensor uses; the first argument is the tensor sent.
 _COLLECTIVES = (
     "all_reduce",
@@ -111,7 +126,7 @@ class DTensorCollectives:
 
     def _counted(self, collective: Callable[..., Any]) -> Callable[..., Any]:
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if self._paused:
+            if self._paused or _checking[0]:
                 return collective(tensor, *args, **kwargs)
             tally = self._current()
             start = time.perf_counter()
@@ -126,7 +141,7 @@ class DTensorCollectives:
 
     def _timed_wait(self, wait: Callable[..., Any]) -> Callable[..., Any]:
         def timed(tensor: torch.Tensor) -> Any:
-            if self._paused:
+            if self._paused or _checking[0]:
                 return wait(tensor)
             tally = self._current()
             start = time.perf_counter()

@@ -329,3 +329,41 @@ def test_hugging_face_causal_mask_runs_as_is_causal_and_a_shorter_sliding_window
         else:
             model(input_ids=tokens)
             assert masks == [(2, 1, 8, 8)] and calls == [True]
+
+
+class _Drifting(torch.nn.Module):
+    """Attention through SDPA, plus a term that changes at every call: the split call cannot match the whole one."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8, dtype=torch.float64)
+        self.dropout = torch.nn.Dropout(0.5)
+        self.calls = 0
+
+    def forward(self, tokens):
+        self.calls += 1
+        x = self.dropout(self.embed(tokens)).unsqueeze(1)
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True).squeeze(1) + self.calls
+
+
+def test_first_call_is_checked_against_the_whole_sequence_and_a_difference_is_refused(one_rank_group):
+    module = _Drifting()
+    SequenceSplitter(module, one_rank_group, rank=0, size=1)
+    tokens = torch.randint(0, 16, (2, 8))
+    state = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=r"computes something else under context parallelism .*relative difference"):
+        module(tokens)
+    # The check ran the model twice (whole, then split) without gradients, in eval mode, drawing no random numbers.
+    assert module.calls == 2 and module.training and module.dropout.training
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_the_check_runs_once_and_a_matching_model_trains_unchanged(one_rank_group):
+    module = _Drifting()
+    module.calls = -10**12  # the drift is negligible at this size: the check passes
+    splitter = SequenceSplitter(module, one_rank_group, rank=0, size=1)
+    tokens = torch.randint(0, 16, (2, 8))
+    module(tokens)
+    assert splitter.checked and module.calls == -10**12 + 3  # whole, split, then the real call
+    module(tokens)
+    assert module.calls == -10**12 + 4

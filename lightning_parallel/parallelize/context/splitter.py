@@ -22,7 +22,9 @@ gradients and averages the data-parallel replicas. No Lightning here.
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_parallel.parallelize.common.activation_checkpointing import inside_mode_carrying_checkpoint
 from lightning_parallel.parallelize.context.ops import handle_sequence_op, mask_as_causal, sequence_op
+from lightning_parallel.measure.collectives import outside_training
 from lightning_parallel.parallelize.context.ring_attention import ring_attention
 from lightning_parallel.parallelize.context.sequence import (
     SEQUENCE_DIM,
@@ -74,6 +77,7 @@ class ContextParallelMode(TorchFunctionMode):
         self.module_names = module_names or {}
         self._masks: dict[int, tuple[Tensor, bool | None]] = {}  # attn_mask seen -> as is_causal (None: no mask)
         self.attention_calls = 0
+        self.made_global = False  # local positions (arange, table rows) were replaced by global ones
         self.grad_enabled = torch.is_grad_enabled()  # at the model call
         self._positions: dict[torch.device, Tensor] = {}
 
@@ -92,12 +96,26 @@ class ContextParallelMode(TorchFunctionMode):
         if func is torch.arange:
             positions = self._global_arange(args, kwargs)
             if positions is not None:
+                self.made_global = True
                 return positions
         elif func is Tensor.__getitem__ and len(args) == 2 and id(args[0]) in self.module_tensors:
             sliced = self._global_rows(args[0], args[1])
             if sliced is not None:
+                self.made_global = True
                 return sliced
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except IndexError as error:
+            if not self.made_global:
+                raise
+            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            raise TypeError(
+                f"{name} indexed out of bounds under context parallelism ({error}): this rank holds "
+                f"{self.layout.local_length} of the {self.layout.length} positions, and the positions the model built "
+                f"from the local length (torch.arange({self.layout.local_length}), a table sliced to it) were made this "
+                "rank's global positions; the model also uses them as indices into a tensor of the local length. "
+                "Set context_parallel_size=1 for this model."
+            ) from error
 
     def _attention(self, *args: Any, **kwargs: Any) -> Tensor:
         call = {**_SDPA_DEFAULTS, **dict(zip(_SDPA_PARAMETERS, args)), **kwargs}
@@ -208,6 +226,8 @@ class SequenceSplitter:
         self.root, self.group, self.rank, self.size = root, group, rank, size
         self.mode: ContextParallelMode | None = None  # active during a model call
         self.skip_root_calls = 0  # calls of the root that are not model calls (Lightning's DDP redirect)
+        self.checked = False  # the first model call is checked against the whole sequence (_check_against_whole)
+        self._probing = False  # inside that check's whole-sequence call: no split
         self._depth = 0
         self._handles: list[Any] = []
         self._module_names = {id(m): name for name, m in root.named_modules()}
@@ -222,6 +242,8 @@ class SequenceSplitter:
         self._handles.clear()
 
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if self._probing:
+            return None
         if module is self.root and self.skip_root_calls:
             self.skip_root_calls -= 1
             return None
@@ -229,6 +251,9 @@ class SequenceSplitter:
             self._depth += 1
             return None
         layout, batch = self._layout_of(module, args, kwargs)
+        if not self.checked:
+            self.checked = True
+            self._check_against_whole(module, args, kwargs, layout, batch)
 
         def split(value: Any) -> Any:
             if isinstance(value, Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.length \
@@ -263,6 +288,50 @@ class SequenceSplitter:
                 "or set context_parallel_size=1."
             )
         return self._gather_outputs(module, output, mode.layout)
+
+    def _check_against_whole(self, module: nn.Module, args: tuple, kwargs: dict, layout: SequenceLayout, batch: int) -> None:
+        """The first model call, on its first sample, without gradients, in eval mode: split over the ranks it must
+        give what the whole sequence gives. A layer that mixes positions outside ``F.scaled_dot_product_attention``
+        (linear attention, a recurrence or convolution along the sequence, positions computed in a way not
+        recognised) would otherwise train silently wrong; it is refused instead. All cp ranks agree.
+
+        Raises:
+            ValueError: The outputs differ, or the model refuses its part of the sequence.
+        """
+        def first_sample(value: Any) -> Any:
+            return value[:1] if isinstance(value, Tensor) and value.dim() >= 2 and value.size(0) == batch else value
+
+        probe_args, probe_kwargs = tree_map(first_sample, (args, kwargs))
+        with _probe_conditions(module), outside_training():
+            self._probing = True
+            try:
+                whole = module(*probe_args, **probe_kwargs)
+            finally:
+                self._probing = False
+            try:
+                split = module(*probe_args, **probe_kwargs)
+            except ValueError as error:
+                if _raised_by_this_library(error):
+                    raise
+                raise ValueError(
+                    f"{type(module).__name__} refused its part of the sequence under context parallelism (each of the "
+                    f"{self.size} ranks calls it with {layout.local_length} of the {layout.length} positions): {error} "
+                    "Set context_parallel_size=1 for this model."
+                ) from error
+        difference, where = _largest_difference(whole, split, layout.length)
+        agreed = torch.tensor([difference], dtype=torch.float64)
+        with outside_training():
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        tolerance = _PROBE_TOLERANCE.get(where[1] if where else torch.float32, 3e-2)
+        if agreed.item() > tolerance:
+            raise ValueError(
+                f"{type(module).__name__} computes something else under context parallelism than on the whole sequence "
+                f"(largest relative difference {agreed.item():.2e} in its {where[0] if where else 'outputs'}, checked on "
+                "the first sample of the first call): a layer mixes positions outside F.scaled_dot_product_attention "
+                "(linear or hand-written attention, a recurrence or convolution along the sequence, positions built in "
+                "a way context parallelism does not recognise), which ring attention cannot split. Set "
+                "context_parallel_size=1 for this model."
+            )
 
     def _leave(self) -> ContextParallelMode:
         mode, self.mode = self.mode, None
@@ -314,6 +383,54 @@ class SequenceSplitter:
                 output[key] = gather(output[key])
             return output
         return tree_map(gather, output)
+
+
+#: Largest relative difference between the split and the whole call that rounding explains, by dtype.
+_PROBE_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+
+
+class _probe_conditions:
+    """No gradients, eval mode (no dropout), random generators left as found: the check changes no training."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.modes = [(m, m.training) for m in self.module.modules()]
+        self.module.eval()
+        self.no_grad = torch.no_grad()
+        self.no_grad.__enter__()
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        self.rng = torch.random.fork_rng(devices=devices)
+        self.rng.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rng.__exit__(*exc)
+        self.no_grad.__exit__(*exc)
+        for module, training in self.modes:
+            module.training = training
+
+
+def _largest_difference(whole: Any, split: Any, length: int) -> tuple[float, tuple[str, torch.dtype] | None]:
+    """Largest relative difference between the per-token floating outputs of two calls, and which output it is."""
+    def per_token(output: Any) -> list[Tensor]:
+        values = tree_flatten(dict(output) if isinstance(output, dict) else output)[0]
+        return [v for v in values if isinstance(v, Tensor) and v.is_floating_point() and v.dim() >= 2 and v.size(SEQUENCE_DIM) == length]
+
+    worst, where = 0.0, None
+    for index, (a, b) in enumerate(zip(per_token(whole), per_token(split))):
+        if a.shape != b.shape:
+            return float("inf"), (f"output {index} (shape {tuple(a.shape)} whole, {tuple(b.shape)} split)", a.dtype)
+        scale = a.abs().max().clamp_min(torch.finfo(a.dtype).tiny)
+        difference = float(((a - b).abs().max() / scale).item())
+        if difference > worst:
+            worst, where = difference, (f"output {index} of shape {tuple(a.shape)}", a.dtype)
+    return worst, where
+
+
+def _raised_by_this_library(error: BaseException) -> bool:
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and (os.sep + "lightning_parallel" + os.sep) in frames[-1].filename
 
 
 __all__ = ["ContextParallelMode", "SequenceSplitter"]
