@@ -176,5 +176,9 @@ def simulate_configured(
         results.append(run_rank(rank, overrides, config_dir, config_name))
     if json_path:
         report = [{**figures, "predicted_vs_simulated": compare(figures, prediction)} for figures in results]
-        Path(json_path).write_text(json.dumps({"prediction": prediction.as_dict(), "ranks": report}, indent=2, default=str))
+        text = json.dumps({"prediction": prediction.as_dict(), "ranks": report}, indent=2, default=str)
+        if json_path == "-":  # JSON on stdout; the tables went to stderr
+            print(text)
+        else:
+            Path(json_path).write_text(text)
     return 1 if print_simulation(results, prediction, console) else 0

@@ -253,7 +253,7 @@ class SequenceSplitter:
         layout, batch = self._layout_of(module, args, kwargs)
         if not self.checked:
             self.checked = True
-            self._check_against_whole(module, args, kwargs, layout, batch)
+            self._check_against_whole(module, args, kwargs, layout)
 
         def split(value: Any) -> Any:
             if isinstance(value, Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.length \
@@ -289,8 +289,8 @@ class SequenceSplitter:
             )
         return self._gather_outputs(module, output, mode.layout)
 
-    def _check_against_whole(self, module: nn.Module, args: tuple, kwargs: dict, layout: SequenceLayout, batch: int) -> None:
-        """The first model call, on its first sample, without gradients, in eval mode: split over the ranks it must
+    def _check_against_whole(self, module: nn.Module, args: tuple, kwargs: dict, layout: SequenceLayout) -> None:
+        """The first model call, without gradients, in eval mode: split over the ranks it must
         give what the whole sequence gives. A layer that mixes positions outside ``F.scaled_dot_product_attention``
         (linear attention, a recurrence or convolution along the sequence, positions computed in a way not
         recognised) would otherwise train silently wrong; it is refused instead. All cp ranks agree.
@@ -298,10 +298,9 @@ class SequenceSplitter:
         Raises:
             ValueError: The outputs differ, or the model refuses its part of the sequence.
         """
-        def first_sample(value: Any) -> Any:
-            return value[:1] if isinstance(value, Tensor) and value.dim() >= 2 and value.size(0) == batch else value
-
-        probe_args, probe_kwargs = tree_map(first_sample, (args, kwargs))
+        # The whole batch, not one sample: sizes the model derives from batch × local length must stay those of the
+        # real call (an MoE's token count equal to the local length would be taken for positions).
+        probe_args, probe_kwargs = args, kwargs
         with _probe_conditions(module), outside_training():
             self._probing = True
             try:
@@ -326,8 +325,8 @@ class SequenceSplitter:
         if agreed.item() > tolerance:
             raise ValueError(
                 f"{type(module).__name__} computes something else under context parallelism than on the whole sequence "
-                f"(largest relative difference {agreed.item():.2e} in its {where[0] if where else 'outputs'}, checked on "
-                "the first sample of the first call): a layer mixes positions outside F.scaled_dot_product_attention "
+                f"(largest relative difference {agreed.item():.2e} in its {where[0] if where else 'outputs'}, checked at "
+                "the first call): a layer mixes positions outside F.scaled_dot_product_attention "
                 "(linear or hand-written attention, a recurrence or convolution along the sequence, positions built in "
                 "a way context parallelism does not recognise), which ring attention cannot split. Set "
                 "context_parallel_size=1 for this model."
