@@ -106,8 +106,6 @@ def _read(path: Path) -> LocalMeasurements | None:
 
 def measure_here() -> LocalMeasurements:
     """Measure compute, collectives and memory of this machine now."""
-    import psutil
-
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
     try:
@@ -131,7 +129,7 @@ def measure_here() -> LocalMeasurements:
         # A 2-rank ring all-reduce puts 2 (n - 1) / n = 1 × the payload on each rank's wire.
         collective_gbps=LARGE_BYTES / max(large_s - latency_s, 1e-9) / 1e9,
         collective_latency_us=latency_s * 1e6,
-        memory_gib=psutil.virtual_memory().total / 2**30,
+        memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,  # POSIX, as fcntl
     )
 
 

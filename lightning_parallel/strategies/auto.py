@@ -114,10 +114,9 @@ class AutoParallelStrategy(HybridParallelStrategy):
         """Rank 0: plan, and return the decision (or the error every rank must raise)."""
         from lightning_parallel.plan.choose import choose_layout
         from lightning_parallel.plan.config import parameter_dtype, preserved_random_state
-        from lightning_parallel.plan.planner import PlanError
 
-        trainer = self.lightning_module.trainer
         try:
+            trainer = self.lightning_module.trainer
             with preserved_random_state():
                 batch = _example_batch(trainer)
                 per_rank = _batch_size(self.lightning_module, batch)
@@ -140,7 +139,7 @@ class AutoParallelStrategy(HybridParallelStrategy):
                     "attribute (or hyperparameter) that its train_dataloader reads, or pin dp to all ranks (pin={'dp': "
                     f"{world}}})."
                 )
-        except (PlanError, ValueError, TypeError) as error:
+        except Exception as error:  # noqa: BLE001 — any failure here must reach every rank, or they wait at the rendezvous
             return {"error": f"{type(error).__name__}: {error}"}
         self.choice = choice
         return {"layout": choice.layout.as_dict(), "batch_size": choice.prediction.batch_size,
