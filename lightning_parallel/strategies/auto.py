@@ -116,6 +116,12 @@ class AutoParallelStrategy(HybridParallelStrategy):
         from lightning_parallel.plan.config import parameter_dtype, preserved_random_state
 
         try:
+            if dist.is_initialized():
+                raise RuntimeError(
+                    "strategy=auto plans before this process joins a process group (the dry run makes fake ones of its "
+                    "own), but one exists already: an earlier fit in this process. Start a fresh process, or train "
+                    "with HybridParallelStrategy and the layout `python -m lightning_parallel.plan` recommends."
+                )
             trainer = self.lightning_module.trainer
             with preserved_random_state():
                 batch = _example_batch(trainer)
