@@ -20,7 +20,19 @@ from torch.utils._pytree import tree_map
 
 def check_stage_inputs(pipe: Any) -> None:
     """Refuse a split whose stage reads values its caller does not pass (torch 2.13's split can leave a stage
-    with inputs that another stage computes): it would fail only when the schedule first runs it."""
+    with inputs that another stage computes), or whose later stage reads a model input directly (torch's stages
+    receive only the previous stage's outputs): either would fail only when the schedule first runs it."""
+    stages = [name for name, _ in pipe.split_gm.named_children()]
+    for node in pipe.split_gm.graph.nodes:
+        if node.op == "call_module" and node.target in stages[1:]:
+            direct = [arg.target for arg in node.all_input_nodes if arg.op == "placeholder"]
+            if direct:
+                raise TypeError(
+                    f"pipeline stage {stages.index(node.target)} reads the model's input(s) {', '.join(map(str, direct))} "
+                    "directly (a layer after the first stage uses them, e.g. routing by token id), but torch's pipeline "
+                    "stages receive only what the previous stage sends. Choose split_points that keep every layer "
+                    "reading them in stage 0, or set pipeline_parallel_size=1 for this model."
+                )
     for owner_name, owner in pipe.split_gm.named_modules():
         if not isinstance(getattr(owner, "graph", None), torch.fx.Graph):
             continue
