@@ -63,8 +63,8 @@ class SleepyPipeline(L.LightningModule):
 def run(schedule: str, out: Path) -> dict[str, Any]:
     L.seed_everything(0)
     monitor = lightning_parallel.ScalingMonitor(warmup_steps=1, output_dir=out / schedule)
-    # The timeout only turns a hang into an error: rank 1 waits while rank 0 draws the timeline, which on a loaded
-    # 2-core machine took over a minute once (rank 1 then aborted); the launch's own limit is 300 s.
+    # The timeout only turns a hang into an error: rank 1 waits while rank 0 draws the timeline, which can be slow
+    # on a loaded 2-core machine (rank 1 aborted there once, cause unconfirmed); the launch's own limit is 300 s.
     strategy = lightning_parallel.PipelineParallelStrategy(
         pipeline_parallel_size=2, schedule=schedule, microbatches=MICROBATCHES, timeout=240
     )
