@@ -22,13 +22,17 @@ ANY_HARDWARE = HardwareProfile(name="any", device_memory_gib=80, peak_tflops=100
 REL = 0.05
 
 
+def first_batch(spec: JobSpec) -> Any:
+    """The first training batch of ``spec``'s data."""
+    data = make_data(spec)
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
 @cache
 def _profile(model: str, n_layer: int, n_embd: int, tie_weights: bool, batch_size: int, precision: str, tp: int) -> ModelProfile:
     spec = JobSpec(model=model, n_layer=n_layer, n_embd=n_embd, tie_weights=tie_weights, batch_size=batch_size, precision=precision)
-    data = make_data(spec)
-    data.setup("fit")
-    batch = next(iter(data.train_dataloader()))
-    return profile_model(lambda: make_model(spec), batch, (1, tp), dtype=parameter_dtype(precision))
+    return profile_model(lambda: make_model(spec), first_batch(spec), (1, tp), dtype=parameter_dtype(precision))
 
 
 def layout_of(spec: JobSpec) -> Layout:

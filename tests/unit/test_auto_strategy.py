@@ -15,16 +15,12 @@ from lightning_parallel.plan.config import configured_layout, workload_from_conf
 from lightning_parallel.plan.layouts import Workload
 from lightning_parallel.plan.planner import PlanError, plan
 from lightning_parallel.plan.profile import profile_model
-from tests.harness import JobSpec, local_hardware, make_data, make_model
+from tests.harness import JobSpec, local_hardware, make_model
+from tests.planner_check import first_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = JobSpec(batch_size=8, n_layer=4)
 
-
-def first_batch(spec: JobSpec):
-    data = make_data(spec)
-    data.setup("fit")
-    return next(iter(data.train_dataloader()))
 
 
 def test_meta_copy_allocates_nothing_keeps_ties_and_leaves_the_module_alone():

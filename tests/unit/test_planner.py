@@ -21,8 +21,8 @@ from lightning_parallel.plan.cost import (
 from lightning_parallel.plan.hardware import HardwareProfile
 from lightning_parallel.plan.layouts import Layout, Workload, enumerate_layouts
 from lightning_parallel.plan.planner import PlanError, plan
-from tests.harness import JobSpec, make_data, make_model
-from tests.planner_check import ANY_HARDWARE, _profile
+from tests.harness import JobSpec, make_model
+from tests.planner_check import ANY_HARDWARE, _profile, first_batch
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = JobSpec(batch_size=8, n_layer=4)
@@ -31,11 +31,6 @@ SPEC = JobSpec(batch_size=8, n_layer=4)
 def profile(tp: int = 2):
     return _profile("gpt", SPEC.n_layer, SPEC.n_embd, SPEC.tie_weights, SPEC.batch_size, SPEC.precision, tp)
 
-
-def first_batch(spec: JobSpec):
-    data = make_data(spec)
-    data.setup("fit")
-    return next(iter(data.train_dataloader()))
 
 
 def test_dry_run_counts_what_the_real_module_holds_after_a_step():
