@@ -68,6 +68,9 @@ class ParallelLayout:
         data_parallel_shard_size: Of the data-parallel ranks, how many shard one replica's state (1:
             replicate; ``data_parallel_size``: fully sharded; in between: hybrid sharding). Must divide
             ``data_parallel_size``; the data-parallel mode sets it.
+        expert_parallel_size: Of the data-parallel ranks, how many divide a Mixture-of-Experts layer's experts
+            among them (expert parallelism borrows its ranks from data parallelism: the world size does not
+            change). Must divide ``data_parallel_size``; adjacent data-parallel ranks form one group.
 
     Example:
         >>> ParallelLayout(data_parallel_size=-1, tensor_parallel_size=2).resolve(8).describe()
@@ -79,13 +82,14 @@ class ParallelLayout:
     pipeline_parallel_size: int = 1
     context_parallel_size: int = 1
     data_parallel_shard_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{f.name} must be an int, got {value!r} ({type(value).__name__}).")
-            if value == 0 or value < -1 or (value == -1 and f.name == "data_parallel_shard_size"):
+            if value == 0 or value < -1 or (value == -1 and f.name in ("data_parallel_shard_size", "expert_parallel_size")):
                 raise ValueError(f"{f.name}={value} is invalid: use a positive size, or -1 to fill the remaining ranks.")
         filled = [name for name in SIZE_FIELDS.values() if getattr(self, name) == -1]
         if len(filled) > 1:
@@ -98,6 +102,12 @@ class ParallelLayout:
             raise ValueError(
                 f"data_parallel_shard_size={shard} must divide data_parallel_size={dp} (replicas × shards = "
                 "data-parallel ranks)."
+            )
+        ep = self.expert_parallel_size
+        if dp != -1 and dp % ep != 0:
+            raise ValueError(
+                f"expert_parallel_size={ep} must divide data_parallel_size={dp}: expert parallelism borrows its ranks "
+                f"from data parallelism. Use an expert_parallel_size that divides {dp}, or more data-parallel ranks."
             )
 
     # ------------------------------------------------------------------ sizes
@@ -137,7 +147,8 @@ class ParallelLayout:
     def describe(self) -> str:
         """Short human-readable form, e.g. ``dp=2 × tp=2 × pp=1`` (``cp`` shown when used)."""
         dims = ["dp", "cp", "tp", "pp"] if self.context_parallel_size != 1 else ["dp", "tp", "pp"]
-        return " × ".join(f"{dim}={self.size(dim)}" for dim in dims)
+        text = " × ".join(f"{dim}={self.size(dim)}" for dim in dims)
+        return text if self.expert_parallel_size == 1 else f"{text} (ep={self.expert_parallel_size} of dp)"
 
     def with_data_parallel_shard_size(self, shard_size: int) -> ParallelLayout:
         """This layout with ``shard_size`` of its data-parallel ranks sharding each replica."""
@@ -180,7 +191,7 @@ class ParallelLayout:
                 f"{missing}=-1 cannot be filled: the world size {where} is not divisible by {product} = {fixed}. "
                 f"Use a world size that is a multiple of {fixed}."
             )
-        return replace(self, **{missing: world_size // fixed})
+        return replace(self, **{missing: world_size // fixed})  # __post_init__ checks the filled sizes again
 
     # ------------------------------------------------------------------ ranks
 
@@ -241,7 +252,8 @@ class ParallelLayout:
     def to_dict(self) -> dict[str, int]:
         """The sizes by dimension name, as checkpoint metadata and the planner record them."""
         return {"pp": self.pipeline_parallel_size, "dp": self.data_parallel_size, "cp": self.context_parallel_size,
-                "tp": self.tensor_parallel_size, "dp_shard": self.data_parallel_shard_size}
+                "tp": self.tensor_parallel_size, "dp_shard": self.data_parallel_shard_size,
+                "ep": self.expert_parallel_size}
 
     @classmethod
     def from_dict(cls, sizes: Mapping[str, Any]) -> ParallelLayout:
@@ -252,6 +264,7 @@ class ParallelLayout:
             pipeline_parallel_size=int(sizes.get("pp", 1)),
             context_parallel_size=int(sizes.get("cp", 1)),
             data_parallel_shard_size=int(sizes.get("dp_shard", 1)),
+            expert_parallel_size=int(sizes.get("ep", 1)),
         )
 
     def _require_resolved(self, what: str) -> None:
@@ -262,6 +275,18 @@ class ParallelLayout:
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The 1-D mesh of all data-parallel ranks (``dp_replicate × dp_shard`` flattened; created once, then cached)."""
     return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+
+
+def expert_meshes(mesh: DeviceMesh, expert_parallel_size: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """``(ep, replicas)``: the 1-D meshes of the ranks dividing one set of experts (adjacent data-parallel ranks)
+    and of the ranks holding the same experts (every ``expert_parallel_size``-th data-parallel rank).
+
+    The data-parallel mesh is unflattened into ``(dp / ep, ep)`` (created once, then cached by torch).
+    """
+    dp_mesh = data_parallel_mesh(mesh)
+    # DeviceMesh._unflatten is private (checked against torch 2.13); torchtitan builds its expert meshes the same way.
+    split = dp_mesh._unflatten(0, (dp_mesh.size() // expert_parallel_size, expert_parallel_size), ("ep_replicas", "ep"))
+    return split["ep"], split["ep_replicas"]
 
 
 def replica_mesh(mesh: DeviceMesh, sharded: bool = False) -> DeviceMesh:

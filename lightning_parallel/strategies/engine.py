@@ -49,6 +49,7 @@ from lightning_parallel.strategies.components import (
     Component,
     ContextParallelComponent,
     DataParallelComponent,
+    ExpertParallelComponent,
     ModelPlacement,
     NonFiniteGuard,
     PipelineComponent,
@@ -179,6 +180,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self._accumulating = False  # inside Lightning's block_backward_sync (a micro-batch before the last)
         self.tensor_parallel = TensorParallelComponent(self, tensor_parallel or TensorParallelConfig())
         self.pipeline_parallel = PipelineComponent(self, pipeline or PipelineConfig())
+        self.expert_parallel = ExpertParallelComponent(self)
         self.activation_checkpointing = ActivationCheckpointingComponent(self, activation_checkpointing)
         self.compile = CompileComponent(self, compilation or CompileConfig())
         self.context_parallel = ContextParallelComponent(self)
@@ -193,12 +195,12 @@ class ParallelEngineStrategy(MeshStrategy):
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """The parallelisms, in the order they are applied (tensor → pipeline → checkpointing → compile →
+        """The parallelisms, in the order they are applied (tensor → pipeline → experts → checkpointing → compile →
         context (the sequence split at each model call) → this rank's part onto its device → data), after the record of where each rank is (outermost: a pipeline runs
         steps without the inner components) and before the check of every step's loss and gradients
         (innermost around the optimizer step)."""
         return (
-            self.progress, self.tensor_parallel, self.pipeline_parallel, self.activation_checkpointing,
+            self.progress, self.tensor_parallel, self.pipeline_parallel, self.expert_parallel, self.activation_checkpointing,
             self.compile, self.context_parallel, self.placement, self.data_parallel, self.nonfinite,
         )
 
@@ -209,8 +211,8 @@ class ParallelEngineStrategy(MeshStrategy):
 
     @property
     def parameters_are_dtensors(self) -> bool:
-        """Whether parameters are DTensors (split by TP, or sharded over dp by FSDP2)."""
-        return self.tensor_parallel.enabled or self.data_parallel.shards
+        """Whether parameters are DTensors (split by TP, experts divided by EP, or sharded over dp by FSDP2)."""
+        return self.tensor_parallel.enabled or self.expert_parallel.enabled or self.data_parallel.shards
 
     @property
     def pipeline_runner(self) -> PipelineRunner | None:

@@ -32,6 +32,10 @@ class HybridParallelStrategy(ParallelEngineStrategy):
             runs as ring attention, outputs are gathered whole for the step's loss. Sequence lengths must be
             multiples of ``2 × context_parallel_size``; not with pipeline parallelism, sequence parallelism,
             ``loss_parallel``, ``compile`` or periodic sync yet.
+        expert_parallel_size: Of the data-parallel ranks, how many divide each Mixture-of-Experts layer's routed
+            experts by expert index (tokens sent to their expert and back by all-to-all, dropless: the math is the
+            unsplit model's). Borrowed from data parallelism: must divide ``data_parallel_size``; the world size
+            does not change. Not with tp, pp, cp, sharded data parallelism or periodic sync yet.
         data_parallel_mode: ``"replicate"`` (ZeRO-0: DDP, or gradient all-reduce per stage),
             ``"shard"`` (ZeRO-3 through FSDP2; ZeRO-2-like with ``reshard_after_forward=False``) or
             ``"hybrid_shard"`` (HSDP: shard within ``data_parallel_shard_size`` ranks, replicate across).
@@ -74,6 +78,7 @@ class HybridParallelStrategy(ParallelEngineStrategy):
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         **options: Any,
     ) -> None:
         layout = ParallelLayout(
@@ -81,5 +86,6 @@ class HybridParallelStrategy(ParallelEngineStrategy):
             tensor_parallel_size=tensor_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size,
             context_parallel_size=context_parallel_size,
+            expert_parallel_size=expert_parallel_size,
         )
         super().__init__(layout=layout, **self.preset_options(options))

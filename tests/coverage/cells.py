@@ -36,6 +36,8 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     "tp2": (1, "TensorParallelStrategy", {}),
     "pp2": (1, "PipelineParallelStrategy", {"microbatches": 4}),  # more micro-batches than stages
     "cp2": (1, "HybridParallelStrategy", {"context_parallel_size": 2, "data_parallel_size": 1}),
+    # Expert parallelism borrows the two data-parallel ranks: each holds half of every MoE layer's experts.
+    "ep2": (2, "HybridParallelStrategy", {"data_parallel_size": 2, "expert_parallel_size": 2}),
 }
 
 
@@ -183,12 +185,14 @@ def judge(layout: str, expected: dict[str, Any], result: dict[str, Any], largest
     record: dict[str, Any] = {"max_abs_diff": worst_abs, "max_rel_diff": worst_rel}
     if result.get("settings"):
         record["settings"] = result["settings"]
-    if layout == "dp2" and result.get("replica_spread", 0.0) > 1e-9:
+    if layout in ("dp2", "ep2") and result.get("replica_spread", 0.0) > 1e-9:
         worst_abs = max(worst_abs, result["replica_spread"])
         first = first or f"replicas differ by {result['replica_spread']:.2e}"
     if worst_abs > TOL:
         return {**record, "status": "wrong", "first_difference": first}
     record["status"] = "exact"
+    if layout.startswith("ep"):  # what dividing the experts saves (no goal: dense parameters stay whole)
+        record["share"] = round(largest_bytes / expected["local_bytes"], 3)
     if layout.startswith("tp"):
         share = largest_bytes / expected["local_bytes"]
         record["share"] = round(share, 3)

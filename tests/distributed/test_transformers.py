@@ -17,7 +17,7 @@ import torch
 
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.harness import JobSpec, run_distributed_jobs, run_job
-from tests.hf_models import FAMILIES, HFCausalLM
+from tests.hf_models import FAMILIES, MOE_FAMILIES, make_hf_model
 
 pytestmark = pytest.mark.distributed
 
@@ -40,6 +40,9 @@ LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     # Context parallelism (eager attention is refused: it would attend within each rank's part only).
     "cp2": (2, 1, "hybrid", {"context_parallel_size": 2, "data_parallel_size": 1}),
+    # Expert parallelism borrows data-parallel ranks: 2 ranks each holding half the experts; 4 ranks as 2 groups of 2.
+    "dp2 ep2": (2, 2, "hybrid", {"data_parallel_size": 2, "expert_parallel_size": 2}),
+    "dp4 ep2": (4, 4, "hybrid", {"data_parallel_size": 4, "expert_parallel_size": 2}),
 }
 #: Lightning's demo encoder–decoder (``nn.Transformer``), and a hand-written Llama-style LM whose attention
 #: splits heads with ``view(B, L, self.n_heads, -1)``, next to the transformers families.
@@ -48,16 +51,20 @@ VIEW = "view_attention"
 #: Meta's reference Llama as a user writes it (its own RMSNorm, MLP in a module of its own, no GQA):
 #: the module issue 15 named, once refused under tp2 × pp2.
 REF = "llama_reference"
+#: Mixture-of-experts families (fused 3-D experts; Qwen2-MoE with a gated shared expert).
+MOE = MOE_FAMILIES
 #: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
 MATRIX: dict[str, tuple[str, ...]] = {
-    "dp2": (*FAMILIES, DEMO),
-    "tp2": (*FAMILIES, VIEW, REF),
+    "dp2": (*FAMILIES, DEMO, *MOE),
+    "tp2": (*FAMILIES, VIEW, REF, *MOE),
     "tp2 eager": tuple(FAMILIES),
     "tp2+sp": ("llama", "gpt2", "phi3"),
     "pp2": (*FAMILIES, VIEW, REF),
     "tp2×pp2": (*FAMILIES, VIEW, REF),
     "dp2×tp2×pp2": ("qwen2", "phi3"),
     "cp2": (*FAMILIES, VIEW),
+    "dp2 ep2": MOE,
+    "dp4 ep2": ("qwen2_moe",),
 }
 #: Layouts a family cannot use, and why in the README's words (the errors: test_demo_transformer_*_is_refused).
 UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceable", (DEMO, "dp2×tp2×pp2"): "not traceable",
@@ -66,9 +73,10 @@ UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceabl
                # longer takes for an MLP (issue 29's Gemma4 fix): nothing is split, and setup refuses.
                (DEMO, "tp2"): "nothing split"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
-ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2")}
+ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2")}
 #: TP jobs that save a checkpoint (in this format), wipe the weights and validate from it (fused layers, Conv1D, GQA).
-ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded"}
+ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded",
+              ("mixtral", "dp2 ep2"): "full", ("qwen2_moe", "dp2 ep2"): "sharded"}
 
 
 def model_name(family: str, layout: str = "") -> str:
@@ -118,10 +126,12 @@ def run_layout(layouts: tuple[str, ...], tmp_path) -> dict[tuple[str, str], dict
 
 
 def test_two_ranks_dp_tp_pp_cp(tmp_path):
-    results = run_layout(("dp2", "tp2", "tp2 eager", "tp2+sp", "pp2", "cp2"), tmp_path)
+    results = run_layout(("dp2", "tp2", "tp2 eager", "tp2+sp", "pp2", "cp2", "dp2 ep2"), tmp_path)
     for (family, layout), result in results.items():
         assert_matches_single_device(family, layout, result)
-    for family in FAMILIES:
+    for family in MOE:
+        assert_experts_divided(family, results[(family, "dp2 ep2")], ranks=2)
+    for family in (*FAMILIES, *MOE):
         result = results[(family, "tp2")]
         whole = sum(t.numel() for t in reference(family, 1, 1)["grads"][0].values())
         local = sum(result["local_numel"].values())
@@ -162,8 +172,10 @@ SPLIT_IN_STAGES = {
 
 
 def test_four_ranks_tp_pp(tmp_path):
-    for (family, layout), result in run_layout(("tp2×pp2",), tmp_path).items():
+    for (family, layout), result in run_layout(("tp2×pp2", "dp4 ep2"), tmp_path).items():
         assert_matches_single_device(family, layout, result)
+        if "ep" in layout:
+            assert_experts_divided(family, result, ranks=2)
         whole = reference(family, 1, 2 if (family, layout) in ACCUMULATE else 1)["grads"][0]
         for name in SPLIT_IN_STAGES.get(family, ()):
             # Fused and Conv1D layers are split inside pipeline stages too (half of each per TP rank).
@@ -175,6 +187,16 @@ def test_eight_ranks_dp_tp_pp(tmp_path):
         assert_matches_single_device(family, layout, result)
 
 
+def assert_experts_divided(family: str, result: dict, ranks: int) -> None:
+    """Each rank holds 1/ranks of every routed-experts parameter (by expert index) and all of everything else."""
+    whole = reference(family, 1, 1)["grads"][0]
+    experts = [name for name in whole if ".experts." in name]
+    assert experts, family
+    for name in whole:
+        expected = whole[name].numel() // ranks if name in experts else whole[name].numel()
+        assert result["local_numel"][name] == expected, (family, name)
+
+
 def assert_checkpoint_loads_into_the_plain_model(family: str, path, result: dict) -> None:
     """A checkpoint written under TP holds the module's own layout (fused rows in q|k|v order, Conv1D
     as stored): it loads into the unsplit transformers model and equals the trained weights, and the
@@ -182,7 +204,7 @@ def assert_checkpoint_loads_into_the_plain_model(family: str, path, result: dict
     from lightning_parallel import ParallelCheckpointIO
 
     checkpoint = ParallelCheckpointIO().load_checkpoint(path)
-    plain = HFCausalLM(family).double()
+    plain = make_hf_model(family).double()
     plain.load_state_dict(checkpoint["state_dict"])  # strict: same names and whole shapes
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(value, result["states"][-1][name].double(), rtol=0, atol=TOL, msg=name)

@@ -25,7 +25,7 @@ def sum_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) 
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         grads.append(param.grad)
-    return _all_reduce_flat(grads, group, dist.ReduceOp.SUM, divide_by=1)
+    return all_reduce_flat(grads, group, dist.ReduceOp.SUM, divide_by=1)
 
 
 def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> int:
@@ -36,10 +36,14 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
     stages) average their local parts: the replicas hold the same parts.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
-    return _all_reduce_flat(grads, group, dist.ReduceOp.SUM, divide_by=dist.get_world_size(group))
+    return all_reduce_flat(grads, group, dist.ReduceOp.SUM, divide_by=dist.get_world_size(group))
 
 
-def _all_reduce_flat(grads: list[Tensor], group: dist.ProcessGroup, op: dist.ReduceOp, divide_by: int) -> int:
+def all_reduce_flat(grads: list[Tensor], group: dist.ProcessGroup, op: dist.ReduceOp, divide_by: int) -> int:
+    """Reduce ``grads`` in place over ``group`` (one collective per dtype), then divide by ``divide_by``.
+
+    DTensor gradients reduce their local part. Returns the bytes sent.
+    """
     sent = 0
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for grad in grads:

@@ -68,6 +68,12 @@ class DataParallelComponent(Component):
         """Whether replicas shard the model state over the data-parallel ranks (FSDP2)."""
         return self.engine.layout.data_parallel_size > 1 and self.config.is_sharded
 
+    @property
+    def uses_fsdp(self) -> bool:
+        """Whether replicas are FSDP2 modules: sharded state, or tensor-parallel DTensor parameters (which DDP
+        cannot take). Experts divided by expert parallelism are DTensors too, but DDP ignores them."""
+        return self.shards or self.engine.tensor_parallel.enabled
+
     def validate(self, layout: ParallelLayout) -> None:
         """Refuse, before any process starts, data-parallel settings the layout cannot run; warn about slow ones."""
         if self.sync.is_periodic:
@@ -125,7 +131,7 @@ class DataParallelComponent(Component):
                 )
             self.config.check_accumulation(trainer.accumulate_grad_batches)
             self._wrap()
-        elif engine.parameters_are_dtensors:
+        elif self.uses_fsdp:
             self._wrap()
         else:
             # No DDP wrapper outside fitting: make sure every rank evaluates the same weights.
@@ -137,7 +143,7 @@ class DataParallelComponent(Component):
         # Context-parallel peers hold the same weights too: gradients are averaged over dp × cp.
         if engine.layout.data_parallel_size * engine.layout.context_parallel_size == 1:
             return
-        if engine.parameters_are_dtensors:
+        if self.uses_fsdp:
             # Sharded replicas, or DTensor parameters (which DDP cannot take): FSDP2 over the dp axes.
             if not self.sharded_units:
                 if engine.layout.tensor_parallel_size == 1 and not engine.placement.deferred:

@@ -1,0 +1,134 @@
+"""Expert parallelism checked in-process: the layout's ep size, finding routed experts, refusals before launch,
+and the dispatch/combine arithmetic on a one-rank group (the multi-rank runs are in test_transformers.py and the
+coverage sample)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lightning_parallel
+from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.expert.dispatch import dispatch_and_combine
+from lightning_parallel.parallelize.expert.experts import check_divisible, find_routed_experts, routed_experts
+
+
+class Experts(nn.Module):
+    """transformers' convention: 3-D experts called with the router's choices (Mixtral's eager forward)."""
+
+    def __init__(self, num_experts: int = 4, hidden: int = 6, inner: int = 5) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * inner, hidden, dtype=torch.float64))
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, inner, dtype=torch.float64))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for token, (experts, weights) in enumerate(zip(top_k_index, top_k_weights)):
+            for expert, weight in zip(experts.tolist(), weights):
+                if expert >= self.num_experts:
+                    continue
+                gate, up = (self.gate_up_proj[expert] @ hidden_states[token]).chunk(2)
+                out[token] += weight * (self.down_proj[expert] @ (torch.nn.functional.silu(gate) * up))
+        return out
+
+
+# --- the layout ---------------------------------------------------------------------------------------------
+
+
+def test_expert_parallel_size_divides_the_data_parallel_ranks_it_borrows():
+    layout = ParallelLayout(data_parallel_size=-1, expert_parallel_size=2).resolve(4)
+    assert layout.world_size == 4 and layout.expert_parallel_size == 2
+    assert layout.describe() == "dp=4 × tp=1 × pp=1 (ep=2 of dp)"
+    assert ParallelLayout.from_dict(layout.to_dict()) == layout
+    assert ParallelLayout.from_dict({"pp": 1, "dp": 2, "tp": 1}).expert_parallel_size == 1  # older checkpoints
+    with pytest.raises(ValueError, match=r"expert_parallel_size=4 must divide data_parallel_size=2.*borrows its ranks"):
+        ParallelLayout(data_parallel_size=-1, tensor_parallel_size=2, expert_parallel_size=4).resolve(4)
+    with pytest.raises(ValueError, match="expert_parallel_size=-1 is invalid"):
+        ParallelLayout(expert_parallel_size=-1)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+        ({"context_parallel_size": 2}, "context_parallel_size=2"),
+        ({"data_parallel_mode": "shard"}, "data_parallel_mode='shard'"),
+        ({"sync": "local_sgd", "sync_every": 2}, "sync='local_sgd'"),
+        ({"comm_hook": "fp16"}, "comm_hook='fp16'"),
+    ],
+)
+def test_combinations_not_supported_yet_are_refused_before_launch(options, match):
+    strategy = lightning_parallel.HybridParallelStrategy(data_parallel_size=-1, expert_parallel_size=2, **options)
+    with pytest.raises(ValueError, match=f"expert_parallel_size=2 does not combine with {match} yet"):
+        L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+
+
+def test_hydra_config_has_the_option():
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load("conf/strategy/hybrid.yaml")
+    assert config.expert_parallel_size == 1
+
+
+# --- finding routed experts ---------------------------------------------------------------------------------
+
+
+def test_routed_experts_are_found_with_their_expert_count_attributes():
+    block = nn.ModuleDict({"gate": nn.Linear(6, 4), "experts": Experts()})
+    found = find_routed_experts(block)
+    assert list(found) == ["experts"]
+    experts = found["experts"]
+    assert experts.num_experts == 4 and set(experts.parameters) == {"gate_up_proj", "down_proj"}
+    assert experts.count_attributes == ("num_experts",)
+    with pytest.raises(ValueError, match=r"experts: its 4 experts are not divisible by expert_parallel_size=3"):
+        check_divisible("experts", experts, 3)
+
+
+def test_modules_expert_parallelism_cannot_divide_say_why():
+    odd = Experts()
+    odd.scale = nn.Parameter(torch.ones(3))  # not one entry per expert
+    assert "scale [3] are not one entry per expert" in routed_experts(odd)
+    assert routed_experts(Experts(num_experts=1)) is None  # a shared expert in the 3-D layout stays dense
+    assert routed_experts(nn.Linear(4, 4)) is None
+    # Experts as an nn.ModuleList of MLPs (older checkpoints, hand-written MoE): not found; the component refuses by name.
+    assert find_routed_experts(nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(4)])) == {}
+
+
+# --- dispatch and combine -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dispatch_and_combine_equal_the_experts_own_forward_values_and_gradients(one_rank_group):
+    torch.manual_seed(0)
+    experts = Experts()
+    hidden = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    weights, index = logits.softmax(-1).topk(2, dim=-1)
+    index = index.clone()
+    index[3, 1] = 4  # transformers' sentinel: no expert, contributes nothing
+
+    expected = experts(hidden, index, weights)
+    expected_grads = torch.autograd.grad(expected.square().sum(), (hidden, logits, experts.gate_up_proj), retain_graph=True)
+
+    def run_local(tokens, local_index, ones):
+        assert local_index.shape == (tokens.shape[0], 1) and torch.equal(ones, torch.ones_like(ones))
+        return experts(tokens, local_index, ones)
+
+    got = dispatch_and_combine(run_local, hidden, index, weights, 4, one_rank_group)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    got_grads = torch.autograd.grad(got.square().sum(), (hidden, logits, experts.gate_up_proj))
+    for a, b in zip(got_grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
