@@ -6,6 +6,8 @@ One subpackage per parallelism, each owning its transforms and nothing else:
   gradient sums over a group, batch statistics (SyncBatchNorm, refusals).
 * :mod:`.tensor` — tensor parallelism: plans (data, inference from the model, published ``_tp_plan``),
   applying them with DTensor, fused projections, sequence parallelism, DTensor rules for CPU attention.
+* :mod:`.expert` — expert parallelism: a Mixture-of-Experts layer's routed experts divided by expert index over
+  the ``ep`` ranks (borrowed from data parallelism), tokens dispatched and combined by all-to-all.
 * :mod:`.context` — context parallelism: the sequence split at the model call, ring attention, ops along
   the sequence made global or refused.
 * :mod:`.pipeline` — pipeline parallelism: the split into stages, tracing and building them, schedules,
@@ -15,7 +17,6 @@ One subpackage per parallelism, each owning its transforms and nothing else:
 * :mod:`.common` — what several parallelisms share: the trunk of blocks, activation checkpointing,
   ``torch.compile`` per block, gradient norms over shards, capturing a step's model call.
 
-Expert parallelism (Mixture-of-Experts) gets a subpackage of its own here (see docs/DESIGN.md,
-"Adding a parallelism"). Subpackages depend only on those listed before them (``common`` first, then data,
-tensor, context, pipeline, placement); ``tests/unit/test_import_layers.py`` enforces it.
+Subpackages depend only on those listed before them (``common`` first, then data, tensor, expert, context,
+pipeline, placement); ``tests/unit/test_import_layers.py`` enforces it.
 """

@@ -89,6 +89,16 @@ class PlacementView(Protocol):
     def place_stages(self, stage_tensors: Mapping[str, Tensor], root_name: str) -> None: ...
 
 
+class ExpertParallelView(Protocol):
+    """Expert parallelism: the experts it divides, which data parallelism leaves alone."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def held_parameters(self) -> tuple[nn.Parameter, ...]: ...
+
+
 class DataParallelView(Protocol):
     config: DataParallelConfig
     sync: SyncConfig
@@ -172,6 +182,7 @@ class EngineHost(Protocol):
     activation_checkpointing: ActivationCheckpointingView
     compile: CompileView
     placement: PlacementView
+    expert_parallel: ExpertParallelView
     data_parallel: DataParallelView
 
     @property

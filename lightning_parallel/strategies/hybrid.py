@@ -35,7 +35,8 @@ class HybridParallelStrategy(ParallelEngineStrategy):
         expert_parallel_size: Of the data-parallel ranks, how many divide each Mixture-of-Experts layer's routed
             experts by expert index (tokens sent to their expert and back by all-to-all, dropless: the math is the
             unsplit model's). Borrowed from data parallelism: must divide ``data_parallel_size``; the world size
-            does not change. Not with tp, pp, cp, sharded data parallelism or periodic sync yet.
+            does not change. With tensor parallelism the experts are divided by ep and
+            left out of the tp plan. Not with pp, cp or periodic sync yet.
         data_parallel_mode: ``"replicate"`` (ZeRO-0: DDP, or gradient all-reduce per stage),
             ``"shard"`` (ZeRO-3 through FSDP2; ZeRO-2-like with ``reshard_after_forward=False``) or
             ``"hybrid_shard"`` (HSDP: shard within ``data_parallel_shard_size`` ranks, replicate across).

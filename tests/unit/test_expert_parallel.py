@@ -54,10 +54,8 @@ def test_expert_parallel_size_divides_the_data_parallel_ranks_it_borrows():
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
         ({"context_parallel_size": 2}, "context_parallel_size=2"),
-        ({"data_parallel_mode": "shard"}, "data_parallel_mode='shard'"),
         ({"sync": "local_sgd", "sync_every": 2}, "sync='local_sgd'"),
         ({"comm_hook": "fp16"}, "comm_hook='fp16'"),
     ],

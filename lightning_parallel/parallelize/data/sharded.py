@@ -20,10 +20,12 @@ def shard_over_data_parallel(
     dp_mesh: DeviceMesh,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> list[nn.Module]:
     """Apply ``fully_shard`` to the parameter-holding children of ``root``; returns the sharded units.
 
-    ``dp_mesh`` is 1-D (shard over it) or 2-D ``(replicate, shard)`` (HSDP).
+    ``dp_mesh`` is 1-D (shard over it) or 2-D ``(replicate, shard)`` (HSDP). ``ignored_params`` stay as they
+    are, neither sharded nor reduced (experts that expert parallelism divides and reduces itself).
 
     ``root`` itself is not sharded: its entry points (e.g. a LightningModule's ``training_step``) are not
     its ``forward``, so FSDP's hooks would never run on it. Instead each direct child that owns
@@ -39,7 +41,8 @@ def shard_over_data_parallel(
             f"{type(root).__name__} holds parameters directly ({', '.join(direct)}); with data parallelism over "
             f"split (DTensor) parameters they must live in a submodule. Move them into an nn.Module attribute."
         )
-    options = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    options = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mp_policy or MixedPrecisionPolicy(),
+               "ignored_params": ignored_params or None}
     units: list[nn.Module] = []
     for child in root.children():
         if not any(True for _ in child.parameters()):

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import difflib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -102,10 +102,15 @@ class TensorParallelConfig:
             raise TypeError(f"plan must be 'auto' or a mapping of patterns to styles, got {type(self.plan).__name__}.")
         object.__setattr__(self, "head_attributes", tuple(self.head_attributes))
 
-    def resolve(self, module: nn.Module, warn: Callable[[str], None] = log.warning, tp_size: int | None = None) -> ResolvedPlan:
+    def resolve(
+        self, module: nn.Module, warn: Callable[[str], None] = log.warning, tp_size: int | None = None,
+        exclude: Collection[str] = (),
+    ) -> ResolvedPlan:
         """The plan bound to ``module`` (inferred first when ``plan="auto"``).
 
         Args:
+            exclude: Modules another parallelism owns (routed experts under expert parallelism): the inferred
+                plan leaves them (and what is below them) out; an explicit plan naming one is refused.
             tp_size: The TP degree the plan is for. With ``plan="auto"``, an inferred group (an attention, an
                 MLP) that no degree dividing it can split (a single key/value head: multi-query attention)
                 stays whole, named with the reason in the printed plan (:attr:`ResolvedPlan.kept_whole`);
@@ -119,7 +124,14 @@ class TensorParallelConfig:
                 would be a whole copy on every rank, not tensor parallel. The error names what stays whole and why.
         """
         if self.plan != "auto":
-            return resolve_plan(module, dict(self.plan), self.head_attributes)
+            resolved = resolve_plan(module, dict(self.plan), self.head_attributes)
+            owned = sorted(fqn for fqn in resolved.styles if any(fqn == o or fqn.startswith(f"{o}.") for o in exclude))
+            if owned:
+                raise ValueError(
+                    f"The tensor-parallel plan splits {', '.join(owned)}, whose experts expert parallelism divides "
+                    f"(expert_parallel_size > 1). Leave them out of the plan, or set expert_parallel_size=1."
+                )
+            return resolved
         sources: dict[str, str] = {}
         notes: list[str] = []
 
@@ -127,7 +139,7 @@ class TensorParallelConfig:
             notes.append(message)
             warn(message)
 
-        units = infer_units(module, noted, sources)
+        units = infer_units(module, noted, sources, exclude)
         kept_whole: dict[str, str] = {}
         whole_plan = {fqn: style for unit in units for fqn, style in unit.items()}
         if tp_size is not None and tp_size > 1 and _split_error(module, whole_plan, self.head_attributes, tp_size):

@@ -21,7 +21,7 @@ Which groups divide by a given TP degree is decided by the caller
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from torch import nn
 
@@ -93,14 +93,18 @@ def infer_plan(
 
 
 def infer_units(
-    module: nn.Module, warn: Callable[[str], None] = log.warning, sources: dict[str, str] | None = None
+    module: nn.Module, warn: Callable[[str], None] = log.warning, sources: dict[str, str] | None = None,
+    exclude: Collection[str] = (),
 ) -> list[Unit]:
-    """The groups of projections :func:`infer_plan` splits, each split whole or not at all."""
+    """The groups of projections :func:`infer_plan` splits, each split whole or not at all; modules in ``exclude``
+    (and below them) are left to another parallelism (experts that expert parallelism divides)."""
     sources = sources if sources is not None else {}
     published = published_plan(module)
     units: list[Unit] = []
-    taken: set[str] = set()
+    taken: set[str] = set(exclude)
     for name, layout in find_experts(module).items():
+        if name in taken:
+            continue
         if isinstance(layout, str):
             warn(f"{name}: grouped experts left replicated: {layout}.")
         else:

@@ -155,6 +155,7 @@ class DataParallelComponent(Component):
                     replica_mesh(engine.device_mesh, sharded=True),
                     reshard_after_forward=self.config.reshard_after_forward,
                     mp_policy=fsdp_mixed_precision(engine.precision_plugin),
+                    ignored_params=set(engine.expert_parallel.held_parameters),
                 )
             engine.placement.place()  # after sharding: only this rank's shards are allocated
             return

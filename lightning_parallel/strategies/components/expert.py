@@ -3,7 +3,8 @@
 The transforms are :mod:`lightning_parallel.parallelize.expert`; this component decides when they apply
 (``expert_parallel_size > 1``), refuses what they cannot combine with yet, and reduces the experts' gradients
 once per optimizer step (after the last accumulated micro-batch) over the ranks that hold the same experts.
-Data parallelism leaves the experts to it (DDP ignores them).
+Data parallelism leaves the experts to it (DDP and FSDP2 ignore them): they are replicated over the ranks holding
+the same experts, whatever the data-parallel mode does with the dense parameters.
 """
 
 from __future__ import annotations
@@ -48,19 +49,22 @@ class ExpertParallelComponent(Component):
     def enabled(self) -> bool:
         return self.engine.layout.expert_parallel_size > 1
 
+    @property
+    def held_parameters(self) -> tuple[nn.Parameter, ...]:
+        """This rank's expert parameters (``Shard(0)`` DTensors on the ep mesh), once applied: data parallelism
+        leaves them to this component."""
+        return tuple(self._parameters)
+
     def validate(self, layout: ParallelLayout) -> None:
         ep = layout.expert_parallel_size
         if ep == 1:
             return
         engine = self.engine
         refused = []
-        for size, name in ((layout.tensor_parallel_size, "tensor_parallel_size"),
-                           (layout.pipeline_parallel_size, "pipeline_parallel_size"),
+        for size, name in ((layout.pipeline_parallel_size, "pipeline_parallel_size"),
                            (layout.context_parallel_size, "context_parallel_size")):
             if size > 1:
                 refused.append((f"{name}={size}", f"{name}=1"))
-        if engine.data_parallel.config.is_sharded:
-            refused.append((f"data_parallel_mode={engine.data_parallel.config.mode!r}", "data_parallel_mode='replicate'"))
         if engine.data_parallel.sync.is_periodic:
             refused.append((f"sync={engine.data_parallel.sync.method!r}", "sync='every_step'"))
         if engine.data_parallel.config.comm_hook != "allreduce":

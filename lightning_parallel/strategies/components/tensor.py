@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.parallelize.expert.experts import find_routed_experts
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 from lightning_parallel.parallelize.tensor.split_region import reduce_split_region_gradients
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
@@ -64,7 +65,7 @@ class TensorParallelComponent(Component):
         if not self.enabled or self.engine.layout.pipeline_parallel_size > 1 or module is self._split_module:
             return
         size = self.engine.layout.tensor_parallel_size
-        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size)
+        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size, exclude=self._experts_elsewhere(module))
         check_plan(module, resolved, size)
         # Neither TP (outside the split layers) nor FSDP2 copies weights between ranks: start every rank
         # from rank 0's weights, as DDP would, even if the module was not built from one seed everywhere.
@@ -78,11 +79,17 @@ class TensorParallelComponent(Component):
         sequence = " with sequence parallelism" if self.config.sequence_parallel else ""
         rank_zero_info(f"lightning_parallel: tensor-parallel plan over tp={size}{sequence}:\n{resolved.describe()}")
 
+    def _experts_elsewhere(self, module: nn.Module) -> tuple[str, ...]:
+        """The routed-experts modules that expert parallelism divides (the plan leaves them whole)."""
+        if not self.engine.expert_parallel.enabled:
+            return ()
+        return tuple(fqn for fqn, found in find_routed_experts(module).items() if not isinstance(found, str))
+
     def stage_plan(self, root_name: str) -> StageTensorParallel:
         """The plan for the pipeline stages of ``root_name`` (resolved on the whole module, before the cut)."""
         module = self.engine.lightning_module
         size = self.engine.layout.tensor_parallel_size
-        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size)
+        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size, exclude=self._experts_elsewhere(module))
         check_plan(module, resolved, size)
         rank_zero_info(f"lightning_parallel: tensor-parallel plan over tp={size} inside each stage:\n{resolved.describe()}")
         return StageTensorParallel.from_plan(resolved, root_name, self.engine.device_mesh["tp"])
