@@ -52,7 +52,7 @@ class JobSpec:
     # | llama_reference (issue 29's hand-written Llama: custom RMSNorm, SwiGLU module, view/reshape heads)
     # | hand_norm_attention (view_attention with Meta's hand-written RMSNorm: no reset_parameters())
     # | litgpt (Lightning's LitGPT model: fused GQA qkv, head counts on its Config dataclass; needs litgpt)
-    model: str = "gpt"
+    model: str = "gpt"  # gpt_moe: the recipe GPT with a 4-expert top-2 Mixture-of-Experts layer in each block
     strategy: str = "single"  # single | data | tensor | pipeline | hybrid | auto (the planner chooses, for cpu_local)
     devices: int = 1
     batch_size: int = 4  # per data-parallel rank
@@ -277,7 +277,7 @@ def make_data(spec: JobSpec) -> L.LightningDataModule:
 
         if is_image_family(spec.model.removeprefix("hf_").partition(":")[0]):  # hf_vit, hf_resnet
             return SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
-    if spec.model in ("gpt", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference") or spec.model.startswith("hf_"):
+    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference") or spec.model.startswith("hf_"):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -290,9 +290,10 @@ def make_data(spec: JobSpec) -> L.LightningDataModule:
 
 def make_model(spec: JobSpec) -> L.LightningModule:
     """The job's LightningModule (as built before Lightning converts it to the job's precision)."""
-    if spec.model == "gpt":
+    if spec.model in ("gpt", "gpt_moe"):
         return RecordingGPT(
             vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=spec.n_embd, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
+            n_experts=4 if spec.model == "gpt_moe" else 0,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step, nan_rank=spec.nan_rank, nan_step=spec.nan_step,
             stall_rank=spec.stall_rank, stall_step=spec.stall_step, stall_seconds=spec.stall_seconds,
         )

@@ -7,7 +7,9 @@ bytes each collective is given and the seconds the caller spends issuing and wai
 training thread, so this is *exposed* communication). Outside its ``with`` block nothing is wrapped.
 FSDP2 and DDP use c10d directly and are not seen here (DDP is counted by its communication hook).
 Context parallelism's ring attention and output gathers use the same functions; they are tallied apart,
-in :attr:`DTensorCollectives.context_tally`. No Lightning here.
+in :attr:`DTensorCollectives.context_tally`, and so are expert parallelism's token all-to-alls
+(:attr:`DTensorCollectives.expert_tally`, with how evenly the router spread the tokens: :class:`ExpertLoad`).
+No Lightning here.
 """
 
 from __future__ import annotations
@@ -39,6 +41,48 @@ def context_parallel_exchange() -> Iterator[None]:
 def context_parallel_exchanging() -> bool:
     """Whether a context-parallel exchange is running (see :func:`context_parallel_exchange`)."""
     return _exchanging[0] > 0
+
+
+#: How many expert-parallel exchanges (token dispatch and combine) are running on this thread.
+_dispatching = [0]
+
+
+@contextmanager
+def expert_parallel_exchange() -> Iterator[None]:
+    """Marks the collectives issued inside as expert parallelism's (tallied in ``expert_tally``)."""
+    _dispatching[0] += 1
+    try:
+        yield
+    finally:
+        _dispatching[0] -= 1
+
+
+@dataclass
+class ExpertLoad:
+    """How evenly routers spread tokens over experts: per MoE layer call, the busiest expert's tokens over the
+    mean (1.0: perfectly even; counted over this rank's tokens), while a :class:`DTensorCollectives` is active."""
+
+    calls: int = 0
+    imbalance_sum: float = 0.0
+    imbalance_max: float = 0.0
+
+    def record(self, tokens_per_expert: torch.Tensor) -> None:
+        mean = float(tokens_per_expert.double().mean())
+        if mean > 0:
+            ratio = float(tokens_per_expert.max()) / mean
+            self.calls += 1
+            self.imbalance_sum += ratio
+            self.imbalance_max = max(self.imbalance_max, ratio)
+
+    def reset(self) -> None:
+        self.calls, self.imbalance_sum, self.imbalance_max = 0, 0.0, 0.0
+
+
+def record_expert_load(tokens_per_expert: torch.Tensor) -> None:
+    """Count one MoE layer's routing (a no-op unless a :class:`DTensorCollectives` is counting)."""
+    owner = DTensorCollectives._owner
+    if owner is not None and not owner._paused and not _checking[0]:
+        owner.expert_load.record(tokens_per_expert)
 
 
 #: How many checks outside training (see :func:`outside_training`) are running on this thread.
@@ -94,9 +138,13 @@ class DTensorCollectives:
     def __init__(self) -> None:
         self.tally = CollectiveTally()
         self.context_tally = CollectiveTally()  # ring attention and sequence gathers (context parallelism)
+        self.expert_tally = CollectiveTally()  # token dispatch and combine (expert parallelism)
+        self.expert_load = ExpertLoad()
         self._paused = False
 
     def _current(self) -> CollectiveTally:
+        if _dispatching[0]:
+            return self.expert_tally
         return self.context_tally if context_parallel_exchanging() else self.tally
 
     @contextmanager

@@ -62,6 +62,11 @@ class StepTiming:
     tokens: int = 0
     cp_s: float = 0.0  # context parallelism's ring attention and output gathers, exposed
     cp_bytes: int = 0
+    ep_s: float = 0.0  # expert parallelism's token all-to-alls (dispatch and combine, forward and backward), exposed
+    ep_bytes: int = 0
+    #: Expert parallelism: the busiest expert's tokens over the mean, averaged over the step's MoE layer calls
+    #: (this rank's routing; 0 without expert parallelism).
+    expert_imbalance: float = 0.0
 
 
 class ScalingMonitor(Callback):
@@ -154,7 +159,7 @@ class ScalingMonitor(Callback):
         bubble = max(0.0, span - busy)
         timing = StepTiming(
             step_s=delta["time"],
-            compute_s=max(0.0, delta["time"] - delta["dp_s"] - delta["tp_s"] - delta["cp_s"] - bubble),
+            compute_s=max(0.0, delta["time"] - delta["dp_s"] - delta["tp_s"] - delta["cp_s"] - delta["ep_s"] - bubble),
             dp_s=delta["dp_s"],
             tp_s=delta["tp_s"],
             bubble_s=bubble,
@@ -165,6 +170,9 @@ class ScalingMonitor(Callback):
             tokens=self._tokens,
             cp_s=delta["cp_s"],
             cp_bytes=int(delta["cp_bytes"]),
+            ep_s=delta["ep_s"],
+            ep_bytes=int(delta["ep_bytes"]),
+            expert_imbalance=delta["ep_imbalance_sum"] / delta["ep_calls"] if delta["ep_calls"] else 0.0,
         )
         self._step_start = {}
         # global_step has advanced past the step just finished.
@@ -242,6 +250,10 @@ class ScalingMonitor(Callback):
             "tp_bytes": tally.bytes,
             "cp_s": self._collectives.context_tally.seconds,
             "cp_bytes": self._collectives.context_tally.bytes,
+            "ep_s": self._collectives.expert_tally.seconds,
+            "ep_bytes": self._collectives.expert_tally.bytes,
+            "ep_calls": self._collectives.expert_load.calls,
+            "ep_imbalance_sum": self._collectives.expert_load.imbalance_sum,
         }
 
     def _utilization(self, trainer: Trainer, samples: float, tokens: float, step_s: float) -> Utilization | None:

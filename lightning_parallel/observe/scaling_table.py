@@ -17,7 +17,7 @@ def scaling_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float
     def pick(value: Any) -> float | None:
         return None if predicted is None else value
 
-    return [
+    rows = [
         ("step time (s)", pick(seconds.get("step")), measured["step_s"]),
         ("compute (s)", pick(seconds.get("compute")), measured["compute_s"]),
         ("data-parallel comm, exposed (s)", pick(seconds.get("dp")), measured["dp_s"]),
@@ -31,6 +31,12 @@ def scaling_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float
         ("tensor-parallel MiB per step", pick(comm.get("tp", 0) / 2**20 if predicted else None), measured["tp_bytes"] / 2**20),
         ("context-parallel MiB per step", pick(comm.get("cp", 0) / 2**20 if predicted else None), measured.get("cp_bytes", 0) / 2**20),
     ]
+    if measured.get("ep_bytes"):  # expert parallelism: the token all-to-alls and how evenly the routers spread tokens
+        rows[4:4] = [("expert-parallel all-to-all, exposed (s)", pick(seconds.get("ep")), measured["ep_s"])]
+        rows += [("expert-parallel MiB per step", pick(comm.get("ep", 0) / 2**20 if predicted and "ep" in comm else None),
+                  measured["ep_bytes"] / 2**20),
+                 ("tokens per expert, busiest / mean", None, measured["expert_imbalance"])]
+    return rows
 
 
 def print_scaling_table(summary: dict[str, Any], console: Console | None = None) -> None:

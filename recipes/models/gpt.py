@@ -1,8 +1,9 @@
 """A small GPT, written the way people write one for a single device.
 
 Token + position embeddings, pre-LayerNorm blocks kept in an ``nn.ModuleList`` and iterated in
-``forward``, attention with separate q/k/v/output projections, a GELU MLP, and an optionally tied head.
-Nothing here knows about parallelism.
+``forward``, attention with separate q/k/v/output projections, a GELU MLP (or, with ``n_experts``, a
+Mixture-of-Experts layer: a top-k softmax router and experts kept as 3-D parameters, in transformers' layout),
+and an optionally tied head. Nothing here knows about parallelism.
 """
 
 from __future__ import annotations
@@ -54,13 +55,49 @@ class MLP(nn.Module):
         return self.dropout(self.fc_out(self.act(self.fc_in(x))))
 
 
+class Experts(nn.Module):
+    """``num_experts`` GELU MLPs stored as 3-D parameters (expert first), called with the router's choices."""
+
+    def __init__(self, n_embd: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.up_proj = nn.Parameter(torch.empty(num_experts, 4 * n_embd, n_embd))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, n_embd, 4 * n_embd))
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for expert in range(self.num_experts):
+            token, choice = torch.where(top_k_index == expert)
+            if token.numel():
+                y = F.linear(F.gelu(F.linear(hidden[token], self.up_proj[expert])), self.down_proj[expert])
+                out = out.index_add(0, token, y * top_k_weights[token, choice, None])
+        return out
+
+
+class MoE(nn.Module):
+    """Each token's ``k`` highest-scoring experts (softmax over the router's scores, renormalised over the k)."""
+
+    def __init__(self, n_embd: int, num_experts: int, k: int, dropout: float) -> None:
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(n_embd, num_experts, bias=False)
+        self.experts = Experts(n_embd, num_experts)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat).softmax(dim=-1).topk(self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.dropout(self.experts(flat, chosen, weights).reshape(x.shape))
+
+
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
+    def __init__(self, n_embd: int, n_head: int, dropout: float, n_experts: int = 0, experts_per_token: int = 2) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = MLP(n_embd, dropout)
+        self.mlp = MoE(n_embd, n_experts, experts_per_token, dropout) if n_experts else MLP(n_embd, dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -69,14 +106,15 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(
-        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float, tie_weights: bool
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, dropout: float, tie_weights: bool,
+        n_experts: int = 0, experts_per_token: int = 2,
     ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
+        self.blocks = nn.ModuleList([Block(n_embd, n_head, dropout, n_experts, experts_per_token) for _ in range(n_layer)])
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
@@ -84,7 +122,9 @@ class GPT(nn.Module):
         # GPT-2's scaled init of the projections that write into the residual stream.
         self.residual_std = 0.02 / math.sqrt(2 * n_layer)
         for block in self.blocks:
-            block.attn.out_proj.residual_projection = block.mlp.fc_out.residual_projection = True
+            block.attn.out_proj.residual_projection = True
+            if not n_experts:
+                block.mlp.fc_out.residual_projection = True
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -94,6 +134,9 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=self.residual_std if residual else 0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, Experts):
+            nn.init.normal_(module.up_proj, mean=0.0, std=0.02)
+            nn.init.normal_(module.down_proj, mean=0.0, std=self.residual_std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         seq = idx.size(1)
@@ -125,10 +168,12 @@ class GPTLightningModule(L.LightningModule):
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        n_experts: int = 0,
+        experts_per_token: int = 2,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights)
+        self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights, n_experts, experts_per_token)
         self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab_size, average="micro")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,9 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
     # Expert parallelism borrows the two data-parallel ranks: each holds half of every MoE layer's experts.
     "ep2": (2, "HybridParallelStrategy", {"data_parallel_size": 2, "expert_parallel_size": 2}),
 }
+#: Layouts that only mixture-of-experts families can use (a dense model is refused by name: nothing to divide);
+#: the committed results sweep them over the families that hold experts.
+EXPERT_LAYOUTS = ("ep2",)
 
 
 def build(task: str, model_type: str, layout: str | None) -> tuple[CoverageModule, CoverageData, L.Trainer, Recorder]:

@@ -55,12 +55,14 @@ VIEW = "view_attention"
 #: Meta's reference Llama as a user writes it (its own RMSNorm, MLP in a module of its own, no GQA):
 #: the module issue 15 named, once refused under tp2 × pp2.
 REF = "llama_reference"
+#: The recipe GPT with a Mixture-of-Experts layer in each block (our own module in transformers' experts layout).
+GPT_MOE = "gpt_moe"
 #: Mixture-of-experts families (fused 3-D experts; Qwen2-MoE with a gated shared expert).
-MOE = MOE_FAMILIES
+MOE = (*MOE_FAMILIES, GPT_MOE)
 #: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
 MATRIX: dict[str, tuple[str, ...]] = {
-    "dp2": (*FAMILIES, DEMO, *MOE),
-    "tp2": (*FAMILIES, VIEW, REF, *MOE),
+    "dp2": (*FAMILIES, DEMO, *MOE_FAMILIES),
+    "tp2": (*FAMILIES, VIEW, REF, *MOE_FAMILIES),
     "tp2 eager": tuple(FAMILIES),
     "tp2+sp": ("llama", "gpt2", "phi3"),
     "pp2": (*FAMILIES, VIEW, REF),
@@ -68,7 +70,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp2×tp2×pp2": ("qwen2", "phi3"),
     "cp2": (*FAMILIES, VIEW),
     "dp2 ep2": MOE,
-    "dp2-shard ep2": ("mixtral",),
+    "dp2-shard ep2": ("mixtral", GPT_MOE),
     "dp4 ep2": ("qwen2_moe",),
     "dp2 ep2×tp2": ("qwen2_moe",),
 }
@@ -87,7 +89,7 @@ ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp
 
 
 def model_name(family: str, layout: str = "") -> str:
-    if family in (DEMO, VIEW, REF):
+    if family in (DEMO, VIEW, REF, GPT_MOE):
         return family
     return f"hf_{family}:eager" if layout.endswith("eager") else f"hf_{family}"
 
@@ -139,7 +141,7 @@ def test_two_ranks_dp_tp_pp_cp(tmp_path):
     for family, layout in results:
         if "ep" in layout:
             assert_experts_divided(family, results[(family, layout)], ranks=2, dense_sharded="shard" in layout or "tp" in layout)
-    for family in (*FAMILIES, *MOE):
+    for family in (*FAMILIES, *MOE_FAMILIES):
         result = results[(family, "tp2")]
         whole = sum(t.numel() for t in reference(family, 1, 1)["grads"][0].values())
         local = sum(result["local_numel"].values())

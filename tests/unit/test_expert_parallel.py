@@ -130,3 +130,17 @@ def test_dispatch_and_combine_equal_the_experts_own_forward_values_and_gradients
     got_grads = torch.autograd.grad(got.square().sum(), (hidden, logits, experts.gate_up_proj))
     for a, b in zip(got_grads, expected_grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_per_rank_load_balancing_loss_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from lightning_parallel.strategies.components.expert import _refuse_local_load_balancing_loss
+
+    model = nn.Module()
+    model.net = nn.Module()
+    model.net.config = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.01)
+    with pytest.raises(ValueError, match=r"expert_parallel_size=2: net's config has output_router_logits=True.*router_aux_loss_coef=0"):
+        _refuse_local_load_balancing_loss(model, 2)
+    model.net.config.router_aux_loss_coef = 0.0  # the logits are returned but nothing is added to the loss
+    _refuse_local_load_balancing_loss(model, 2)

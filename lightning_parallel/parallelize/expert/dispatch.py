@@ -15,10 +15,13 @@ that holds them, summed over every token routed to them from the whole group.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_parallel.measure.collectives import expert_parallel_exchange, record_expert_load
 
 
 def dispatch_and_combine(
@@ -44,11 +47,24 @@ def dispatch_and_combine(
     Returns:
         ``[T, H]``: ``Σ_k routing_weights[t, k] · expert[expert_index[t, k]](hidden[t])``.
     """
+    with expert_parallel_exchange():
+        return _dispatch_and_combine(run_local_experts, hidden, expert_index, routing_weights, num_experts, group)
+
+
+def _dispatch_and_combine(
+    run_local_experts: Callable[[Tensor, Tensor, Tensor], Tensor],
+    hidden: Tensor,
+    expert_index: Tensor,
+    routing_weights: Tensor,
+    num_experts: int,
+    group: dist.ProcessGroup,
+) -> Tensor:
     size = dist.get_world_size(group)
     local_experts = num_experts // size
     tokens, choices = expert_index.shape
     experts = expert_index.reshape(-1)
     valid = (experts >= 0) & (experts < num_experts)
+    record_expert_load(torch.bincount(experts[valid], minlength=num_experts))
     # Pairs in destination order (stable: pairs of one rank keep token order); pairs with no expert go last, unsent.
     destination = torch.where(valid, experts.div(local_experts, rounding_mode="floor"), size)
     order = torch.argsort(destination, stable=True)
@@ -78,9 +94,26 @@ def dispatch_and_combine(
 
 
 def all_to_all_with_gradient(tensor: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    """``all_to_all_single`` whose backward sends the gradients back the way the values came."""
-    # torch.distributed._functional_collectives is private (checked against torch 2.13); its public twin in
-    # torch.distributed.nn.functional is deprecated in its favour.
+    """``all_to_all_single`` whose backward sends the gradients back the way the values came (both directions
+    tallied as expert parallelism's by the monitor)."""
+    return _AllToAll.apply(tensor, output_splits, input_splits, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.output_splits, ctx.input_splits, ctx.group = output_splits, input_splits, group
+        return _exchange(tensor, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _exchange(grad.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group), None, None, None
+
+
+def _exchange(tensor: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
+    # torch.distributed._functional_collectives is private (checked against torch 2.13): it is what DTensor uses,
+    # and what the monitor counts (measure/collectives.py), looked up at each call.
     from torch.distributed import _functional_collectives as functional
 
-    return functional.wait_tensor(functional.all_to_all_single(tensor, output_splits, input_splits, group))
+    with expert_parallel_exchange():
+        return functional.wait_tensor(functional.all_to_all_single(tensor, output_splits, input_splits, group))
