@@ -103,6 +103,9 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
                                         empty_init=True, strategy_kwargs=shard), {"model": "hand_norm_attention"}),
         "hand_norm_pp2": (JobSpec(model="hand_norm_attention", strategy="pipeline", devices=2, steps=STEPS, empty_init=True,
                                   strategy_kwargs={"microbatches": 2}), {"model": "hand_norm_attention"}),
+        # A Mixture-of-Experts model built on meta, its experts divided over ep=2 (each rank materialises its half).
+        "moe_dp2_ep2": (JobSpec(model="gpt_moe", strategy="hybrid", devices=2, batch_size=2, steps=STEPS, empty_init=True,
+                                strategy_kwargs={"data_parallel_size": 2, "expert_parallel_size": 2}), {"model": "gpt_moe"}),
         # Built on meta and first cut by Lightning's sanity check (validation batches of 8), then trained on 4.
         "llama_pp2_first_batch_a_validation_one": (
             JobSpec(model="hf_llama", strategy="pipeline", devices=2, steps=STEPS, empty_init=True, validate=True, val_batch_size=8,
@@ -125,6 +128,8 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
     # Under tp2 each rank holds half of every split layer (the memory claim is measured below).
     numel = results["tp2"]["local_numel"]
     assert numel["model.blocks.0.mlp.fc_in.weight"] * 2 == 4 * 16 * 16
+    # Under ep2 each rank holds half of the experts (2 of 4, each 4·16 × 16).
+    assert results["moe_dp2_ep2"]["local_numel"]["model.blocks.0.mlp.experts.up_proj"] == 2 * 4 * 16 * 16
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_shard"])

@@ -18,7 +18,7 @@ from lightning_parallel.strategies.components.placement import local_targets
 from tests.harness import JobSpec, make_model
 
 #: Models whose every random draw at construction is a reset_parameters() or an _init_weights (the contract).
-REPLAYED = ["gpt", "view_attention", "hand_norm_attention", "hf_llama", "hf_qwen2", "hf_phi3", "hf_gpt_neox"]
+REPLAYED = ["gpt", "gpt_moe", "hf_mixtral", "view_attention", "hand_norm_attention", "hf_llama", "hf_qwen2", "hf_phi3", "hf_gpt_neox"]
 
 
 class WithTable(nn.Module):

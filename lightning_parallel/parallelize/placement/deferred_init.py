@@ -137,7 +137,16 @@ class InitialValues:
                     continue
                 full = f"{name}.{local}" if name else local
                 recipe = (recipes or {}).get(full)
-                node = None if recipe is None else recipe.created if resets else recipe.final
+                if recipe is None:
+                    node = None
+                elif resets:
+                    node = recipe.created
+                elif not alone and recipe.attached is not None:
+                    # An _init_weights above it is replayed as a step of its own: replaying what it did to the
+                    # parameter here too would draw its random numbers twice.
+                    node = recipe.attached
+                else:
+                    node = recipe.final
                 reason = "it was not made while the module was built" if node is None else reason_not_replayable(node)
                 if first_holder.setdefault(id(param), id(unit)) != id(unit):
                     self.elsewhere.setdefault(id(unit), set()).add(local)

@@ -204,6 +204,9 @@ class Recipe:
 
     created: Node | Unreplayable  # the tensor it was registered from
     final: Node | Unreplayable  # with the in-place changes made to it after registration (``nn.init.*_`` in ``__init__``)
+    #: As it was when its module was attached to a parent (its own ``__init__`` done): what came later is the
+    #: parents' doing, e.g. an ``_init_weights`` applied over the subtree, which is replayed as a step of its own.
+    attached: Node | Unreplayable | None = None
 
 
 #: Meta parameter -> its recipe (forgotten with the parameter).
@@ -245,17 +248,38 @@ def parameters_on_meta() -> Iterator[None]:
             recorder.link(parameter, data)
         return parameter
 
+    attached: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> its node when its module got a parent
+    original_setattr, original_add = nn.Module.__setattr__, nn.Module.add_module
+
+    def note_attached(child: Any) -> None:
+        if isinstance(child, nn.Module):
+            for param in child.parameters():
+                if param in recorder.creations and param not in attached:
+                    attached[param] = recorder.nodes.get(param, recorder.creations[param])
+
+    def setattr_noting(module: nn.Module, name: str, value: Any) -> None:
+        note_attached(value)
+        original_setattr(module, name, value)
+
+    def add_module_noting(module: nn.Module, name: str, child: nn.Module | None) -> None:
+        note_attached(child)
+        original_add(module, name, child)
+
     nn.Module.register_parameter = register_on_meta
     nn.Parameter.__new__ = staticmethod(new_parameter)  # type: ignore[method-assign,assignment]
+    nn.Module.__setattr__ = setattr_noting  # type: ignore[method-assign,assignment]
+    nn.Module.add_module = add_module_noting  # type: ignore[method-assign]
     try:
         with recorder:
             yield
     finally:
         nn.Module.register_parameter = original
         nn.Parameter.__new__ = original_new  # type: ignore[method-assign]
+        nn.Module.__setattr__ = original_setattr  # type: ignore[method-assign]
+        nn.Module.add_module = original_add  # type: ignore[method-assign]
     roots: list[Node | Unreplayable] = []
     for param, created in recorder.creations.items():
-        RECIPES[param] = recipe = Recipe(created, recorder.nodes.get(param, created))
+        RECIPES[param] = recipe = Recipe(created, recorder.nodes.get(param, created), attached.get(param))
         roots += [recipe.created, recipe.final]
     if recorder.random_nodes and not recorder.stream_moved and _all_in(recorder.random_nodes, roots):
         torch.set_rng_state(before)
