@@ -31,6 +31,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_parallel.plan.experts import balanced_routing
+
 from lightning_parallel.measure.collectives import DTensorCollectives
 from lightning_parallel.measure.memory import local_bytes
 from lightning_parallel.parallelize.common.model_call import capture_model_call
@@ -150,8 +152,9 @@ def profile_model(
         return module.to(dtype) if dtype is not None else module
 
     module = build()
-    whole = _dry_run(module, meta_batch, rows, tp=1)
-    root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
+    with balanced_routing(module):  # routed experts cost what an even router makes them cost
+        whole = _dry_run(module, meta_batch, rows, tp=1)
+        root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
     profile = ModelProfile(
         name=type(module).__name__,
         root_name=root_name,
@@ -173,7 +176,7 @@ def profile_model(
         if not any(style != "replicate" for style in resolved.styles.values()):
             profile.tp_invalid[tp] = "the tensor-parallel plan splits nothing in this model"
             continue
-        with _fake_process_group(tp) as mesh:
+        with _fake_process_group(tp) as mesh, balanced_routing(module):
             apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
             loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
             profile.steps[tp] = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)

@@ -69,3 +69,16 @@ def test_precisions_and_tokens():
     assert tokens_in((ids, ids)) == 64
     assert tokens_in({"input_ids": ids}) == 64
     assert tokens_in((torch.zeros(4, 3), torch.zeros(4))) == 4  # not a sequence: a sample is one token
+
+
+def test_model_flops_of_a_mixture_of_experts_count_k_experts_per_token():
+    """The meta dry run cannot follow a router's data-dependent choices: routed experts are counted at even load,
+    k experts' MLPs per token (here k=2 of 4: twice the dense MLP's matmuls), plus the router."""
+    d, layers, T, vocab, experts, k = 32, 2, 16, 128, 4, 2
+    config = {"vocab_size": vocab, "block_size": T, "n_layer": layers, "n_head": 2, "n_embd": d, "dropout": 0.0, "lr": 1e-3}
+    tokens = torch.randint(0, vocab, (4, T))
+    dense = profile_model(lambda: GPTLightningModule(**config), (tokens, tokens))
+    moe = profile_model(lambda: GPTLightningModule(**config, n_experts=experts, experts_per_token=k), (tokens, tokens))
+    mlp = 2 * 4 * d * d  # fc_in + fc_out, one expert's up + down
+    router = d * experts
+    assert model_flops_per_sample(moe) - model_flops_per_sample(dense) == 6 * layers * ((k - 1) * mlp + router) * T
