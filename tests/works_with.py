@@ -12,8 +12,10 @@ from pathlib import Path
 from tests.distributed.test_transformers import (
     ACCUMULATE,
     DEMO,
+    GPT_MOE,
     LAYOUTS,
     MATRIX,
+    MOE,
     ROUND_TRIP,
     UNSUPPORTED,
     REF,
@@ -34,6 +36,9 @@ DESCRIPTIONS = {
     DEMO: "Lightning demo `Transformer` (`nn.Transformer`, `nn.MultiheadAttention`)",
     VIEW: "hand-written Llama-style LM (`view(B, L, self.n_heads, -1)`, GQA, `nn.RMSNorm`)",
     REF: "Meta's reference Llama written by hand (own `RMSNorm`, `SwiGLU` module, `reshape` after attention)",
+    "mixtral": "Mixtral (`MixtralForCausalLM`: MoE, 4 experts as fused 3-D `gate_up_proj`/`down_proj`, top-2 router)",
+    "qwen2_moe": "Qwen2-MoE (`Qwen2MoeForCausalLM`: MoE beside a shared expert with a sigmoid gate)",
+    GPT_MOE: "the recipe GPT with a MoE layer per block (`model=gpt_moe`: our own 3-D experts)",
 }
 
 
@@ -43,12 +48,14 @@ def render() -> str:
         "| model | " + " | ".join(layouts) + " |",
         "|---|" + "---|" * len(layouts),
     ]
-    for family in (*FAMILIES, DEMO, VIEW, REF):
+    for family in (*FAMILIES, DEMO, VIEW, REF, *MOE):
         cells = []
         for layout in layouts:
             if family in MATRIX[layout]:
                 extras = [word for word, cases in (("accumulate", ACCUMULATE), ("checkpoint", ROUND_TRIP)) if (family, layout) in cases]
                 cells.append("tested" + (f" (+{', '.join(extras)})" if extras else ""))
+            elif "ep" in layout and family not in MOE:
+                cells.append("— (no experts)")
             elif (family, layout) in UNSUPPORTED:
                 cells.append(f"refused: {UNSUPPORTED[family, layout]}")
             else:
