@@ -88,6 +88,7 @@ class Prediction:
     accumulate: int
     notes: list[str] = field(default_factory=list)
     cp_s: float = 0.0  # ring attention's key/value traffic (none of it counted as overlapped)
+    ep_s: float = 0.0  # expert parallelism's token all-to-alls (none of it counted as overlapped)
 
     @property
     def peak_memory(self) -> float:
@@ -99,7 +100,7 @@ class Prediction:
 
     @property
     def comm_s(self) -> float:
-        return self.tp_s + self.cp_s + self.p2p_s + self.dp_s
+        return self.tp_s + self.cp_s + self.ep_s + self.p2p_s + self.dp_s
 
     @property
     def bubble_s(self) -> float:
@@ -133,7 +134,7 @@ class Prediction:
             "memory_by_pipeline_rank": [m.as_dict() for m in self.memory],
             "comm_bytes": self.comm_bytes,
             "wire_bytes": self.wire_bytes,
-            "seconds": {"compute": self.compute_s, "tp": self.tp_s, "cp": self.cp_s, "p2p": self.p2p_s, "dp": self.dp_s,
+            "seconds": {"compute": self.compute_s, "tp": self.tp_s, "cp": self.cp_s, "ep": self.ep_s, "p2p": self.p2p_s, "dp": self.dp_s,
                         "bubble": self.bubble_s, "step": self.step_s, "single_device": self.single_device_step_s},
             "bubble_fraction": self.bubble_fraction,
             "speedup": self.speedup,
@@ -191,12 +192,19 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     tokens = 1.0 / layout.cp
 
     memory, micro_times, compute, tp_bytes, tp_seconds, p2p_bytes, p2p_seconds, grad_bytes = [], [], [], [], [], [], [], []
+    ep_bytes, ep_seconds, expert_grad_bytes = [], [], []
     for pp_rank, stages in enumerate(rank_stages):
         segments = [segment for stage in stages for segment in stage]
         names = _parameters_of(step, segments)
-        params = sum(step.parameter_bytes[n] for n in names)
-        gradients = sum(step.parameter_bytes[n] for n in names - step.frozen)
-        optimizer = sum(step.optimizer_bytes.get(n, 0) for n in names)
+        experts = names & step.expert_parameters if layout.ep > 1 else set()
+        dense = names - experts
+        # Divided experts: 1/ep of each, held whole by the data-parallel mode (FSDP2 and DDP leave them alone).
+        params = sum(step.parameter_bytes[n] for n in dense)
+        gradients = sum(step.parameter_bytes[n] for n in dense - step.frozen)
+        optimizer = sum(step.optimizer_bytes.get(n, 0) for n in dense)
+        expert_params = sum(step.parameter_bytes[n] for n in experts) / layout.ep
+        expert_gradients = sum(step.parameter_bytes[n] for n in experts - step.frozen) / layout.ep
+        expert_optimizer = sum(step.optimizer_bytes.get(n, 0) for n in experts) / layout.ep
         flops = sum(step.flops[s] for s in segments) + (
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
@@ -212,27 +220,37 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         in_flight = in_flight_microbatches(layout.schedule, layout.pp, pp_rank, layout.microbatches, layout.stages_per_rank)
         memory.append(
             RankMemory(
-                parameters=params / shards,
-                gradients=gradients / shards,
-                optimizer=optimizer / shards,
+                parameters=params / shards + expert_params,
+                gradients=gradients / shards + expert_gradients,
+                optimizer=optimizer / shards + expert_optimizer,
                 activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight * tokens,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
-                setup=_setup_bytes(step, params / shards, layout, workload),
+                setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
         )
-        micro_times.append(seconds + tp_t + p2p_t + _ring_seconds(hardware, profile, layout, workload, micro))
+        ep_b = _all_to_all_bytes(step, layout) * micro * tokens * (1.0 if layout.pp == 1 else _trunk_share(profile, segments))
+        ep_t = _all_to_all_seconds(hardware, layout, ep_b, step.expert_calls, _dp_crosses(layout, workload))
+        micro_times.append(seconds + tp_t + p2p_t + ep_t + _ring_seconds(hardware, profile, layout, workload, micro))
+        ep_bytes.append(ep_b)
+        ep_seconds.append(ep_t)
         compute.append(seconds)
         tp_bytes.append(tp_b)
         tp_seconds.append(tp_t)
         p2p_bytes.append(p2p_b)
         p2p_seconds.append(p2p_t)
         grad_bytes.append(gradients)
+        expert_grad_bytes.append(expert_gradients)
 
     slowest = max(range(len(micro_times)), key=micro_times.__getitem__)
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
     batches = workload.accumulate * layout.microbatches
     batch_seconds = layout.microbatches * micro_times[slowest] / (1 - bubble)
     dp_seconds, _, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
+    # Divided experts' gradients: one all-reduce over the dp / ep ranks holding the same experts.
+    expert_replicas = layout.dp // layout.ep if layout.ep > 1 else 1
+    expert_dp_bytes = expert_grad_bytes[0] if expert_replicas > 1 else 0.0
+    dp_seconds += _collective_seconds(hardware, expert_replicas, max(expert_grad_bytes), 1, _dp_crosses(layout, workload), "all_reduce")
+    dp_wire += _ring_factor(expert_replicas, "all_reduce") * expert_dp_bytes
     step_seconds = workload.accumulate * batch_seconds + dp_seconds
     ring_payload, ring_received = (batches * b for b in _ring_bytes(profile, layout, micro))
     single = workload.global_batch * sum(profile.step(1).flops.values()) / hardware.flops_per_device(1)
@@ -242,15 +260,17 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         batch_size=batch,
         memory=memory,
         usable_memory=hardware.usable_memory_bytes,
-        comm_bytes={"dp": dp_payload_rank0(layout, grad_bytes[0], workload), "tp": tp_bytes[0] * batches,
-                    "cp": ring_payload, "pp": p2p_bytes[0] * batches},
+        comm_bytes={"dp": dp_payload_rank0(layout, grad_bytes[0], workload) + expert_dp_bytes, "tp": tp_bytes[0] * batches,
+                    "cp": ring_payload, "pp": p2p_bytes[0] * batches, "ep": ep_bytes[0] * batches},
         wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches,
-                    "cp": ring_received, "pp": p2p_bytes[0] * batches},
+                    "cp": ring_received, "pp": p2p_bytes[0] * batches,
+                    "ep": ep_bytes[0] * batches * (layout.ep - 1) / layout.ep},
         compute_s=batches * compute[slowest],
         tp_s=batches * tp_seconds[slowest],
         p2p_s=batches * p2p_seconds[slowest],
         dp_s=dp_seconds,
         cp_s=batches * _ring_seconds(hardware, profile, layout, workload, micro),
+        ep_s=batches * ep_seconds[slowest],
         bubble_fraction=bubble,
         step_s=step_seconds,
         single_device_step_s=single,
@@ -386,6 +406,21 @@ def _data_parallel_seconds(hardware: HardwareProfile, layout: Layout, workload: 
     replicate_s = _collective_seconds(hardware, replicas, gradient_bytes / shards, 1, crosses, "all_reduce")
     wire = (gathers + 1) * _ring_factor(shards, "all_gather") * gradient_bytes + _ring_factor(replicas, "all_reduce") * gradient_bytes / shards
     return gather_s + scatter_s + replicate_s, gradient_bytes * (gathers + 1), wire
+
+
+def _all_to_all_bytes(step: StepProfile, layout: Layout) -> float:
+    """Bytes per sample a rank hands to expert parallelism's all-to-alls: every (token, choice) pair's hidden
+    states out and its expert's result back, forward, and their gradients the same two ways in backward."""
+    return 4 * step.expert_pair_bytes if layout.ep > 1 else 0.0
+
+
+def _all_to_all_seconds(hardware: HardwareProfile, layout: Layout, payload: float, moe_calls: int, crosses: bool) -> float:
+    """One micro-batch's all-to-alls: (ep - 1) / ep of the payload leaves the rank; 4 exchanges (each a count
+    exchange and a token exchange) per MoE layer call."""
+    if layout.ep == 1:
+        return 0.0
+    bandwidth, latency = hardware.link(crosses)
+    return 8 * moe_calls * latency + payload * (layout.ep - 1) / layout.ep / bandwidth
 
 
 def _shard_ranks(layout: Layout) -> int:

@@ -22,25 +22,43 @@ from lightning_parallel.parallelize.expert.experts import RoutedExperts, find_ro
 _UP_NAMES = ("gate_up_proj", "up_proj")
 
 
+class RoutedTraffic:
+    """What the routed experts of a dry run would send through expert parallelism's all-to-alls.
+
+    Attributes:
+        pair_bytes: Bytes of the hidden states of every (token, choice) pair entering routed experts, summed over
+            the MoE layer calls of the step (one way, forward).
+        calls: MoE layer calls in the step's forward.
+        parameters: Full names (relative to the dry-run module) of the routed-experts parameters.
+    """
+
+    def __init__(self) -> None:
+        self.pair_bytes = 0.0
+        self.calls = 0
+        self.parameters: set[str] = set()
+
+
 @contextmanager
-def balanced_routing(module: nn.Module) -> Iterator[None]:
-    """Within the block, every routed-experts module of ``module`` runs :class:`_BalancedExperts`."""
-    patched = []
+def balanced_routing(module: nn.Module) -> Iterator[RoutedTraffic]:
+    """Within the block, every routed-experts module of ``module`` runs :class:`_BalancedExperts`; yields what
+    they route."""
+    patched, traffic = [], RoutedTraffic()
     for fqn, routed in find_routed_experts(module).items():
         if isinstance(routed, RoutedExperts):
             sub = module.get_submodule(fqn)
-            sub.forward = _BalancedExperts(sub, routed)  # an instance attribute shadows the class's forward
+            sub.forward = _BalancedExperts(sub, routed, traffic)  # an instance attribute shadows the class's forward
             patched.append(sub)
+            traffic.parameters.update(f"{fqn}.{name}" if fqn else name for name in routed.parameters)
     try:
-        yield
+        yield traffic
     finally:
         for sub in patched:
             sub.__dict__.pop("forward", None)
 
 
 class _BalancedExperts:
-    def __init__(self, module: nn.Module, routed: RoutedExperts) -> None:
-        self.module, self.routed = module, routed
+    def __init__(self, module: nn.Module, routed: RoutedExperts, traffic: RoutedTraffic) -> None:
+        self.module, self.routed, self.traffic = module, routed, traffic
 
     def __call__(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *_: Any, **__: Any) -> Tensor:
         module, experts = self.module, self.routed.num_experts
@@ -48,7 +66,10 @@ class _BalancedExperts:
         down = module.down_proj
         flat = hidden.reshape(-1, hidden.shape[-1])
         width = flat.shape[-1]
-        per_expert = max(1, -(-flat.shape[0] * top_k_index.shape[-1] // experts))
+        pairs = flat.shape[0] * top_k_index.shape[-1]
+        self.traffic.pair_bytes += pairs * width * flat.element_size()
+        self.traffic.calls += 1
+        per_expert = max(1, -(-pairs // experts))
         tokens = flat[:1].expand(per_expert, width).unsqueeze(0).expand(experts, per_expert, width)
         inner = torch.bmm(tokens, up.reshape(experts, width, -1))  # up[e]'s FLOPs per token, whatever its layout
         units = down[0].numel() // width

@@ -65,6 +65,7 @@ class Layout:
         microbatches: Micro-batches per batch (1 without pipeline parallelism).
         activation_checkpointing: Each trunk layer recomputed in backward.
         cp: Context-parallel size (each sequence split over ``cp`` ranks, ring attention).
+        ep: Expert-parallel size (of the dp ranks, how many divide each MoE layer's routed experts).
     """
 
     dp: int
@@ -77,6 +78,7 @@ class Layout:
     microbatches: int = 1
     activation_checkpointing: bool = False
     cp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -103,6 +105,7 @@ class Layout:
             microbatches=pipeline.microbatches if pipelined else 1,
             activation_checkpointing=activation_checkpointing,
             cp=layout.context_parallel_size,
+            ep=layout.expert_parallel_size,
         )
 
     def describe(self) -> str:
@@ -114,6 +117,8 @@ class Layout:
             parts.append(f"{self.schedule}{virtual} m={self.microbatches}")
         if self.data_parallel_mode != "replicate":
             parts.append(self.data_parallel_mode + (f"({self.shard_size})" if self.data_parallel_mode == "hybrid_shard" else ""))
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         if self.activation_checkpointing:
             parts.append("ckpt")
         return " · ".join(parts)
@@ -129,6 +134,8 @@ class Layout:
         ]
         if self.cp > 1:
             result.insert(2, f"strategy.context_parallel_size={self.cp}")
+        if self.ep > 1:
+            result.insert(2, f"strategy.expert_parallel_size={self.ep}")
         if self.pp > 1:
             result += [f"strategy.schedule={self.schedule}", f"strategy.microbatches={self.microbatches}",
                        f"strategy.stages_per_rank={self.stages_per_rank}"]

@@ -17,6 +17,7 @@ Figures are per sample of the batch. No Lightning Trainer here.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -67,6 +68,11 @@ class StepProfile:
     frozen: frozenset[str] = frozenset()  # parameters without gradients (requires_grad=False)
     # segment -> its part of tp_bytes: forward traffic seen while the segment ran, backward shared out alike
     tp_bytes_by_segment: dict[str, float] = field(default_factory=dict)
+    # Routed experts (Mixture-of-Experts): their parameters' canonical names, the bytes per sample of the hidden
+    # states their (token, choice) pairs carry into them (forward, summed over MoE layers) and their calls per step
+    expert_parameters: frozenset[str] = frozenset()
+    expert_pair_bytes: float = 0.0
+    expert_calls: int = 0
 
 
 @dataclass(frozen=True)
@@ -152,9 +158,14 @@ def profile_model(
         return module.to(dtype) if dtype is not None else module
 
     module = build()
-    with balanced_routing(module):  # routed experts cost what an even router makes them cost
+    with balanced_routing(module) as routed:  # routed experts cost what an even router makes them cost
         whole = _dry_run(module, meta_batch, rows, tp=1)
+        routed_calls, routed_bytes = routed.calls, routed.pair_bytes  # of the step's one forward
         root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
+    names = _canonical_names(module)
+    expert_names = frozenset(names[id(p)] for name, p in module.named_parameters() if name in routed.parameters)
+    whole = dataclasses.replace(whole, expert_parameters=expert_names, expert_pair_bytes=routed_bytes / rows,
+                                expert_calls=routed_calls)
     profile = ModelProfile(
         name=type(module).__name__,
         root_name=root_name,
@@ -179,7 +190,9 @@ def profile_model(
         with _fake_process_group(tp) as mesh, balanced_routing(module):
             apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
             loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
-            profile.steps[tp] = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)
+            step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)
+            profile.steps[tp] = dataclasses.replace(step, expert_parameters=expert_names, expert_pair_bytes=whole.expert_pair_bytes,
+                                                    expert_calls=routed_calls)
     return profile
 
 

@@ -23,21 +23,27 @@ def plan_table(result: Plan, top: int = 10) -> Table:
         caption=f"memory: fullest rank, of {hardware.usable_memory_bytes / GIB:.2f} GiB usable · comm: MiB handed to "
         f"collectives per step by rank 0 · times per optimizer step",
     )
-    for column in ("#", "layout", "fits", "memory GiB", "dp MiB", "tp MiB", "cp MiB", "pp MiB", "bubble", "compute s", "comm s", "step s", "speedup", "efficiency"):
-        table.add_column(column, justify="left" if column in ("layout", "fits") else "right")
     shown = result.predictions[:top]
     configured = result.configured
+    # Expert parallelism's all-to-alls get a column where a layout uses them.
+    experts = any(p.layout.ep > 1 for p in (*shown, *([configured] if configured is not None else [])))
+    columns = ["#", "layout", "fits", "memory GiB", "dp MiB", "tp MiB", "cp MiB", "pp MiB", "bubble", "compute s", "comm s",
+               "step s", "speedup", "efficiency"]
+    if experts:
+        columns.insert(8, "ep MiB")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layout", "fits") else "right")
     for index, prediction in enumerate(shown, start=1):
         marker = " (configured)" if configured is not None and prediction.layout == configured.layout else ""
-        table.add_row(*_row(str(index), prediction, marker))
+        table.add_row(*_row(str(index), prediction, marker, experts))
     if configured is not None and configured not in shown and all(p.layout != configured.layout for p in shown):
         rank = next((i for i, p in enumerate(result.predictions, start=1) if p.layout == configured.layout), None)
-        table.add_row(*_row(str(rank) if rank else "-", configured, " (configured)"), style="dim")
+        table.add_row(*_row(str(rank) if rank else "-", configured, " (configured)", experts), style="dim")
     return table
 
 
-def _row(rank: str, p: Prediction, marker: str) -> list[str]:
-    return [
+def _row(rank: str, p: Prediction, marker: str, experts: bool = False) -> list[str]:
+    row = [
         rank,
         p.layout.describe() + marker,
         "yes" if p.fits else "[red]no[/red]",
@@ -53,6 +59,9 @@ def _row(rank: str, p: Prediction, marker: str) -> list[str]:
         f"{p.speedup:.2f}×",
         f"{p.efficiency:.0%}",
     ]
+    if experts:
+        row.insert(8, f"{p.comm_bytes.get('ep', 0.0) / MIB:.1f}")
+    return row
 
 
 def print_plan(result: Plan, model: ModelProfile, top: int = 10, console: Console | None = None) -> None:

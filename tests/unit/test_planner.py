@@ -213,3 +213,26 @@ def test_setup_peak_counts_the_whole_model_for_a_pipeline_built_eagerly():
     # Tensor parallelism splits on the host before the move: its setup is its part only.
     tp = predict(profile(), Layout(1, 2, 1), Workload(2, 1, 8), ANY_HARDWARE)
     assert tp.memory[0].setup == tp.memory[0].parameters
+
+
+def test_expert_parallel_prediction_divides_the_experts_and_adds_the_all_to_alls():
+    """dp=4 with ep=2 (the recipe GPT with 4 experts per block, top-2): each rank holds half of every expert,
+    the dense gradients are all-reduced over dp, the experts' over the 2 ranks holding the same ones, and every
+    (token, choice) pair's hidden states travel out and back, forward and backward."""
+    hardware = replace(ANY_HARDWARE, intra_node_latency_us=0.0)
+    prof = _profile("gpt_moe", SPEC.n_layer, SPEC.n_embd, SPEC.tie_weights, SPEC.batch_size, SPEC.precision, 1)
+    step = prof.step(1)
+    experts = sum(step.parameter_bytes[n] for n in step.expert_parameters)
+    assert step.expert_parameters and experts == SPEC.n_layer * 2 * 4 * (4 * SPEC.n_embd * SPEC.n_embd) * 8  # float64
+    # 8 tokens × 2 choices × n_embd values per sample and MoE layer.
+    assert step.expert_pair_bytes == SPEC.n_layer * 8 * 2 * SPEC.n_embd * 8
+    workload = Workload(4, 1, 32)
+    dp4 = predict(prof, Layout(4, 1, 1), workload, hardware)
+    ep2 = predict(prof, Layout(4, 1, 1, ep=2), workload, hardware)
+    assert ep2.layout.describe() == "dp=4 × tp=1 × pp=1 · ep=2"
+    assert "strategy.expert_parallel_size=2" in ep2.layout.overrides(8)
+    assert ep2.memory[0].parameters == pytest.approx(dp4.memory[0].parameters - experts / 2)
+    assert ep2.comm_bytes["dp"] == pytest.approx(dp4.comm_bytes["dp"] - experts / 2)
+    assert ep2.comm_bytes["ep"] == pytest.approx(4 * step.expert_pair_bytes * 8)  # 8 samples per replica
+    assert ep2.ep_s == pytest.approx(ep2.wire_bytes["ep"] / (hardware.intra_node_gbps * 1e9))
+    assert dp4.comm_bytes["ep"] == 0 and dp4.ep_s == 0
