@@ -47,50 +47,39 @@ def dispatch_and_combine(
     Returns:
         ``[T, H]``: ``Σ_k routing_weights[t, k] · expert[expert_index[t, k]](hidden[t])``.
     """
-    with expert_parallel_exchange():
-        return _dispatch_and_combine(run_local_experts, hidden, expert_index, routing_weights, num_experts, group)
+    with expert_parallel_exchange():  # the monitor tallies these collectives as expert parallelism's
+        size = dist.get_world_size(group)
+        local_experts = num_experts // size
+        tokens, choices = expert_index.shape
+        experts = expert_index.reshape(-1)
+        valid = (experts >= 0) & (experts < num_experts)
+        record_expert_load(torch.bincount(experts[valid], minlength=num_experts))
+        # Pairs in destination order (stable: pairs of one rank keep token order); pairs with no expert go last, unsent.
+        destination = torch.where(valid, experts.div(local_experts, rounding_mode="floor"), size)
+        order = torch.argsort(destination, stable=True)
+        send_counts = torch.bincount(destination, minlength=size + 1)[:size]
+        sent = order[: int(send_counts.sum())]
+        token_of_pair = torch.arange(tokens, device=hidden.device).repeat_interleave(choices)
 
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
 
-def _dispatch_and_combine(
-    run_local_experts: Callable[[Tensor, Tensor, Tensor], Tensor],
-    hidden: Tensor,
-    expert_index: Tensor,
-    routing_weights: Tensor,
-    num_experts: int,
-    group: dist.ProcessGroup,
-) -> Tensor:
-    size = dist.get_world_size(group)
-    local_experts = num_experts // size
-    tokens, choices = expert_index.shape
-    experts = expert_index.reshape(-1)
-    valid = (experts >= 0) & (experts < num_experts)
-    record_expert_load(torch.bincount(experts[valid], minlength=num_experts))
-    # Pairs in destination order (stable: pairs of one rank keep token order); pairs with no expert go last, unsent.
-    destination = torch.where(valid, experts.div(local_experts, rounding_mode="floor"), size)
-    order = torch.argsort(destination, stable=True)
-    send_counts = torch.bincount(destination, minlength=size + 1)[:size]
-    sent = order[: int(send_counts.sum())]
-    token_of_pair = torch.arange(tokens, device=hidden.device).repeat_interleave(choices)
+        outgoing = hidden[token_of_pair[sent]].contiguous()
+        incoming = all_to_all_with_gradient(outgoing, recv_splits, send_splits, group)
+        local_index = torch.empty(sum(recv_splits), dtype=experts.dtype, device=experts.device)
+        dist.all_to_all_single(local_index, (experts[sent] % local_experts).contiguous(), recv_splits, send_splits, group=group)
 
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-
-    outgoing = hidden[token_of_pair[sent]].contiguous()
-    incoming = all_to_all_with_gradient(outgoing, recv_splits, send_splits, group)
-    local_index = torch.empty(sum(recv_splits), dtype=experts.dtype, device=experts.device)
-    dist.all_to_all_single(local_index, (experts[sent] % local_experts).contiguous(), recv_splits, send_splits, group=group)
-
-    ones = routing_weights.new_ones((incoming.shape[0], 1))
-    computed = run_local_experts(incoming, local_index.unsqueeze(1), ones).contiguous()
-    if incoming.requires_grad and not computed.requires_grad:
-        # No token reached this rank's experts (their forward returned fresh zeros): keep the output in the graph,
-        # or this rank would skip both all-to-alls in backward while its peers wait for it.
-        computed = computed + incoming * 0
-    returned = all_to_all_with_gradient(computed, send_splits, recv_splits, group)
-    per_pair = returned.new_zeros((tokens * choices, returned.shape[-1])).index_copy(0, sent, returned)
-    weighted = per_pair.view(tokens, choices, -1) * routing_weights.unsqueeze(-1)
-    return weighted.sum(dim=1).to(hidden.dtype)
+        ones = routing_weights.new_ones((incoming.shape[0], 1))
+        computed = run_local_experts(incoming, local_index.unsqueeze(1), ones).contiguous()
+        if incoming.requires_grad and not computed.requires_grad:
+            # No token reached this rank's experts (their forward returned fresh zeros): keep the output in the graph,
+            # or this rank would skip both all-to-alls in backward while its peers wait for it.
+            computed = computed + incoming * 0
+        returned = all_to_all_with_gradient(computed, send_splits, recv_splits, group)
+        per_pair = returned.new_zeros((tokens * choices, returned.shape[-1])).index_copy(0, sent, returned)
+        weighted = per_pair.view(tokens, choices, -1) * routing_weights.unsqueeze(-1)
+        return weighted.sum(dim=1).to(hidden.dtype)
 
 
 def all_to_all_with_gradient(tensor: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
