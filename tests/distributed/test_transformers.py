@@ -61,7 +61,7 @@ GPT_MOE = "gpt_moe"
 MOE = (*MOE_FAMILIES, GPT_MOE)
 #: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
 MATRIX: dict[str, tuple[str, ...]] = {
-    "dp2": (*FAMILIES, DEMO, *MOE_FAMILIES),
+    "dp2": (*FAMILIES, DEMO),
     "tp2": (*FAMILIES, VIEW, REF, *MOE_FAMILIES),
     "tp2 eager": tuple(FAMILIES),
     "tp2+sp": ("llama", "gpt2", "phi3"),
@@ -70,7 +70,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp2×tp2×pp2": ("qwen2", "phi3"),
     "cp2": (*FAMILIES, VIEW),
     "dp2 ep2": MOE,
-    "dp2-shard ep2": ("mixtral", GPT_MOE),
+    "dp2-shard ep2": ("mixtral",),
     "dp4 ep2": ("qwen2_moe",),
     "dp2 ep2×tp2": ("qwen2_moe",),
 }
