@@ -144,3 +144,31 @@ def test_a_per_rank_load_balancing_loss_is_refused_by_name():
         _refuse_local_load_balancing_loss(model, 2)
     model.net.config.router_aux_loss_coef = 0.0  # the logits are returned but nothing is added to the loss
     _refuse_local_load_balancing_loss(model, 2)
+
+
+def test_experts_are_called_positionally_whatever_their_implementation_names_the_arguments(one_rank_group):
+    """transformers' @use_experts_implementation dispatches the class's forward (gpt-oss: router_indices,
+    routing_weights) to an implementation naming them top_k_index, top_k_weights: the local call must not use
+    the class's names."""
+    import functools
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_parallel.parallelize.expert.experts import shard_experts
+
+    def implementation(self, hidden_states, top_k_index, top_k_weights):
+        return Experts.forward(self, hidden_states, top_k_index, top_k_weights)
+
+    class Renamed(Experts):
+        def forward(self, hidden_states, router_indices=None, routing_weights=None):
+            raise AssertionError("the implementation runs instead")
+
+        forward = functools.wraps(forward)(lambda self, *args, **kwargs: implementation(self, *args, **kwargs))
+
+    torch.manual_seed(0)
+    module = Renamed()
+    hidden = torch.randn(5, 6, dtype=torch.float64)
+    weights, index = torch.randn(5, 4, dtype=torch.float64).softmax(-1).topk(2, dim=-1)
+    expected = module(hidden, index, weights)  # as gpt-oss's block calls its experts
+    shard_experts("experts", module, routed_experts(module), init_device_mesh("cpu", (1,)))
+    torch.testing.assert_close(module(hidden, index, weights), expected, rtol=0, atol=1e-12)

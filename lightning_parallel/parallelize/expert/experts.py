@@ -131,7 +131,8 @@ class _ExpertParallelForward:
             for name in saved:
                 setattr(module, name, self.local_count)
             try:
-                return self.module_forward(**{names[0]: tokens, names[1]: local_index, names[2]: ones}, **rest)
+                # Positionally: the experts implementation the model chose may name them otherwise than the class does.
+                return self.module_forward(tokens, local_index, ones, **rest)
             finally:
                 for name, value in saved.items():
                     setattr(module, name, value)
