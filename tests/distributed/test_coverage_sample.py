@@ -1,6 +1,6 @@
 """A fixed sample of the coverage sweep, run for real through the sweep's own runner (one 2-rank world).
 
-One family of each kind: a Llama-like decoder, a fused-q|k|v one, a mixture of experts, an encoder masked
+One family of each kind: a Llama-like decoder, a fused-q|k|v one, a mixture of experts with latent attention, an encoder masked
 LM, a ViT and a CNN, each under dp2, tp2, pp2 and cp2 against single-device training. A cell may be
 `exact` or `refused` (a clear error at setup or first batch); `wrong` or `crash` fails the test.
 """
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 SAMPLE = [
     ("causal_lm", "llama"),  # separate q/k/v/o, GQA, SwiGLU
     ("causal_lm", "phi3"),  # fused qkv_proj (GQA) and gate_up_proj
-    ("causal_lm", "qwen3_moe"),  # mixture of experts with a router
+    ("causal_lm", "deepseek_v3"),  # mixture of experts (grouped routing, shared experts), multi-head latent attention
     ("masked_lm", "bert"),  # bidirectional encoder, attention output in a sibling module
     ("image_classification", "vit"),  # patch convolution, CLS token
     ("image_classification", "resnet"),  # CNN with BatchNorm stages

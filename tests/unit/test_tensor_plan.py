@@ -561,3 +561,50 @@ def test_a_parameter_as_long_as_both_the_head_count_and_a_head_is_refused():
     attention = HeadsAttention("sinks", dim=16)  # 4 heads of width 4: one sink per head, or per feature?
     with pytest.raises(ValueError, match=r"sinks: its 4 entries may be one per head .* or one per feature of a head \(head_dim=4"):
         resolve_plan(attention, infer_plan(attention))
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention as DeepSeek-V3 writes it: query and key/value latents projected down
+    (replicated), normalised, projected up per head (split); a rotary key part shared by every head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads, self.nope, self.rope = 4, 4, 2
+        self.q_a_proj, self.q_a_layernorm = nn.Linear(16, 8, bias=False), nn.LayerNorm(8)
+        self.q_b_proj = nn.Linear(8, 4 * 6, bias=False)
+        self.kv_a_proj_with_mqa, self.kv_a_layernorm = nn.Linear(16, 8 + 2, bias=False), nn.LayerNorm(8)
+        self.kv_b_proj = nn.Linear(8, 4 * (4 + 4), bias=False)
+        self.o_proj = nn.Linear(4 * 4, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(*x.shape[:-1], -1, 6)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([8, 2], dim=-1)
+        k_nope, v = self.kv_b_proj(self.kv_a_layernorm(latent)).view(*x.shape[:-1], -1, 8).split([4, 4], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(-2).expand(*k_nope.shape[:-1], 2)], dim=-1)
+        return self.o_proj(((q * k).sum(-1, keepdim=True) * v).flatten(-2))
+
+
+def test_latent_attention_splits_its_up_projections_and_keeps_its_latents_replicated():
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+
+    model = nn.ModuleDict({"attn": LatentAttention()})
+    resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
+    assert {fqn: style for fqn, style in resolved.styles.items()} == {
+        "attn.q_b_proj": "colwise", "attn.kv_b_proj": "colwise", "attn.o_proj": "rowwise"}
+    assert resolved.latent == {"attn": ("attn.q_a_proj", "attn.kv_a_proj_with_mqa")}
+    assert "attn.kv_a_proj_with_mqa stays replicated: latent projection" in resolved.describe()
+    check_plan(model, resolved, 2)  # no longer refused as "a projection left replicated inside"
+
+
+def test_latent_attention_refuses_sequence_parallelism_by_name():
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, apply_tensor_parallel
+
+    model = nn.ModuleDict({"attn": LatentAttention()})
+    resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: attn keeps its latent projections .*sequence_parallel=False"):
+        apply_tensor_parallel(model, Mesh(), resolved, sequence_parallel=True)

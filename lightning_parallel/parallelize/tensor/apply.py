@@ -25,6 +25,7 @@ from lightning_parallel.parallelize.tensor import fused as fused_layout
 from lightning_parallel.parallelize.tensor.experts import check_experts, split_experts
 from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
+from lightning_parallel.parallelize.tensor.latent import LatentRegion, latent_projections
 from lightning_parallel.parallelize.tensor.per_head import find_per_head_parameters, shard_per_head_parameters
 from lightning_parallel.parallelize.tensor.inference import (
     grouped_qkv_heads,
@@ -253,6 +254,7 @@ def resolve_plan(
         styles=styles,
         head_attributes=head_attrs,
         per_head=per_head,
+        latent=latent_projections(modules, styles),
         fused=fused,
         sources={fqn: (sources or {}).get(fqn, "plan") for fqn in styles},
         conv1d=frozenset(fqn for fqn in styles if is_conv1d(modules[fqn])),
@@ -332,6 +334,13 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
 
     tp_size = tp_mesh.size()
     modules = dict(module.named_modules())
+    if sequence_parallel and resolved.latent:
+        region = next(iter(resolved.latent))
+        raise ValueError(
+            f"sequence_parallel=True: {region} keeps its latent projections ({', '.join(resolved.latent[region])}) "
+            f"replicated beside its split heads, which runs on the whole sequence only. Set sequence_parallel=False "
+            f"for this model, or leave {region} replicated in the plan."
+        )
     if sequence_parallel:
         torch_plan, regions = sequence_parallel_plan(module, resolved, tp_size)
         arrives_as = Shard(1)
@@ -365,6 +374,10 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
             modules[fqn].register_forward_hook(_output_of_its_own)
     slice_per_head_inputs(modules, resolved, tp_mesh)
     shard_per_head_parameters(modules, resolved.per_head, tp_mesh)
+    for region, latent in resolved.latent.items():
+        split = {fqn.rpartition(".")[2] for fqn in resolved.styles if fqn.rpartition(".")[0] == region}
+        columns = [modules[fqn] for fqn, style in resolved.styles.items() if style in COLUMN_STYLES and fqn.rpartition(".")[0] == region]
+        LatentRegion(tp_mesh, region).attach(modules[region], columns, split, resolved.per_head.get(region, ()))
     # Replicated parameters used on this rank's slice (per-head norms) are found in forward; their gradients are
     # summed over the group after backward (split_region.reduce_split_region_gradients, called by the strategy).
     track_split_region_parameters(modules, resolved, tp_mesh)

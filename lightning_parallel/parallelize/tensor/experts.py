@@ -34,6 +34,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.latent import gradient_summed
 from lightning_parallel.parallelize.tensor.per_head import LocalView
 from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters
 
@@ -201,22 +202,12 @@ class _ExpertsRegion:
         if self.down_bias is not None:
             # Read as an instance attribute (found before _parameters), as LocalView's slices are.
             module.__dict__[self.down_bias] = module._parameters[self.down_bias] / self.mesh.size()
-        return tuple(self._replicated(a) for a in args), {k: self._replicated(v) for k, v in kwargs.items()}
+        return tuple(gradient_summed(a, self.mesh) for a in args), {k: gradient_summed(v, self.mesh) for k, v in kwargs.items()}
 
     def leave(self, module: nn.Module, _: tuple[Any, ...], output: Any) -> Any:
         if self.down_bias is not None:
             module.__dict__.pop(self.down_bias, None)
         return _all_reduced(output, self.mesh) if isinstance(output, Tensor) else output
-
-    def _replicated(self, value: Any) -> Any:
-        """A floating input that needs a gradient, as itself in forward, with its gradient summed in backward."""
-        if not isinstance(value, Tensor) or not value.is_floating_point() or not value.requires_grad:
-            return value
-        from torch.distributed.tensor import DTensor, Partial, Replicate
-
-        # to_local(grad_placements=Partial) declares this rank's gradient a partial sum; from_local's backward
-        # then all-reduces it into the replicated input's whole gradient.
-        return DTensor.from_local(value, self.mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
 def _all_reduced(partial: Tensor, mesh: Any) -> Tensor:

@@ -6,7 +6,8 @@ Groups are recognised:
 
 - a MoE block's grouped experts (3-D ``gate_up_proj``/``down_proj``, transformers' fused layout): style
   ``experts`` (:mod:`~lightning_parallel.parallelize.tensor.experts`); ``nn.ModuleList`` experts are MLPs below;
-- within one module: q/k/v/output by conventional names, fused ``q|k|v`` (blocks or grouped per key/value
+- within one module: q/k/v/output by conventional names, multi-head latent attention's per-head up
+  projections (``q_b_proj``, ``kv_b_proj``) and output, fused ``q|k|v`` (blocks or grouped per key/value
   head, as ``query_key_value`` is laid out), fused ``gate|up``, and MLPs by shape (``d→h, h→d``, gated
   ``d→h, d→h, h→d``);
 - across sibling modules, as BERT and its relatives write them: q/k/v in one child
@@ -47,6 +48,11 @@ _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
     ("query_proj", "key_proj", "value_proj", "out_proj"),
     ("q_lin", "k_lin", "v_lin", "out_lin"),  # XLM, FlauBERT, DistilBERT
 )
+# Multi-head latent attention (DeepSeek-V2/V3 and kin): per-head up projections of the query (``q_b_proj``, or a
+# plain ``q_proj`` without a query latent) and of the key/value latent (``kv_b_proj``), and the output projection.
+# The latent down projections (``q_a_proj``, ``kv_a_proj_with_mqa``) stay replicated (tensor.latent).
+_LATENT_QUERY_NAMES = ("q_b_proj", "q_proj")
+_LATENT_KEY_VALUE_NAMES = ("kv_b_proj",)
 # Fused projections laid out as concatenated blocks q | k | v (GQA: k and v narrower), and their output projections.
 _FUSED_QKV_NAMES = ("qkv", "c_attn", "wqkv", "qkv_proj")
 _ATTENTION_OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "wo", "proj", "out")
@@ -80,7 +86,8 @@ def infer_plan(
       sibling modules: ``d→h, h→d`` (first column-wise, second row-wise) and gated ``d→h, d→h, h→d``;
     - projections are ``nn.Linear`` (or a subclass computing the same map) or transformers' ``Conv1D``;
     - a Hugging Face model's own published plan (its ``_tp_plan``) fills in what the above leaves out: the
-      embedding and an untied output head (tied weights stay whole);
+      embedding and an untied output head (tied weights stay whole); without one, the token embedding and an
+      untied head of the same ``[vocabulary, width]`` shape are found by shape;
     - ``nn.MultiheadAttention`` and fused projections of unknown layout stay replicated, with a warning.
 
     Args:
@@ -134,10 +141,46 @@ def infer_units(
         leftovers.setdefault(fqn.rpartition(".")[0] if style in ("colwise", "rowwise") else fqn, {})[fqn] = style
         sources[fqn] = "model's tp_plan"
     units += leftovers.values()
+    taken.update(fqn for unit in leftovers.values() for fqn in unit)
+    units += _vocabulary_pair(module, taken, tied)
     for unit in units:
         for fqn in unit:
             sources.setdefault(fqn, "inferred")
     return units
+
+
+def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection[str]) -> list[Unit]:
+    """The input embedding and the untied output head, where the model publishes no plan for them.
+
+    Found by shape: the one ``nn.Embedding`` and the one ``nn.Linear`` whose weights are both ``[vocabulary, width]``
+    (nothing else of that shape, neither taken nor tied), as a language model's token embedding and head are. The
+    embedding splits over the vocabulary (its output all-reduced), the head over its outputs with the logits
+    gathered whole (the model's own loss reads them). A tied pair stays whole (one tensor in two modules), as does
+    an embedding with no such head, whose weight the model may read elsewhere.
+    """
+    def free(fqn: str) -> bool:
+        return fqn not in taken and fqn not in tied and not any(fqn.startswith(f"{done}.") for done in taken)
+
+    embeddings: dict[tuple[int, ...], list[str]] = {}
+    heads: dict[tuple[int, ...], list[str]] = {}
+    for fqn, sub in module.named_modules():
+        if isinstance(sub, nn.Embedding) and type(sub).forward is nn.Embedding.forward or _scaled_embedding(sub):
+            embeddings.setdefault(tuple(sub.weight.shape), []).append(fqn)
+        elif isinstance(sub, nn.Linear) and is_projection(sub):
+            heads.setdefault(tuple(sub.weight.shape), []).append(fqn)
+    units: list[Unit] = []
+    for shape, found in embeddings.items():
+        matching = heads.get(shape, [])
+        if len(found) == 1 and len(matching) == 1 and free(found[0]) and free(matching[0]) and shape[0] > shape[1]:
+            units += [{found[0]: "embedding_rowwise"}, {matching[0]: "colwise_gather_output"}]
+    return units
+
+
+def _scaled_embedding(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` subclass whose forward scales the looked-up rows (Gemma's ``embed_scale``): linear, so
+    splitting the vocabulary keeps it exact."""
+    return isinstance(module, nn.Embedding) and hasattr(module, "embed_scale") and not any(
+        True for name, _ in module.named_parameters() if name != "weight")
 
 
 def grouped_qkv_heads(attention: nn.Module | None, projection: nn.Module) -> tuple[int, int] | None:
@@ -182,6 +225,9 @@ def _match_block(
             return {gate_up: "fused_gate_up", out: "rowwise"}
         warn(f"{prefix}{gate_up}: fused gate/up projection without a recognised output projection; left replicated.")
         return {}
+    latent = _match_latent_attention(projections)
+    if latent:
+        return latent
     attention = _match_attention(projections)
     if attention:
         *qkv_names, out_name = attention
@@ -271,6 +317,17 @@ def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, s
     return None
 
 
+def _match_latent_attention(linears: Mapping[str, nn.Module]) -> dict[str, str]:
+    """Multi-head latent attention's split projections: query and key/value up projections column-wise, the
+    output projection (reading their heads' width) row-wise; ``{}`` if ``linears`` are not one."""
+    key_value = next((n for n in _LATENT_KEY_VALUE_NAMES if n in linears), None)
+    query = next((n for n in _LATENT_QUERY_NAMES if n in linears), None)
+    out = next((n for n in _ATTENTION_OUTPUT_NAMES if n in linears and n not in (query, key_value)), None)
+    if key_value is None or query is None or out is None:
+        return {}
+    return {query: "colwise", key_value: "colwise", out: "rowwise"}
+
+
 def _match_mlp(linears: Mapping[str, nn.Module], widening_only: bool = False) -> dict[str, str]:
     """``d→h, h→d`` or gated ``d→h, d→h, h→d`` (``widening_only``: ``h > d``)."""
     items = [(name, features(m)) for name, m in linears.items()]
@@ -292,7 +349,8 @@ def _match_mlp(linears: Mapping[str, nn.Module], widening_only: bool = False) ->
 def is_attention_projection(name: str) -> bool:
     """A q/k/v projection's name (separate or fused per k/v group)."""
     lowered = name.lower()
-    return lowered in _GROUPED_QKV_NAMES or any(lowered in names[:3] for names in _ATTENTION_NAMES)
+    return (lowered in _GROUPED_QKV_NAMES or lowered in _LATENT_QUERY_NAMES + _LATENT_KEY_VALUE_NAMES
+            or any(lowered in names[:3] for names in _ATTENTION_NAMES))
 
 
 def is_grouped_qkv(name: str) -> bool:

@@ -54,6 +54,9 @@ class ResolvedPlan:
         kept_whole: Module name -> why the automatic plan leaves it whole at this TP degree (printed).
         per_head: Split attention module name -> its own parameters holding one entry per head along dim 0
             (attention sinks, per-head gate biases): sharded on dim 0 like the heads.
+        latent: Split attention module name -> its latent down projections left replicated (multi-head latent
+            attention's ``q_a_proj``, ``kv_a_proj_with_mqa``): the region computes partial-sum gradients
+            (:mod:`~lightning_parallel.parallelize.tensor.latent`).
     """
 
     styles: dict[str, str]
@@ -64,6 +67,7 @@ class ResolvedPlan:
     heads: dict[str, tuple[int, int]] = field(default_factory=dict)
     kept_whole: dict[str, str] = field(default_factory=dict)
     per_head: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    latent: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise  (inferred)``, then what stays whole and why."""
@@ -76,6 +80,8 @@ class ResolvedPlan:
             lines.append(f"{fqn} → {style}{blocks}{source}")
         lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
         lines += [f"{fqn}.{name} → per head (dim 0)" for fqn, names in self.per_head.items() for name in names]
+        lines += [f"{fqn} stays replicated: latent projection, gradients summed over tp"
+                  for names in self.latent.values() for fqn in names]
         if not lines:
             lines.append("(nothing split)")
         lines += [f"{fqn} stays whole: {why}" for fqn, why in self.kept_whole.items()]

@@ -14,9 +14,10 @@ attentions and MLPs whole (named with the reason) and an explicit plan stops wit
 
 - a norm (any child module with a parameter) whose width is a column projection's *whole* output width (OLMo2's
   ``q_norm`` over ``n_heads·head_dim``): its statistic needs every rank's slice;
-- a projection left replicated beside split ones in the same module (DeepSeek's multi-head latent attention:
-  ``kv_a_proj_with_mqa`` makes a rotary key shared by all heads, which reaches each rank's heads without passing
-  a split projection, so its gradient would be a partial sum that nothing reduces);
+- a projection left replicated beside split ones in the same module, unless it is a latent down projection
+  (multi-head latent attention's ``q_a_proj``/``kv_a_proj_with_mqa``, whose region then computes partial-sum
+  gradients: :mod:`~lightning_parallel.parallelize.tensor.latent`): its output may reach each rank's heads without
+  passing a split projection, so its gradient would be a partial sum that nothing reduces;
 - a fused projection laid out in interleaved model-parallel groups (CodeGen's ``mp_num``) that the degree
   does not divide into whole groups.
 
@@ -81,7 +82,7 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
         region = modules[name]
         for child, sub in region.named_children():
             fqn = f"{name}.{child}" if name else child
-            if is_projection(sub) and fqn not in resolved.styles:
+            if is_projection(sub) and fqn not in resolved.styles and fqn not in resolved.latent.get(name, ()):
                 split = ", ".join(c for c, s in resolved.styles.items() if c.rpartition(".")[0] == name)
                 where = name or "the model"
                 raise ValueError(
@@ -233,6 +234,8 @@ def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: Re
     """Attach :class:`SplitRegionParameters` to every split region holding children with parameters."""
     group, tp_size = tp_mesh.get_group(), tp_mesh.size()
     for name, (opening, closing) in split_regions(resolved).items():
+        if name in resolved.latent:
+            continue  # every replicated parameter of a latent region is a partial sum (LatentRegion tracks them)
         region = modules[name]
         split = set(opening) | set(closing)
         candidates = {
