@@ -1,6 +1,6 @@
 """A fixed sample of the coverage sweep, run for real through the sweep's own runner (one 2-rank world).
 
-One family of each kind: a Llama-like decoder, a fused-q|k|v one, a mixture of experts with latent attention, an encoder masked
+One family of each kind: a Llama-like decoder (OLMo2: its q/k norms span every head), a fused-q|k|v one, a mixture of experts with latent attention, an encoder masked
 LM, a ViT and a CNN, each under dp2, tp2, pp2 and cp2 against single-device training. A cell may be
 `exact` or `refused` (a clear error at setup or first batch); `wrong` or `crash` fails the test.
 """
@@ -15,7 +15,7 @@ from tests.coverage.sweep import sweep  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 SAMPLE = [
-    ("causal_lm", "llama"),  # separate q/k/v/o, GQA, SwiGLU
+    ("causal_lm", "olmo2"),  # separate q/k/v/o, SwiGLU, q/k norms over every head together (summed under tp)
     ("causal_lm", "phi3"),  # fused qkv_proj (GQA) and gate_up_proj
     ("causal_lm", "deepseek_v3"),  # mixture of experts (grouped routing, shared experts), multi-head latent attention
     ("masked_lm", "bert"),  # bidirectional encoder, attention output in a sibling module

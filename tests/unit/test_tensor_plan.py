@@ -308,6 +308,17 @@ def test_alibi_biases_are_cut_to_the_heads_of_each_rank(as_keyword):
 # --- Split regions: replicated parameters used on a rank's slice, and what cannot run on a slice -------------
 
 
+class UnitNorm(nn.Module):
+    """Scales to unit length (not an RMSNorm or LayerNorm: its statistic is not recognised for a split width)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(width)), 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x / (x.norm(dim=-1, keepdim=True) + self.eps)
+
+
 class NormedAttention(nn.Module):
     """4 query, 2 key/value heads of width 4, with a norm per head (Qwen3) or over the whole k width (OLMo2),
     and a replicated pre-norm of the input width."""
@@ -319,7 +330,7 @@ class NormedAttention(nn.Module):
         self.q_proj, self.o_proj = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
         self.k_proj, self.v_proj = nn.Linear(16, 8, bias=False), nn.Linear(16, 8, bias=False)
         self.q_norm = nn.LayerNorm(4)
-        self.k_norm = nn.LayerNorm(8) if whole_width_norm else nn.Identity()
+        self.k_norm = UnitNorm(8) if whole_width_norm else nn.Identity()
         if latent:  # a replicated projection beside the split ones (DeepSeek's kv_a_proj_with_mqa)
             self.kv_a_proj = nn.Linear(16, 4, bias=False)
 
@@ -353,6 +364,9 @@ def test_per_head_norm_gradient_is_summed_over_the_group_and_the_pre_norm_is_not
 
         def size(self):
             return 2
+
+        def get_local_rank(self):
+            return 0
 
     x = torch.randn(2, 3, 16)
     model(x).sum().backward()  # what each of two identical ranks computes

@@ -12,8 +12,9 @@ of the region called after a column-wise projection returned and before the row-
 :func:`check_split_regions` refuses what cannot run on a slice at all, so that ``plan="auto"`` leaves those
 attentions and MLPs whole (named with the reason) and an explicit plan stops with the reason:
 
-- a norm (any child module with a parameter) whose width is a column projection's *whole* output width (OLMo2's
-  ``q_norm`` over ``n_heads·head_dim``): its statistic needs every rank's slice;
+- a norm (any child module with a parameter) whose width is a column projection's *whole* output width, unless it
+  is an RMSNorm or LayerNorm by what it computes (OLMo2's ``q_norm`` over ``n_heads·head_dim``), whose statistic
+  is then summed over the ranks (:mod:`~lightning_parallel.parallelize.tensor.split_norm`);
 - a projection left replicated beside split ones in the same module, unless it is a latent down projection
   (multi-head latent attention's ``q_a_proj``/``kv_a_proj_with_mqa``, whose region then computes partial-sum
   gradients: :mod:`~lightning_parallel.parallelize.tensor.latent`): its output may reach each rank's heads without
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallelize.tensor.projections import features, is_projection
+from lightning_parallel.parallelize.tensor.split_norm import SplitWidthNorm, install_split_width_norms, norm_like, recognise_norm
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 
 #: Attributes of an attention module giving how many model-parallel groups its fused q/k/v rows are
@@ -119,6 +121,8 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
         for child, sub in region.named_children():
             if is_projection(sub) or f"{name}.{child}" in resolved.styles:
                 continue
+            if norm_like(sub) and (sub.weight.device.type == "meta" or recognise_norm(sub) is not None):
+                continue  # its statistic is summed over the ranks on a slice (split_norm.SplitWidthNorm)
             for pname, param in sub.named_parameters():
                 if param.dim() == 1 and param.numel() in widths and param.numel() not in inputs:
                     raise ValueError(
@@ -212,7 +216,8 @@ class SplitRegionParameters(PartialSumParameters):
         self._split = False
 
     def _called(self, child: str, sub: nn.Module, _: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._split and args and isinstance(args[0], Tensor) and args[0].dim() >= 1:
+        split_width_norm = isinstance(getattr(sub, "forward", None), SplitWidthNorm)
+        if self._split and not split_width_norm and args and isinstance(args[0], Tensor) and args[0].dim() >= 1:
             width = args[0].shape[-1]
             whole = [n for n, p in sub.named_parameters() if p.dim() == 1 and p.numel() == width * self.tp_size]
             if whole:
@@ -243,6 +248,7 @@ def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: Re
             if child not in split and f"{name}.{child}" not in resolved.styles and any(True for _ in sub.parameters())
         }
         if candidates:
+            install_split_width_norms(region, name, candidates, tp_mesh)
             SplitRegionParameters(group, name, tp_size).attach(
                 region, [modules[f"{name}.{c}"] for c in opening], [modules[f"{name}.{c}"] for c in closing], candidates
             )
