@@ -622,3 +622,42 @@ def test_latent_attention_refuses_sequence_parallelism_by_name():
 
     with pytest.raises(ValueError, match=r"sequence_parallel=True: attn keeps its latent projections .*sequence_parallel=False"):
         apply_tensor_parallel(model, Mesh(), resolved, sequence_parallel=True)
+
+
+class GatedAttention(nn.Module):
+    """q/k/v/o with a gate per output feature (AFMoE's gate_proj) and one per head (LFM's g_proj)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = 4
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(16, 16, bias=False) for _ in range(4))
+        self.gate_proj, self.g_proj = nn.Linear(16, 16, bias=False), nn.Linear(16, 4, bias=False)
+
+
+def test_per_head_gates_split_with_their_attention():
+    resolved = infer_plan(nn.ModuleDict({"attn": GatedAttention()}))
+    assert resolved == {**{f"attn.{n}": "colwise" for n in ("q_proj", "k_proj", "v_proj", "gate_proj", "g_proj")},
+                        "attn.o_proj": "rowwise"}
+
+
+def test_a_gated_mlp_named_by_convention_splits_even_when_square():
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = (nn.Linear(16, 16) for _ in range(3))
+    assert infer_plan(nn.ModuleDict({"mlp": mlp})) == {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+
+
+def test_sibling_mlp_with_a_norm_of_the_model_width_before_its_up_projection():
+    intermediate, output = nn.Module(), nn.Module()
+    intermediate.LayerNorm, intermediate.dense = nn.LayerNorm(16), nn.Linear(16, 64)
+    output.dense = nn.Linear(64, 16)
+    layer = nn.Module()
+    layer.intermediate, layer.output = intermediate, output
+    assert infer_plan(nn.ModuleDict({"layer": layer})) == {"layer.intermediate.dense": "colwise", "layer.output.dense": "rowwise"}
+
+
+def test_an_untied_token_embedding_and_head_split_over_the_vocabulary_and_a_tied_pair_stays_whole():
+    untied = nn.ModuleDict({"embed": nn.Embedding(64, 16), "head": nn.Linear(16, 64, bias=False)})
+    assert infer_plan(untied) == {"embed": "embedding_rowwise", "head": "colwise_gather_output"}
+    tied = nn.ModuleDict({"embed": nn.Embedding(64, 16), "head": nn.Linear(16, 64, bias=False)})
+    tied.head.weight = tied.embed.weight
+    assert infer_plan(tied) == {}

@@ -227,11 +227,16 @@ def _match_block(
         return {}
     latent = _match_latent_attention(projections)
     if latent:
-        return latent
+        out_name = next(name for name, style in latent.items() if style == "rowwise")
+        return {**latent, **{gate: "colwise" for gate in _head_gates(sub, projections, out_name, latent)}}
     attention = _match_attention(projections)
     if attention:
         *qkv_names, out_name = attention
-        return {**{child: "colwise" for child in qkv_names}, out_name: "rowwise"}
+        gates = _head_gates(sub, projections, out_name, attention)
+        return {**{child: "colwise" for child in (*qkv_names, *gates)}, out_name: "rowwise"}
+    named = _named_gated_mlp(projections)
+    if named:
+        return named
     # Beside blocks of its own (a decoder layer holding its attention), a module's direct projections are its
     # MLP only if they widen the model (OPT's, BART's fc1/fc2): two that narrow it are a side path whose
     # hidden values may meet a replicated tensor of that width (Gemma4's per-layer input gate and
@@ -275,16 +280,18 @@ def _sibling_attention(a: nn.Module, b: nn.Module) -> dict[tuple[int, str], str]
 
 
 def _sibling_mlp(a: nn.Module, b: nn.Module) -> dict[tuple[int, str], str]:
-    """``a`` holds only a ``d→h`` projection, ``b`` an ``h→d`` one (and parameters of width ``d``: a norm)."""
+    """``a`` holds a ``d→h`` projection, ``b`` an ``h→d`` one (and, each, parameters of width ``d``: a norm)."""
     up = [(n, m) for n, m in a.named_children() if is_projection(m)]
     down = [(n, m) for n, m in b.named_children() if is_projection(m)]
-    if len(up) != 1 or len(down) != 1 or _parameter_count(a) != _parameter_count(up[0][1]):
+    if len(up) != 1 or len(down) != 1:
         return {}
     (up_name, up_module), (down_name, down_module) = up[0], down[0]
     d_model, hidden = features(up_module)
     if hidden == d_model or features(down_module) != (hidden, d_model):
         return {}
-    if not _only_model_width_besides(b, down_name, d_model):
+    # Besides its projection, the first child may hold a norm of the model width (applied to its input:
+    # RoBERTa-PreLayerNorm's intermediate); nothing of the split width.
+    if not _only_model_width_besides(a, up_name, d_model) or not _only_model_width_besides(b, down_name, d_model):
         return {}
     return {(0, up_name): "colwise", (1, down_name): "rowwise"}
 
@@ -317,6 +324,17 @@ def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, s
     return None
 
 
+def _head_gates(attention: nn.Module, projections: Mapping[str, nn.Module], out: str, taken: Collection[str]) -> list[str]:
+    """Projections beside the attention's that gate it per head: reading the attention's input, with one output per
+    feature of the heads' output (AFMoE's ``gate_proj``) or one per query head (LFM's and Bailing's ``g_proj``).
+    Split column-wise, each rank keeps the gates of its own heads."""
+    heads_width, model_width = features(projections[out])
+    heads = head_count(attention, QUERY_HEADS)
+    per_head = {heads_width} | ({heads[0]} if heads is not None else set())
+    return [name for name, sub in projections.items()
+            if name not in taken and features(sub)[0] == model_width and features(sub)[1] in per_head]
+
+
 def _match_latent_attention(linears: Mapping[str, nn.Module]) -> dict[str, str]:
     """Multi-head latent attention's split projections: query and key/value up projections column-wise, the
     output projection (reading their heads' width) row-wise; ``{}`` if ``linears`` are not one."""
@@ -326,6 +344,20 @@ def _match_latent_attention(linears: Mapping[str, nn.Module]) -> dict[str, str]:
     if key_value is None or query is None or out is None:
         return {}
     return {query: "colwise", key_value: "colwise", out: "rowwise"}
+
+
+#: Gated MLPs by conventional names: (gate, up, down).
+_GATED_MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _named_gated_mlp(linears: Mapping[str, nn.Module]) -> dict[str, str]:
+    """A gated MLP by its conventional names, whatever its widths (its hidden width may equal the model's)."""
+    for gate, up, down in _GATED_MLP_NAMES:
+        if set(linears) == {gate, up, down}:
+            (g_in, g_out), (u_in, u_out), (d_in, d_out) = (features(linears[n]) for n in (gate, up, down))
+            if g_in == u_in == d_out and g_out == u_out == d_in:
+                return {gate: "colwise", up: "colwise", down: "rowwise"}
+    return {}
 
 
 def _match_mlp(linears: Mapping[str, nn.Module], widening_only: bool = False) -> dict[str, str]:
