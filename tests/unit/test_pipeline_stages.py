@@ -70,6 +70,34 @@ def test_stage_boundaries_become_contiguous_forward_and_backward():
     torch.testing.assert_close(pipe(x)[0], model(x), rtol=0, atol=0)
 
 
+class SequenceFirst(nn.Module):
+    """Returns ``[L, B, D]`` (XLNet's layout): contiguous when traced with one sample, not with more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.proj(h.transpose(0, 1).transpose(0, 1)).transpose(0, 1)
+
+
+class SequenceFirstStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([SequenceFirst(), nn.Linear(D, D, dtype=torch.float64)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[1](self.layers[0](x))
+
+
+def test_a_stage_output_contiguous_only_at_trace_time_is_sent_contiguous():
+    model = SequenceFirstStack()
+    pipe = pipeline(model, (torch.randn(1, L, D, dtype=torch.float64),), None, split_spec={"layers.1": SplitPoint.BEGINNING})
+    contiguous_boundaries(pipe)
+    outputs = pipe.get_stage_module(0)(torch.randn(B, L, D, dtype=torch.float64))
+    assert all(t.is_contiguous() for t in outputs)
+
+
 class Attention(nn.Module):
     """BERT's layout: the projection in a submodule called ``self``, the output in one called ``output``."""
 

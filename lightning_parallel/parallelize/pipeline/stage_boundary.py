@@ -89,7 +89,9 @@ def _contiguous_outputs(graph: torch.fx.Graph) -> bool:
 
     def contiguous(node: Node) -> Node:
         value = node.meta.get("val")
-        if not isinstance(value, Tensor) or value.is_contiguous():
+        # Every tensor, even one contiguous at trace time: its strides at run time may differ (a size-1 dimension
+        # traced, a larger one run), and contiguous() of a contiguous tensor copies nothing.
+        if not isinstance(value, Tensor):
             return node
         if node not in replaced:
             with graph.inserting_before(output):
