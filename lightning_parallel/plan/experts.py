@@ -30,12 +30,14 @@ class RoutedTraffic:
             the MoE layer calls of the step (one way, forward).
         calls: MoE layer calls in the step's forward.
         parameters: Full names (relative to the dry-run module) of the routed-experts parameters.
+        counts: Routed experts per MoE layer (every count an expert-parallel size must divide).
     """
 
     def __init__(self) -> None:
         self.pair_bytes = 0.0
         self.calls = 0
         self.parameters: set[str] = set()
+        self.counts: set[int] = set()
 
 
 @contextmanager
@@ -49,6 +51,7 @@ def balanced_routing(module: nn.Module) -> Iterator[RoutedTraffic]:
             sub.forward = _BalancedExperts(sub, routed, traffic)  # an instance attribute shadows the class's forward
             patched.append(sub)
             traffic.parameters.update(f"{fqn}.{name}" if fqn else name for name in routed.parameters)
+            traffic.counts.add(routed.num_experts)
     try:
         yield traffic
     finally:

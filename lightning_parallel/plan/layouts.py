@@ -8,6 +8,7 @@ No torch here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -171,6 +172,7 @@ def enumerate_layouts(
     tensor_parallel_sizes: set[int],
     devices_per_node: int,
     fixed: dict[str, int] | None = None,
+    experts: int = 0,
 ) -> tuple[list[Layout], dict[str, str]]:
     """Every valid layout, and for each (dp, tp, pp) left out, why.
 
@@ -179,9 +181,13 @@ def enumerate_layouts(
         trunk_layers: Layers a pipeline can split between.
         tensor_parallel_sizes: Degrees the model's tensor-parallel plan can split by.
         devices_per_node: Devices of one node in the hardware (where hybrid sharding shards).
-        fixed: Sizes the user pinned, e.g. ``{"tp": 4}``.
+        fixed: Sizes the user pinned, e.g. ``{"tp": 4}`` (``ep``, a part of dp, too).
+        experts: What every expert-parallel size must divide (the MoE layers' expert counts' common divisor);
+            0 for a model without routed experts. Expert parallelism divides dp's ranks, without pipelines or
+            context parallelism (what the strategy combines it with).
     """
-    fixed = fixed or {}
+    fixed = dict(fixed or {})
+    pinned_ep = fixed.pop("ep", None)
     # Context parallelism is compared only when pinned: whether it applies depends on the sequence length and
     # on the model's attention (F.scaled_dot_product_attention), which the dry run does not judge.
     cp = fixed.get("cp", 1)
@@ -216,8 +222,26 @@ def enumerate_layouts(
             found = list(_variants(dp, tp, pp, batch, trunk_layers, devices_per_node, cp))
             if not found:
                 rejected[key] = f"no pipeline schedule fits {batch} samples per batch into enough micro-batches for pp={pp}"
-            layouts.extend(found)
+            sizes = _expert_parallel_sizes(dp, pp, cp, experts, pinned_ep)
+            if isinstance(sizes, str):
+                rejected[key] = sizes
+                continue
+            layouts.extend(dataclasses.replace(layout, ep=ep) for layout in found for ep in sizes)
     return layouts, rejected
+
+
+def _expert_parallel_sizes(dp: int, pp: int, cp: int, experts: int, pinned: int | None) -> tuple[int, ...] | str:
+    """The expert-parallel sizes to compare for one (dp, pp, cp), or why a pinned one cannot apply."""
+    possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and pp == 1 and cp == 1))
+    if pinned is None:
+        return possible
+    if pinned in possible:
+        return (pinned,)
+    if not experts:
+        return f"ep={pinned}: the model holds no routed experts"
+    if pp > 1 or cp > 1:
+        return f"ep={pinned} does not combine with {'pipeline' if pp > 1 else 'context'} parallelism yet"
+    return f"ep={pinned} must divide dp={dp} and the {experts} experts of every MoE layer"
 
 
 def _variants(dp: int, tp: int, pp: int, batch: int, trunk_layers: int, devices_per_node: int, cp: int = 1):

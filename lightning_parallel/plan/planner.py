@@ -69,7 +69,8 @@ def plan(
     """
     fixed = dict(fixed or {})
     check_request(workload, hardware, fixed)
-    layouts, rejected = enumerate_layouts(workload, len(profile.trunk_layers), set(profile.steps), hardware.devices_per_node, fixed)
+    layouts, rejected = enumerate_layouts(workload, len(profile.trunk_layers), set(profile.steps), hardware.devices_per_node, fixed,
+                                          experts=profile.experts_divisor)
     if not layouts:
         reasons = "\n".join(f"  {key}: {why}" for key, why in rejected.items()) or "  (no split of the ranks matches the pinned sizes)"
         raise PlanError(f"No layout of {workload.world_size} ranks can run {profile.name}:\n{reasons}")
@@ -154,13 +155,13 @@ def check_request(workload: Workload, hardware: HardwareProfile, fixed: Mapping[
     world = workload.world_size
     where = f"trainer.devices={workload.devices_per_node} × trainer.num_nodes={workload.num_nodes}"
     for dim, size in fixed.items():
-        if dim not in ("dp", "cp", "tp", "pp"):
-            raise PlanError(f"Only dp, cp, tp and pp can be pinned, got {dim!r}.")
+        if dim not in ("dp", "cp", "tp", "pp", "ep"):
+            raise PlanError(f"Only dp, cp, tp, pp and ep can be pinned, got {dim!r}.")
         if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
             raise PlanError(f"{dim}={size!r} does not divide the world size {world} ({where}); pick a divisor of {world}.")
     product = 1
-    for size in fixed.values():
-        product *= size
+    for dim, size in fixed.items():
+        product *= size if dim != "ep" else 1  # ep borrows dp's ranks
     if world % product:
         raise PlanError(f"The pinned sizes {dict(fixed)} multiply to {product}, which does not divide the world size {world} ({where}).")
     if workload.devices_per_node > hardware.devices_per_node:

@@ -17,6 +17,8 @@ Figures are per sample of the batch. No Lightning Trainer here.
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -73,6 +75,7 @@ class StepProfile:
     expert_parameters: frozenset[str] = frozenset()
     expert_pair_bytes: float = 0.0
     expert_calls: int = 0
+    expert_counts: tuple[int, ...] = ()  # routed experts per MoE layer (distinct counts)
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,12 @@ class ModelProfile:
     @property
     def trunk_layers(self) -> tuple[str, ...]:
         return self.segments[1:-1]
+
+    @property
+    def experts_divisor(self) -> int:
+        """What every expert-parallel size must divide: the greatest common divisor of the MoE layers' routed expert
+        counts (0 for a model without routed experts)."""
+        return math.gcd(*self.steps[1].expert_counts) if self.steps[1].expert_counts else 0
 
     @property
     def parameter_count(self) -> int:
@@ -164,8 +173,9 @@ def profile_model(
         root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
     names = _canonical_names(module)
     expert_names = frozenset(names[id(p)] for name, p in module.named_parameters() if name in routed.parameters)
+    counts = tuple(sorted(routed.counts))
     whole = dataclasses.replace(whole, expert_parameters=expert_names, expert_pair_bytes=routed_bytes / rows,
-                                expert_calls=routed_calls)
+                                expert_calls=routed_calls, expert_counts=counts)
     profile = ModelProfile(
         name=type(module).__name__,
         root_name=root_name,
@@ -192,7 +202,7 @@ def profile_model(
             loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
             step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)
             profile.steps[tp] = dataclasses.replace(step, expert_parameters=expert_names, expert_pair_bytes=whole.expert_pair_bytes,
-                                                    expert_calls=routed_calls)
+                                                    expert_calls=routed_calls, expert_counts=counts)
     return profile
 
 

@@ -23,11 +23,11 @@ from lightning_parallel.strategies.launch import make_launcher
 #: HybridParallelStrategy options the planner decides (the user pins sizes with ``pin``).
 CHOSEN_OPTIONS = (
     "data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
-    "data_parallel_mode", "data_parallel_shard_size", "schedule", "microbatches", "stages_per_rank",
+    "expert_parallel_size", "data_parallel_mode", "data_parallel_shard_size", "schedule", "microbatches", "stages_per_rank",
     "activation_checkpointing",
 )
 #: Sizes ``pin`` may fix, in the planner's names.
-PINNABLE = ("dp", "cp", "tp", "pp")
+PINNABLE = ("dp", "cp", "tp", "pp", "ep")
 
 
 class AutoParallelStrategy(HybridParallelStrategy):
@@ -49,8 +49,9 @@ class AutoParallelStrategy(HybridParallelStrategy):
     Args:
         hardware: The device and network to plan for: a :class:`HardwareProfile` or its mapping (a
             ``conf/hardware/*.yaml``). Required: the planner predicts for this machine, not a default one.
-        pin: Sizes the user fixes, e.g. ``{"tp": 2}`` (keys ``dp``, ``cp``, ``tp``, ``pp``; context parallelism is
-            considered only when pinned); the planner chooses the rest.
+        pin: Sizes the user fixes, e.g. ``{"tp": 2}`` (keys ``dp``, ``cp``, ``tp``, ``pp``, ``ep``; context
+            parallelism is considered only when pinned; expert parallelism, a part of dp, wherever the model holds
+            routed experts); the planner chooses the rest.
         global_batch: Samples per optimizer step (default: ``batch_size × ranks × accumulate_grad_batches``).
         **options: Any other :class:`HybridParallelStrategy` option (``plan``, ``sequence_parallel``, ``balance``,
             ``nonfinite``, ``save_format``, ...); the options the planner decides are refused.
@@ -173,7 +174,7 @@ class AutoParallelStrategy(HybridParallelStrategy):
         layout = Layout(**decision["layout"])
         self._requested_layout = ParallelLayout(
             data_parallel_size=layout.dp, tensor_parallel_size=layout.tp,
-            pipeline_parallel_size=layout.pp, context_parallel_size=layout.cp,
+            pipeline_parallel_size=layout.pp, context_parallel_size=layout.cp, expert_parallel_size=layout.ep,
         )
         if layout.pp > 1:
             self.pipeline_parallel.config = replace(

@@ -73,8 +73,8 @@ def test_bad_arguments_are_refused_early_by_name():
     hardware = local_hardware()
     with pytest.raises(TypeError, match="chooses microbatches, schedule itself.*pin="):
         AutoParallelStrategy(hardware=hardware, schedule="gpipe", microbatches=8)
-    with pytest.raises(ValueError, match=r"pin.ep: only dp, cp, tp, pp"):
-        AutoParallelStrategy(hardware=hardware, pin={"ep": 2})
+    with pytest.raises(ValueError, match=r"pin.sp: only dp, cp, tp, pp, ep"):
+        AutoParallelStrategy(hardware=hardware, pin={"sp": 2})
     with pytest.raises(ValueError, match=r"pin.tp=0 must be a positive int"):
         AutoParallelStrategy(hardware=hardware, pin={"tp": 0})
     with pytest.raises(ValueError, match=r"global_batch=-4"):
