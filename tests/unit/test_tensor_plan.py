@@ -661,3 +661,16 @@ def test_an_untied_token_embedding_and_head_split_over_the_vocabulary_and_a_tied
     tied = nn.ModuleDict({"embed": nn.Embedding(64, 16), "head": nn.Linear(16, 64, bias=False)})
     tied.head.weight = tied.embed.weight
     assert infer_plan(tied) == {}
+
+
+def test_a_projection_shaped_like_a_gate_but_not_named_one_keeps_its_attention_whole():
+    """Doge's dt_proj reads the values (every head), not the attention's input: widths alone cannot tell."""
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+
+    attention = GatedAttention()
+    del attention.gate_proj, attention.g_proj
+    attention.dt_proj = nn.Linear(16, 4, bias=False)
+    model = nn.ModuleDict({"attn": attention, "mlp": SwiGLU(16, 32)})
+    resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
+    assert "attn.q_proj" not in resolved.styles and "mlp.w1" in resolved.styles
+    assert "attn.dt_proj: a projection left replicated" in resolved.kept_whole["attn"]

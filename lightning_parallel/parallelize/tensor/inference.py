@@ -325,14 +325,21 @@ def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, s
 
 
 def _head_gates(attention: nn.Module, projections: Mapping[str, nn.Module], out: str, taken: Collection[str]) -> list[str]:
-    """Projections beside the attention's that gate it per head: reading the attention's input, with one output per
-    feature of the heads' output (AFMoE's ``gate_proj``) or one per query head (LFM's and Bailing's ``g_proj``).
-    Split column-wise, each rank keeps the gates of its own heads."""
+    """Projections beside the attention's that gate it per head: named as gates, reading the attention's input, with
+    one output per feature of the heads' output (AFMoE's ``gate_proj``) or one per query head (LFM's and Bailing's
+    ``g_proj``). Split column-wise, each rank keeps the gates of its own heads. The name is required: a projection of
+    the same shapes may read the values instead (Doge's ``dt_proj``, which mixes every head), and widths alone
+    cannot tell which tensor it reads."""
     heads_width, model_width = features(projections[out])
     heads = head_count(attention, QUERY_HEADS)
     per_head = {heads_width} | ({heads[0]} if heads is not None else set())
     return [name for name, sub in projections.items()
-            if name not in taken and features(sub)[0] == model_width and features(sub)[1] in per_head]
+            if name not in taken and _gate_name(name) and features(sub)[0] == model_width and features(sub)[1] in per_head]
+
+
+def _gate_name(name: str) -> bool:
+    lowered = name.lower()
+    return "gate" in lowered or lowered in ("g_proj", "g")
 
 
 def _match_latent_attention(linears: Mapping[str, nn.Module]) -> dict[str, str]:
