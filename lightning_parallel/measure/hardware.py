@@ -3,7 +3,8 @@
 Compute: a dense matmul with every core (what one process alone trains on) and with one thread (a process's share
 when several share the cores: Lightning gives each ``cores // processes`` threads, at least one), per dtype.
 Collectives: two processes of the backend in use (gloo on CPU) time an all-reduce of 4 KiB (latency) and of 8 MiB
-(bandwidth, wire bytes per rank per second). Memory: the host's RAM.
+(bandwidth, wire bytes per rank per second), and on the same two ranks one DTensor operator's host overhead
+(:mod:`lightning_parallel.measure.dispatch`). Memory: the host's RAM.
 
 The figures are cached per machine in ``$XDG_CACHE_HOME/lightning_parallel/hardware/`` (default ``~/.cache``),
 keyed by host name, core count and torch version; ``LIGHTNING_PARALLEL_MEASURE_HARDWARE=1`` (or
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_parallel.measure.dispatch import dtensor_op_seconds
 from lightning_parallel.measure.peak import measured_matmul_tflops
 
 #: Set to 1 to measure again instead of reading the cache.
@@ -52,12 +54,14 @@ class LocalMeasurements:
     collective_gbps: float  # wire bytes per rank per second of a large all-reduce between 2 processes
     collective_latency_us: float  # one small all-reduce between 2 processes
     memory_gib: float  # host RAM
+    dtensor_op_us: float  # host time one DTensor operator costs beyond the plain one (measure.dispatch)
 
     def describe(self) -> str:
         return (
             f"measured on {self.host} ({self.cores} cores, torch {self.torch_version}) at {self.measured_at}: matmul "
             f"{self.alone_tflops['fp32']:.3g} TFLOP/s fp32 for one process, {self.per_thread_tflops['fp32']:.3g} per thread; "
-            f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency"
+            f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency; "
+            f"{self.dtensor_op_us:.0f} µs per DTensor operator"
         )
 
 
@@ -117,7 +121,7 @@ def measure_here() -> LocalMeasurements:
             per_thread[dtype] = _fresh_matmul_tflops(dtype)
     finally:
         torch.set_num_threads(threads)
-    latency_s, large_s = _all_reduce_seconds()
+    latency_s, large_s, dtensor_op_s = _all_reduce_seconds()
     return LocalMeasurements(
         host=socket.gethostname(),
         cores=cores,
@@ -130,6 +134,7 @@ def measure_here() -> LocalMeasurements:
         collective_gbps=LARGE_BYTES / max(large_s - latency_s, 1e-9) / 1e9,
         collective_latency_us=latency_s * 1e6,
         memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,  # POSIX, as fcntl
+        dtensor_op_us=dtensor_op_s * 1e6,
     )
 
 
@@ -141,14 +146,15 @@ def _fresh_matmul_tflops(dtype: str) -> float:
         measured_matmul_tflops.cache_clear()
 
 
-def _all_reduce_seconds(world_size: int = 2) -> tuple[float, float]:
-    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (medians)."""
+def _all_reduce_seconds(world_size: int = 2) -> tuple[float, float, float]:
+    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (medians), and one
+    DTensor operator's host overhead on their mesh."""
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
         init = Path(scratch) / "store"
         out = Path(scratch) / "result.json"
         mp.start_processes(_all_reduce_worker, args=(world_size, str(init), str(out)), nprocs=world_size, start_method="spawn")
         result = json.loads(out.read_text())
-    return result["small_s"], result["large_s"]
+    return result["small_s"], result["large_s"], result["dtensor_op_s"]
 
 
 def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
@@ -167,6 +173,10 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
                 dist.all_reduce(tensor)
                 seconds.append(time.perf_counter() - start)
             timings[name] = statistics.median(seconds)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.barrier()
+        timings["dtensor_op_s"] = dtensor_op_seconds(init_device_mesh("cpu", (world_size,)))
         if rank == 0:
             Path(out).write_text(json.dumps(timings))
     finally:
@@ -197,5 +207,7 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
         "intra_node_latency_us": found.collective_latency_us,
         "inter_node_latency_us": found.collective_latency_us,
         "device_memory_gib": found.memory_gib / devices_per_node,
+        "dtensor_op_us": found.dtensor_op_us,
+        "host_cores": found.cores,
         "description": found.describe() + f" (cached in {cache_path()})",
     }

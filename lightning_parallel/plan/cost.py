@@ -208,8 +208,10 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         flops = sum(step.flops[s] for s in segments) + (
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
-        seconds = flops * micro * tokens / flops_per_s
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
+        # DTensor's host work per operator (tensor parallelism): per micro-batch, whatever its size.
+        dispatch = step.dtensor_ops * share * hardware.dtensor_op_seconds(min(workload.devices_per_node, world))
+        seconds = flops * micro * tokens / flops_per_s + dispatch
         if layout.pp > 1 and step.tp_bytes_by_segment:  # each stage's own traffic (embeddings, head included)
             tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
         else:

@@ -39,6 +39,10 @@ class HardwareProfile:
         measured: The figures are this machine's (:mod:`lightning_parallel.measure.hardware`): compute peaks,
             collective bandwidth and latency, memory (the host's RAM over ``devices_per_node``), measured once and
             cached; keys the profile gives itself win.
+        dtensor_op_us: Host time one DTensor operator costs beyond its kernel (sharding propagation, wrapping),
+            microseconds: added per operator a tensor-parallel step dispatches. Measured on CPUs (``measured: true``);
+            0 where not measured (a GPU's host work overlaps its kernels).
+        host_cores: Cores that the node's processes share for that host work (0: one per process).
         description: Free text (where the numbers come from).
     """
 
@@ -57,6 +61,8 @@ class HardwareProfile:
     peak_tflops_by_dtype: Mapping[str, float] | None = None
     measured_peak: bool = False
     measured: bool = False
+    dtensor_op_us: float = 0.0
+    host_cores: int = 0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -103,6 +109,12 @@ class HardwareProfile:
         if self.node_tflops is not None and processes_on_node > 1:  # alone, a process has the whole node
             peak = min(peak, self.node_tflops / processes_on_node)
         return peak * 1e12 * self.achievable_fraction
+
+    def dtensor_op_seconds(self, processes_on_node: int) -> float:
+        """Host seconds of one DTensor operator for one of ``processes_on_node`` processes (slower when they
+        outnumber the cores they share)."""
+        crowding = processes_on_node / self.host_cores if self.host_cores else 1.0
+        return self.dtensor_op_us * 1e-6 * max(1.0, crowding)
 
     def peak_flops(self, dtype: str, processes_on_node: int) -> float:
         """Dense peak FLOP/s of one process in ``dtype`` when ``processes_on_node`` share a node (what MFU divides by).

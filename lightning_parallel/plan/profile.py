@@ -17,9 +17,8 @@ Figures are per sample of the batch. No Lightning Trainer here.
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -34,9 +33,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_parallel.plan.experts import balanced_routing
-
 from lightning_parallel.measure.collectives import DTensorCollectives
+from lightning_parallel.measure.dispatch import DTensorDispatches
 from lightning_parallel.measure.memory import local_bytes
 from lightning_parallel.parallelize.common.model_call import capture_model_call
 from lightning_parallel.parallelize.pipeline.split import (
@@ -50,6 +48,7 @@ from lightning_parallel.parallelize.tensor.apply import (
     apply_tensor_parallel,
     check_plan,
 )
+from lightning_parallel.plan.experts import balanced_routing
 
 BEFORE, AFTER = "(before trunk)", "(after trunk)"
 
@@ -76,6 +75,7 @@ class StepProfile:
     expert_pair_bytes: float = 0.0
     expert_calls: int = 0
     expert_counts: tuple[int, ...] = ()  # routed experts per MoE layer (distinct counts)
+    dtensor_ops: int = 0  # aten operators dispatched on DTensors per forward + backward (of any batch size)
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,7 @@ def _dry_run(
     names = _canonical_names(module)
     tracker = _SegmentTracker(module, batch)
     collectives = DTensorCollectives()
+    dispatches = DTensorDispatches()
     parallel_loss: Any = nullcontext()
     if loss_parallel:
         from torch.distributed.tensor.parallel import (
@@ -222,7 +223,7 @@ def _dry_run(
         )
 
         parallel_loss = parallel_loss_context()
-    with _quiet(), FlopCounterMode(display=False) as counter, collectives.active(), parallel_loss:
+    with _quiet(), FlopCounterMode(display=False) as counter, collectives.active(), parallel_loss, dispatches:
         tracker.flop_counter, tracker.collectives = counter, collectives
         with tracker.tracking():
             loss = _loss(module.training_step(batch, 0))
@@ -250,6 +251,7 @@ def _dry_run(
         activation_bytes={k: v / rows for k, v in tracker.saved_bytes.items()},
         tp_bytes=collectives.tally.bytes / rows,
         tp_collectives=collectives.tally.calls,
+        dtensor_ops=dispatches.count,
         tp_bytes_by_segment={k: v / rows for k, v in tracker.tp_bytes_by_segment(collectives.tally.bytes).items()},
         segment_parameters=tracker.segment_parameters(names),
         frozen=frozenset(names[id(p)] for p in module.parameters() if not p.requires_grad),

@@ -10,7 +10,7 @@ from lightning_parallel.plan.hardware import HardwareProfile
 FIGURES = hardware.LocalMeasurements(
     host="here", cores=4, torch_version="x", backend="gloo", measured_at="now",
     alone_tflops={"fp32": 0.2, "fp64": 0.1}, per_thread_tflops={"fp32": 0.06, "fp64": 0.03},
-    collective_gbps=0.8, collective_latency_us=1500.0, memory_gib=32.0,
+    collective_gbps=0.8, collective_latency_us=1500.0, memory_gib=32.0, dtensor_op_us=120.0,
 )
 
 
@@ -49,6 +49,8 @@ def test_a_measured_profile_takes_this_machines_figures_and_keeps_what_it_writes
     assert profile.flops_per_device(1) == pytest.approx(0.2e12 * 0.5)
     assert profile.flops_per_device(2) == pytest.approx(0.12e12 * 0.5)
     assert profile.flops_per_device(8) == pytest.approx(0.03e12 * 0.5)
+    # DTensor's host work per operator: measured alone, slower once the processes outnumber the 4 cores.
+    assert profile.dtensor_op_seconds(2) == pytest.approx(120e-6) and profile.dtensor_op_seconds(8) == pytest.approx(240e-6)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a lone process on one thread gets one thread's peak
     one_thread = HardwareProfile.from_config({"name": "local", "measured": True, "achievable_fraction": 0.5, "devices_per_node": 8})
     assert one_thread.peak_tflops == pytest.approx(0.06)

@@ -254,3 +254,18 @@ def test_the_planner_compares_expert_parallel_layouts_of_a_moe_model_and_honours
     assert "ep=4 must divide dp=2" in rejected["dp=2 × tp=4 × pp=1"]
     result = plan(prof, workload, ANY_HARDWARE, fixed={"ep": 2})
     assert result.recommended.layout.ep == 2
+
+
+def test_dtensor_operators_are_counted_and_cost_their_measured_host_time():
+    """The dry run counts the operators a tensor-parallel step dispatches on DTensors (none without TP); each costs
+    the hardware's measured host time, more when the node's processes outnumber its cores."""
+    prof = profile()
+    ops = prof.step(2).dtensor_ops
+    assert prof.step(1).dtensor_ops == 0 and ops > 100
+    workload = Workload(2, 1, 8)
+    hardware = replace(ANY_HARDWARE, node_tflops=None)
+    without = predict(prof, Layout(1, 2, 1), workload, hardware)
+    timed = predict(prof, Layout(1, 2, 1), workload, replace(hardware, dtensor_op_us=100.0, host_cores=1))
+    assert timed.compute_s == pytest.approx(without.compute_s + ops * 100e-6 * 2)  # 2 processes on 1 core
+    assert predict(prof, Layout(2, 1, 1), workload, replace(hardware, dtensor_op_us=100.0)).compute_s == pytest.approx(
+        predict(prof, Layout(2, 1, 1), workload, hardware).compute_s)
