@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.parallelize.tensor.split_norm import NormMath, SplitWidthNorm, norm_like, recognise_norm
+from tests.unit.test_tensor_plan import UnitNorm
 
 
 class HFRMSNorm(nn.Module):  # transformers' LlamaRMSNorm/Olmo2RMSNorm: statistic in float32
@@ -18,15 +19,6 @@ class HFRMSNorm(nn.Module):  # transformers' LlamaRMSNorm/Olmo2RMSNorm: statisti
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return ((1.0 + self.weight) if self.offset else self.weight) * x.to(dtype)
-
-
-class UnitNorm(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(width)), 1e-6
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * x / (x.norm(dim=-1, keepdim=True) + self.eps)
 
 
 @pytest.mark.parametrize(
