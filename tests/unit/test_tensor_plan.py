@@ -674,3 +674,15 @@ def test_a_projection_shaped_like_a_gate_but_not_named_one_keeps_its_attention_w
     resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
     assert "attn.q_proj" not in resolved.styles and "mlp.w1" in resolved.styles
     assert "attn.dt_proj: a projection left replicated" in resolved.kept_whole["attn"]
+
+
+def test_modernbert_style_output_name_and_chunked_gate_up_projection_are_recognised():
+    """ModernBERT: q/k/v with the output projection named ``Wo``; its MLP's ``Wi`` is d→2h, chunked into gate
+    and up, then ``Wo`` h→d."""
+    attention, mlp = nn.Module(), nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj = (nn.Linear(16, 16) for _ in range(3))
+    attention.Wo = nn.Linear(16, 16)
+    mlp.Wi, mlp.Wo = nn.Linear(16, 64), nn.Linear(32, 16)
+    assert infer_plan(nn.ModuleDict({"attn": attention, "mlp": mlp})) == {
+        "attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise", "attn.Wo": "rowwise",
+        "mlp.Wi": "fused_gate_up", "mlp.Wo": "rowwise"}

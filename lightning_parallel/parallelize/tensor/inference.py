@@ -318,9 +318,17 @@ def _tied_modules(module: nn.Module) -> set[str]:
 
 
 def _match_attention(linears: Mapping[str, nn.Module]) -> tuple[str, str, str, str] | None:
+    """q/k/v/output by conventional names, in any case (ModernBERT's ``Wo``); the output projection may be any of
+    the conventional output names when it reads the heads' width and writes the input width."""
+    lowered = {name.lower(): name for name in linears}
     for names in _ATTENTION_NAMES:
-        if all(name in linears for name in names):
-            return names
+        if all(name in lowered for name in names[:3]):
+            q, k, v = (lowered[name] for name in names[:3])
+            width_in, width_out = features(linears[q])
+            outputs = [lowered[names[3]]] if names[3] in lowered else [
+                lowered[n] for n in _ATTENTION_OUTPUT_NAMES if n in lowered and features(linears[lowered[n]]) == (width_out, width_in)]
+            if len(outputs) == 1:
+                return q, k, v, outputs[0]
     return None
 
 
@@ -368,12 +376,15 @@ def _named_gated_mlp(linears: Mapping[str, nn.Module]) -> dict[str, str]:
 
 
 def _match_mlp(linears: Mapping[str, nn.Module], widening_only: bool = False) -> dict[str, str]:
-    """``d→h, h→d`` or gated ``d→h, d→h, h→d`` (``widening_only``: ``h > d``)."""
+    """``d→h, h→d``, gated ``d→h, d→h, h→d``, or gated with gate|up fused ``d→2h, h→d`` (``widening_only``: ``h > d``)."""
     items = [(name, features(m)) for name, m in linears.items()]
     if len(items) == 2:
         (first, (a_in, a_out)), (second, (b_in, b_out)) = items
         if a_out == b_in and a_in == b_out and (a_out > a_in if widening_only else a_out != a_in):
             return {first: "colwise", second: "rowwise"}
+        if a_out == 2 * b_in and a_in == b_out:
+            # d→2h then h→d: a gated MLP whose gate and up halves share one projection (ModernBERT's Wi, chunked).
+            return {first: "fused_gate_up", second: "rowwise"}
     if len(items) == 3:
         ins = [(n, f) for n, f in items if f[0] != f[1]]
         expand = [n for n, (i, o) in ins if o > i]
