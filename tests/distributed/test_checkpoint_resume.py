@@ -4,7 +4,8 @@ Each layout trains the recipe GPT (float64) for 8 optimizer steps, a ModelCheckp
 Other layouts resume from those step-4 checkpoints: the losses of steps 5–8 and every parameter after step
 8 must equal one process training 8 steps uninterrupted (1e-6); resuming under the layout that saved is
 bitwise identical to its own uninterrupted run. Sharded (sync and background-written) and full
-checkpoints, with and without gradient accumulation. Several fits share one torchrun job per world size.
+checkpoints, with and without gradient accumulation; a Mixture-of-Experts model resumed under another expert-parallel
+size. Several fits share one torchrun job per world size.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ LAYOUTS = {
         "strategy": "hybrid", "batch_size": 2,
         "strategy_kwargs": {"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2},
     },
+    # The recipe's Mixture-of-Experts GPT (4 experts per block): experts divided over 2 or 4 ranks, or replicated.
+    "moe_single": {"strategy": "single", "batch_size": 4, "model_kwargs": {"model": "gpt_moe"}},
+    "moe_dp4ep2": {"strategy": "hybrid", "batch_size": 1, "model_kwargs": {"model": "gpt_moe"},
+                   "strategy_kwargs": {"data_parallel_size": 4, "expert_parallel_size": 2}},
+    "moe_dp4ep4": {"strategy": "hybrid", "batch_size": 1, "model_kwargs": {"model": "gpt_moe"},
+                   "strategy_kwargs": {"data_parallel_size": 4, "expert_parallel_size": 4}},
+    "moe_dp4": {"strategy": "data", "batch_size": 1, "model_kwargs": {"model": "gpt_moe"}},
 }
 
 #: Layouts that train and save at step 4 (how), per world size and accumulation.
@@ -48,10 +56,12 @@ SAVES = {
     "pp2": {"save_format": "full"},
     # world size 4, accumulate 2
     "dp2xtp2": {},
+    "moe_dp4ep2": {},
 }
 #: (source, target) pairs resumed in each job; a pair with equal names is the bitwise same-layout check.
 RESUMES_2 = [("single", "dp2"), ("dp2", "pp2"), ("pp2", "tp2"), ("tp2", "pp2"), ("tp2", "dp2"), ("dp2", "dp2")]
-RESUMES_4 = [("dp2xtp2", "dp2xpp2"), ("dp2xtp2", "dp4"), ("dp2xtp2", "dp2xtp2")]
+RESUMES_4 = [("dp2xtp2", "dp2xpp2"), ("dp2xtp2", "dp4"), ("dp2xtp2", "dp2xtp2"),
+             ("moe_dp4ep2", "moe_dp4ep4"), ("moe_dp4ep2", "moe_dp4")]
 RESUMES_SINGLE = [("pp2", "single", 1), ("tp2", "single", 1), ("dp2xtp2", "single", 2)]
 
 
@@ -59,7 +69,7 @@ def layout_run(name: str, layout: str, accumulate: int, **extra) -> Run:
     spec = LAYOUTS[layout]
     kwargs = {**spec.get("strategy_kwargs", {}), **extra.pop("strategy_kwargs", {})}
     return Run(name=name, strategy=spec["strategy"], steps=STEPS, batch_size=spec["batch_size"],
-               strategy_kwargs=kwargs, accumulate=accumulate, **extra)
+               strategy_kwargs=kwargs, accumulate=accumulate, model_kwargs=spec.get("model_kwargs", {}), **extra)
 
 
 def saving_run(layout: str, root: Path, accumulate: int) -> Run:
@@ -72,9 +82,15 @@ def checkpoint_of(root: Path, layout: str) -> str:
 
 
 @cache
-def reference(root: Path, accumulate: int) -> dict:
+def reference(root: Path, accumulate: int, model: str = "gpt") -> dict:
     """One process, 8 uninterrupted steps; it also saves the single-device checkpoint at step 4."""
-    return run(saving_run("single", root / f"acc{accumulate}", accumulate), devices=1)
+    single = "single" if model == "gpt" else f"{model.removeprefix('gpt_')}_single"
+    return run(saving_run(single, root / f"acc{accumulate}", accumulate), devices=1)
+
+
+def reference_of(root: Path, layout: str, accumulate: int) -> dict:
+    """The uninterrupted single-device run of the model ``layout`` trains."""
+    return reference(root, accumulate, LAYOUTS[layout].get("model_kwargs", {}).get("model", "gpt"))
 
 
 @cache
@@ -82,7 +98,7 @@ def torchrun_job(root: Path, devices: int) -> dict:
     accumulate = 1 if devices == 2 else 2
     base = root / f"acc{accumulate}"
     reference(root, accumulate)  # the single-device checkpoint the job resumes from
-    saves = [layout for layout in SAVES if (layout.startswith("dp2x") or layout == "dp4") == (devices == 4)]
+    saves = [layout for layout in SAVES if (layout.startswith(("dp2x", "moe_dp4")) or layout == "dp4") == (devices == 4)]
     resumes = RESUMES_2 if devices == 2 else RESUMES_4
     runs = [saving_run(layout, base, accumulate) for layout in saves]
     runs += [layout_run(f"{a}->{b}", b, accumulate, resume=checkpoint_of(base, a)) for a, b in resumes]
@@ -110,9 +126,9 @@ def assert_continues_reference(resumed: dict, ref: dict) -> None:
 def test_saving_layouts_train_like_single_device(root, devices):
     """The runs that save (sync, background, full) train exactly like one process; saving changes nothing."""
     results = torchrun_job(root, devices)
-    ref = reference(root, 1 if devices == 2 else 2)
     for layout in SAVES:
         if layout in results:
+            ref = reference_of(root, layout, 1 if devices == 2 else 2)
             torch.testing.assert_close(results[layout]["step_losses"], ref["step_losses"], atol=TOL, rtol=0)
             assert Path(checkpoint_of(root / f"acc{1 if devices == 2 else 2}", layout)).exists()
 
@@ -124,7 +140,9 @@ def test_resume_across_layouts_two_ranks(root, source, target):
 
 @pytest.mark.parametrize(("source", "target"), [p for p in RESUMES_4 if p[0] != p[1]])
 def test_resume_across_layouts_four_ranks_with_accumulation(root, source, target):
-    assert_continues_reference(torchrun_job(root, 4)[f"{source}->{target}"], reference(root, 2))
+    """Also a Mixture-of-Experts model saved with its experts divided over 2 ranks, resumed divided over 4, and
+    replicated (expert parallelism's checkpoints hold every expert by its global index)."""
+    assert_continues_reference(torchrun_job(root, 4)[f"{source}->{target}"], reference_of(root, source, 2))
 
 
 @pytest.mark.parametrize(("source", "devices"), [("dp2", 2), ("dp2xtp2", 4)])
