@@ -17,6 +17,7 @@ import lightning as L
 import torch
 
 import lightning_parallel
+from lightning_parallel.parallelize.expert.experts import find_routed_experts
 from lightning_parallel.parallelize.data.batchnorm import batch_statistics_layers
 from tests.coverage.configs import experts_implementation
 from tests.coverage.models import CoverageData, CoverageModule, channels_of, image_size_of
@@ -104,9 +105,11 @@ def _local_bytes(model: torch.nn.Module) -> int:
 
 def reference(task: str, model_type: str) -> dict[str, Any]:
     """Single-device training (what every layout must reproduce)."""
-    result = train(*build(task, model_type, None))
+    built = build(task, model_type, None)
+    experts = bool(find_routed_experts(built[0]))  # what the expert-parallel layouts apply to
+    result = train(*built)
     keep = ("step_losses", "states", "grads", "validation", "local_bytes", "model_class")
-    return {k: result[k] for k in keep}
+    return {**{k: result[k] for k in keep}, "experts": experts}
 
 
 def compare(expected: dict[str, Any], actual: dict[str, Any]) -> tuple[float, float, str]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from tests.coverage.cells import LAYOUTS, describe_failure, reference
+from tests.coverage.cells import EXPERT_LAYOUTS, LAYOUTS, describe_failure, reference
 from tests.coverage.configs import NOT_COMPARABLE, mapping
 
 
@@ -84,7 +84,8 @@ def prepare(task: str, model_type: str, workdir: Path) -> dict[str, Any]:
     else:
         path = workdir / f"{task}-{model_type}.pt"
         torch.save(expected, path)
-        record.update(built=True, model_class=expected["model_class"], reference=str(path), parameters=expected["local_bytes"] // 8)
+        record.update(built=True, model_class=expected["model_class"], reference=str(path), parameters=expected["local_bytes"] // 8,
+                      experts=expected["experts"])
     record["reference_seconds"] = round(time.perf_counter() - start, 2)
     return record
 
@@ -191,8 +192,9 @@ def sweep(
     records = prepare_all(wanted, workdir, log)
     for record in records.values():
         if record["built"]:
+            # Expert-parallel layouts only where there are routed experts to divide (elsewhere: refused by design).
             cells += [{"task": record["task"], "model_type": record["model_type"], "layout": layout, "reference": record["reference"]}
-                      for layout in layouts]
+                      for layout in layouts if layout not in EXPERT_LAYOUTS or record.get("experts", True)]
     for verdict in run_world(cells, workdir, log) if cells else []:
         layout = verdict.pop("layout")
         records[key(verdict.pop("task"), verdict.pop("model_type"))].setdefault("cells", {})[layout] = verdict
