@@ -686,3 +686,16 @@ def test_modernbert_style_output_name_and_chunked_gate_up_projection_are_recogni
     assert infer_plan(nn.ModuleDict({"attn": attention, "mlp": mlp})) == {
         "attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise", "attn.Wo": "rowwise",
         "mlp.Wi": "fused_gate_up", "mlp.Wo": "rowwise"}
+
+
+def test_a_statistic_over_the_split_width_kept_in_a_shaped_parameter_keeps_its_mlp_whole():
+    """ConvNeXt-V2's GRN normalises over the MLP's hidden units with gamma/beta shaped [1, 1, 1, h]."""
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+
+    grn = nn.Module()
+    grn.gamma, grn.beta = nn.Parameter(torch.zeros(1, 1, 1, 32)), nn.Parameter(torch.zeros(1, 1, 1, 32))
+    mlp = nn.Module()
+    mlp.pwconv1, mlp.grn, mlp.pwconv2 = nn.Linear(16, 32), grn, nn.Linear(32, 16)
+    model = nn.ModuleDict({"mlp": mlp, "other": SwiGLU(16, 32)})
+    resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
+    assert "mlp.pwconv1" not in resolved.styles and "mlp.grn.gamma: its width 32" in resolved.kept_whole["mlp"]

@@ -49,6 +49,11 @@ _OPENING = ("colwise", "fused_qkv", "fused_gate_up")
 _CLOSING = ("rowwise",)
 
 
+def _vector(param: Tensor) -> bool:
+    """One value per feature, however shaped (ConvNeXt-V2's GRN keeps ``gamma`` as ``[1, 1, 1, C]``)."""
+    return param.dim() >= 1 and param.numel() == max(param.shape)
+
+
 def interleaved_groups(attention: nn.Module | None) -> int | None:
     """The number of model-parallel groups ``attention``'s fused q/k/v is interleaved in, or ``None``."""
     for attr in INTERLEAVED_GROUP_ATTRIBUTES:
@@ -124,7 +129,7 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
             if norm_like(sub) and (sub.weight.device.type == "meta" or recognise_norm(sub) is not None):
                 continue  # its statistic is summed over the ranks on a slice (split_norm.SplitWidthNorm)
             for pname, param in sub.named_parameters():
-                if param.dim() == 1 and param.numel() in widths and param.numel() not in inputs:
+                if _vector(param) and param.numel() in widths and param.numel() not in inputs:
                     raise ValueError(
                         f"{name}.{child}.{pname}: its width {param.numel()} is the whole output width of the split "
                         f"{name}.{widths[param.numel()]} (a norm over all heads together, not per head): each rank "
@@ -219,7 +224,7 @@ class SplitRegionParameters(PartialSumParameters):
         split_width_norm = isinstance(getattr(sub, "forward", None), SplitWidthNorm)
         if self._split and not split_width_norm and args and isinstance(args[0], Tensor) and args[0].dim() >= 1:
             width = args[0].shape[-1]
-            whole = [n for n, p in sub.named_parameters() if p.dim() == 1 and p.numel() == width * self.tp_size]
+            whole = [n for n, p in sub.named_parameters() if _vector(p) and p.numel() == width * self.tp_size]
             if whole:
                 raise RuntimeError(
                     f"{self.name}.{child}.{whole[0]} has the whole split width {width * self.tp_size}, but is applied to "
