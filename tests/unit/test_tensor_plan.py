@@ -699,3 +699,13 @@ def test_a_statistic_over_the_split_width_kept_in_a_shaped_parameter_keeps_its_m
     model = nn.ModuleDict({"mlp": mlp, "other": SwiGLU(16, 32)})
     resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
     assert "mlp.pwconv1" not in resolved.styles and "mlp.grn.gamma: its width 32" in resolved.kept_whole["mlp"]
+
+
+def test_a_column_split_projection_beside_an_in_place_activation_gets_an_output_of_its_own():
+    """Swin-V2's position-bias MLP: Linear, ReLU(inplace=True), Linear (a view from DTensor cannot be modified in place)."""
+    from lightning_parallel.parallelize.tensor.apply import _beside_in_place
+
+    model = nn.ModuleDict({"cpb": nn.Sequential(nn.Linear(2, 8), nn.ReLU(inplace=True), nn.Linear(8, 4)),
+                           "mlp": nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 4))})
+    modules = dict(model.named_modules())
+    assert _beside_in_place(modules, "cpb.0") and not _beside_in_place(modules, "mlp.0")

@@ -370,7 +370,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     for fqn, style in resolved.styles.items():
         if style == "loss_parallel":
             modules[fqn].register_forward_hook(_whole_logits_in_eval)
-        elif style in ("rowwise", "embedding_rowwise"):
+        elif style in ("rowwise", "embedding_rowwise") or (style in COLUMN_STYLES and _beside_in_place(modules, fqn)):
             modules[fqn].register_forward_hook(_output_of_its_own)
     slice_per_head_inputs(modules, resolved, tp_mesh)
     shard_per_head_parameters(modules, resolved.per_head, tp_mesh)
@@ -421,6 +421,13 @@ def _divide_head_attributes(modules: Mapping[str, nn.Module], resolved: Resolved
 
 def _get_attribute(module: nn.Module, attr: str) -> int:
     return getattr(module.config, attr.removeprefix("config.")) if attr.startswith("config.") else getattr(module, attr)
+
+
+def _beside_in_place(modules: Mapping[str, nn.Module], fqn: str) -> bool:
+    """A sibling of ``fqn`` works in place (``nn.ReLU(inplace=True)`` after a column-split projection, as in Swin-V2's
+    position-bias MLP): the projection's output must then be a tensor of its own (see :func:`_output_of_its_own`)."""
+    parent = modules.get(fqn.rpartition(".")[0])
+    return parent is not None and any(getattr(child, "inplace", False) is True for child in parent.children())
 
 
 def _output_of_its_own(module: nn.Module, inputs: tuple, output):
