@@ -35,12 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_parallel.parallelize.tensor.projections import features, is_projection
-from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters
-
-#: Styles that split a projection's output features inside a region, and the one that closes it.
-_OPENING = ("colwise", "fused_qkv", "fused_gate_up")
-_CLOSING = ("rowwise",)
-
+from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters, regions_of
 
 def latent_projections(modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
     """Split regions -> their projections left replicated that are latent down projections.
@@ -52,17 +47,9 @@ def latent_projections(modules: Mapping[str, nn.Module], styles: Mapping[str, st
     recognised (its output may be combined with this rank's heads in ways the plan cannot know).
     """
     found: dict[str, tuple[str, ...]] = {}
-    regions: dict[str, tuple[list[str], list[str]]] = {}
-    for fqn, style in styles.items():
-        parent = fqn.rpartition(".")[0]
-        if parent and style in _OPENING + _CLOSING:
-            opening, closing = regions.setdefault(parent, ([], []))
-            (opening if style in _OPENING else closing).append(fqn)
-    for name, (opening, closing) in regions.items():
-        if not opening or not closing:
-            continue
-        region_width = {features(modules[fqn])[1] for fqn in closing if is_projection(modules[fqn])}
-        up_inputs = {features(modules[fqn])[0] for fqn in opening if is_projection(modules[fqn])} - region_width
+    for name, (opening, closing) in regions_of(styles).items():
+        region_width = {features(modules[f"{name}.{c}"])[1] for c in closing if is_projection(modules[f"{name}.{c}"])}
+        up_inputs = {features(modules[f"{name}.{c}"])[0] for c in opening if is_projection(modules[f"{name}.{c}"])} - region_width
         latent = []
         for child, sub in modules[name].named_children():
             fqn = f"{name}.{child}"

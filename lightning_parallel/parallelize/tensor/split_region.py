@@ -65,8 +65,13 @@ def interleaved_groups(attention: nn.Module | None) -> int | None:
 
 def split_regions(resolved: ResolvedPlan) -> dict[str, tuple[list[str], list[str]]]:
     """``{module: (column-wise children, row-wise children)}`` for modules holding both (attention, MLP)."""
+    return regions_of(resolved.styles)
+
+
+def regions_of(styles: Mapping[str, str]) -> dict[str, tuple[list[str], list[str]]]:
+    """:func:`split_regions` of a plan's ``{module: style}`` (before it is bound: while resolving it)."""
     regions: dict[str, tuple[list[str], list[str]]] = {}
-    for fqn, style in resolved.styles.items():
+    for fqn, style in styles.items():
         parent, _, child = fqn.rpartition(".")
         if parent and style in _OPENING + _CLOSING:
             opening, closing = regions.setdefault(parent, ([], []))
