@@ -86,12 +86,6 @@ class DataParallelComponent(Component):
                     f"sync={self.sync.method!r} averages whole replicated models and does not combine with "
                     f"{', '.join(unsupported)} yet. Use sync='every_step', or plain replicated data parallelism."
                 )
-        if layout.pipeline_parallel_size > 1 and layout.data_parallel_size > 1 and self.config.is_sharded:
-            raise ValueError(
-                f"data_parallel_mode={self.config.mode!r} is not supported with pipeline_parallel_size="
-                f"{layout.pipeline_parallel_size} yet: pipeline stages' replicas replicate (one gradient all-reduce per "
-                f"optimizer step). Set data_parallel_mode='replicate'."
-            )
         if layout.pipeline_parallel_size > 1 and self.sync_batchnorm:
             raise ValueError(
                 "sync_batchnorm=True is not supported with pipeline_parallel_size > 1 (a stage's batch statistics are "

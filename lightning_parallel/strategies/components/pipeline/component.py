@@ -18,13 +18,15 @@ import torch
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import Tensor
 
-from lightning_parallel.layout import ParallelLayout
+from lightning_parallel.layout import ParallelLayout, replica_mesh
 from lightning_parallel.parallelize.common.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.data.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline.config import PipelineConfig
 from lightning_parallel.parallelize.pipeline.build import LocalPipeline, remap_optimizer
+from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageParameters
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 from lightning_parallel.strategies.optimizer import unwrap_optimizer
+from lightning_parallel.strategies.precision import fsdp_mixed_precision
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.components.pipeline.runner import PipelineRunner
 
@@ -134,17 +136,38 @@ class PipelineComponent(Component):
         for optimizer in self.engine.optimizers:
             remap_optimizer(unwrap_optimizer(optimizer), local.replaced)
         placement.place_stages(local.local_tensors, self.runner.root_name or "")
+        if self.engine.data_parallel.shards:
+            self._shard_stages(local)
+
+    def _shard_stages(self, local: LocalPipeline) -> None:
+        """Shard this rank's stage parameters over the data-parallel ranks (after they got their values)."""
+        engine = self.engine
+        runner = self.runner
+        holder = engine.lightning_module.get_submodule(runner.root_name or "")
+        sharded = ShardedStageParameters(
+            holder, replica_mesh(engine.device_mesh, sharded=True), fsdp_mixed_precision(engine.precision_plugin)
+        )
+        for optimizer in engine.optimizers:
+            remap_optimizer(unwrap_optimizer(optimizer), sharded.replaced)
+        # New traces (other shapes) are bound to these names: keep the shards there, not the whole tensors.
+        local.local_tensors = {name: sharded.replaced.get(id(t), t) for name, t in local.local_tensors.items()}
+        sharded.adopt(stage.submod for stage in [*local.train_stages, *local.eval_stages])
+        runner.sharded = sharded
 
     def _reduce_gradients(self) -> None:
         engine = self.engine
         module = engine.lightning_module
+        sharded = self.runner.sharded
+        start, sent = time.perf_counter(), 0
+        if sharded is not None:
+            sent += sharded.reduce()  # one reduce-scatter per unit, averaged over dp
         # Tensor-parallel stages leave partial sums for replicated weights used after a row-wise split.
         reduce_partial_gradients(module.parameters())
         for param, group in self.runner.tied_parameters(module):
             sum_gradients([param], group)
         if engine.layout.data_parallel_size > 1:
-            start = time.perf_counter()
-            sent = average_gradients(module.parameters(), engine.data_parallel_group)
+            sharded_ids = {id(p) for p in sharded.replaced.values()} if sharded is not None else set()
+            sent += average_gradients([p for p in module.parameters() if id(p) not in sharded_ids], engine.data_parallel_group)
             engine.record_gradient_round(sent, time.perf_counter() - start)
 
 

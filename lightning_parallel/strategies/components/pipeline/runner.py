@@ -53,6 +53,7 @@ from lightning_parallel.parallelize.pipeline.schedule import (
     build_schedule,
     stage_ranks,
 )
+from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageParameters
 from lightning_parallel.parallelize.pipeline.split import SplitPlan, plan_split
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
 from lightning_parallel.strategies.collectives import is_dry_run
@@ -148,6 +149,8 @@ class PipelineRunner:
         self.whole_shapes: dict[str, tuple[int, ...]] = {}
         #: BatchNorm layers using batch statistics, by mode (training?), found on the whole module before the cut.
         self._batch_statistics: dict[bool, list[str]] | None = None
+        #: Stage parameters sharded over data parallelism (set after the build), gathered around each step.
+        self.sharded: ShardedStageParameters | None = None
 
     @property
     def built(self) -> bool:
@@ -442,11 +445,16 @@ class PipelineRunner:
     def _run_schedule(self, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> None:
         target = torch.arange(self.config.microbatches, device=self.device)
         inputs, model_kwargs = (args, kwargs) if self.holds_first_stage else ((), {})
+        if self.sharded is not None:
+            self.sharded.adopt(stage.submod for stage in _schedule_stages(schedule))
+            self.sharded.gather()
         with self.tensor_parallel.context() if self.tensor_parallel is not None else nullcontext():
             if training:
                 schedule.step(*inputs, target=target, return_outputs=False, **model_kwargs)
             else:
                 schedule.eval(*inputs, target=target, **model_kwargs)
+        if self.sharded is not None and not training:
+            self.sharded.release()
 
     def _loss_fn(self, output: Any, target: Tensor) -> Tensor:
         state = self._state
@@ -529,6 +537,11 @@ class PipelineRunner:
             for t in self.local.tied
             if self.pp_rank in t.pp_ranks and t.owner_pp_rank != self.pp_rank
         ]
+
+
+def _schedule_stages(schedule: Any) -> list[Any]:
+    """The stages a torch schedule runs (one for single-stage schedules, several for multi-stage ones)."""
+    return list(schedule._stages) if hasattr(schedule, "_stages") else [schedule._stage]
 
 
 def _meta(captured: CapturedModelCall) -> list[tuple[torch.dtype, tuple[int, ...]]]:
