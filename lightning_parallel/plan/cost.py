@@ -288,8 +288,9 @@ def dp_payload_rank0(layout: Layout, gradient_bytes: float, workload: Workload) 
         return 0.0
     if _shard_ranks(layout) == 1:
         return gradient_bytes
-    # Sharded: every batch gathers the parameters (twice when resharded after forward), one reduce-scatter per step.
-    return gradient_bytes * (2 * workload.accumulate + 1)
+    # Sharded: every batch gathers the parameters (twice when resharded after forward), one reduce-scatter per step;
+    # pipeline stages gather once per optimizer step and keep them over every micro-batch.
+    return gradient_bytes * (_gathers_per_step(layout, workload) + 1)
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -349,7 +350,10 @@ def _transient_bytes(profile: ModelProfile, step: StepProfile, segments: list[st
     extra = 0.0
     if layout.activation_checkpointing and layers:  # one layer's activations rebuilt during its backward
         extra += max(step.activation_bytes[s] for s in layers) * micro
-    if shards > 1 and layers:  # FSDP: one layer gathered, the next prefetched
+    if shards > 1 and layout.pp > 1:  # the stage gathered whole for the step, and its whole gradients accumulating
+        whole = sum(step.parameter_bytes[n] for n in _parameters_of(step, segments))
+        extra += whole * (shards - 1) / shards + whole
+    elif shards > 1 and layers:  # FSDP: one layer gathered, the next prefetched
         largest = max(sum(step.parameter_bytes[n] for n in step.segment_parameters.get(s, ())) for s in layers)
         extra += 2 * largest * (shards - 1) / shards
     return extra
@@ -400,7 +404,7 @@ def _data_parallel_seconds(hardware: HardwareProfile, layout: Layout, workload: 
         buckets = max(1, math.ceil(gradient_bytes / DDP_BUCKET_BYTES))
         seconds = _collective_seconds(hardware, replicas_and_peers, gradient_bytes, buckets, crosses, "all_reduce")
         return seconds, gradient_bytes, _ring_factor(replicas_and_peers, "all_reduce") * gradient_bytes
-    gathers = 2 * workload.accumulate  # forward, and again in backward after resharding
+    gathers = _gathers_per_step(layout, workload)
     shard_crosses = crosses if layout.data_parallel_mode == "shard" else False
     gather_s = gathers * _collective_seconds(hardware, shards, gradient_bytes, 1, shard_crosses, "all_gather")
     scatter_s = _collective_seconds(hardware, shards, gradient_bytes, 1, shard_crosses, "reduce_scatter")
@@ -408,6 +412,12 @@ def _data_parallel_seconds(hardware: HardwareProfile, layout: Layout, workload: 
     replicate_s = _collective_seconds(hardware, replicas, gradient_bytes / shards, 1, crosses, "all_reduce")
     wire = (gathers + 1) * _ring_factor(shards, "all_gather") * gradient_bytes + _ring_factor(replicas, "all_reduce") * gradient_bytes / shards
     return gather_s + scatter_s + replicate_s, gradient_bytes * (gathers + 1), wire
+
+
+def _gathers_per_step(layout: Layout, workload: Workload) -> int:
+    """All-gathers of the parameters per optimizer step under sharding: pipeline stages gather once and keep them
+    gathered; otherwise each batch gathers in forward and again in backward (after resharding)."""
+    return 1 if layout.pp > 1 else 2 * workload.accumulate
 
 
 def _all_to_all_bytes(step: StepProfile, layout: Layout) -> float:

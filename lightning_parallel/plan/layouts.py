@@ -253,7 +253,7 @@ def _variants(dp: int, tp: int, pp: int, batch: int, trunk_layers: int, devices_
 
 def _data_parallel_modes(dp: int, tp: int, pp: int, devices_per_node: int):
     yield "replicate", 1
-    if dp > 1 and pp == 1:  # the engine shards only without pipeline parallelism
+    if dp > 1:
         yield "shard", dp
         per_node = max(1, devices_per_node // tp)
         if 1 < per_node < dp and dp % per_node == 0:

@@ -92,8 +92,6 @@ def test_hybrid_strategy_wiring_and_errors():
         trainer_with(HybridParallelStrategy(1, 2, 2), 8)
     with pytest.raises(ValueError, match="sequence_parallel=True is not supported with pipeline_parallel_size > 1"):
         trainer_with(HybridParallelStrategy(1, 2, 2, sequence_parallel=True), 4)
-    with pytest.raises(ValueError, match="data_parallel_mode='shard' is not supported with pipeline_parallel_size=2"):
-        trainer_with(HybridParallelStrategy(2, 1, 2, data_parallel_mode="shard"), 4)
     with pytest.raises(ValueError, match="data_parallel_shard_size=3 .* must divide data_parallel_size=4"):
         trainer_with(HybridParallelStrategy(4, data_parallel_mode="hybrid_shard", data_parallel_shard_size=3), 4)
     with pytest.raises(ValueError, match="data_parallel_mode='zero2' is unknown"):
