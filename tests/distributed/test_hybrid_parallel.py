@@ -8,6 +8,7 @@ the fraction of the whole model the layout promises, counted from the local shar
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -29,10 +30,10 @@ SPLIT_BY_TP = (".q_proj.", ".k_proj.", ".v_proj.", ".fc_in.", ".out_proj.weight"
 
 
 @cache
-def reference(accumulate: int = 1, clip: float | None = None, empty_init: bool | None = None) -> dict:
+def reference(accumulate: int = 1, clip: float | None = None, empty_init: bool | None = None, tie_weights: bool = True) -> dict:
     return run_job(
         JobSpec(batch_size=GLOBAL_BATCH, steps=STEPS, n_layer=LAYERS, accumulate=accumulate, gradient_clip_val=clip, validate=True,
-                empty_init=empty_init)
+                empty_init=empty_init, tie_weights=tie_weights)
     )
 
 
@@ -76,29 +77,55 @@ def assert_state_fraction(result: dict, expected_params: int) -> None:
 STAGE_0 = ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.1.")
 
 
-def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(tmp_path):
+def eight_rank_job(**strategy) -> JobSpec:
+    return hybrid_job(
+        8, accumulate=2, clip=0.05, round_trip=True, empty_init=True, data_parallel_size=2, tensor_parallel_size=2,
+        pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"], **strategy,
+    )
+
+
+@pytest.fixture(scope="module")
+def eight_rank_results(tmp_path_factory):
+    """The 8-rank layouts, in one launch: dp2 × tp2 × pp2 with replicas, and with the replicas sharding each stage."""
+    specs = {"replicate": eight_rank_job(compile=True), "shard": eight_rank_job(data_parallel_mode="shard")}
+    root = tmp_path_factory.mktemp("eight_ranks")
+    return run_distributed_jobs(specs, root, timeout=900), specs, root
+
+
+def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(eight_rank_results):
     """The issue's 8-rank layout: 2 replicas of a 2-stage pipeline whose stages are split over 2 ranks.
 
     The model is built on the meta device (``trainer.init_module(empty_init=True)``; other ranks seeded
     differently): each rank allocates only its part, with the values of building it eagerly on one device.
     The stages' blocks are compiled (``compile=True``, inductor).
     """
+    results, specs, root = eight_rank_results
     ref = reference(accumulate=2, clip=0.05, empty_init=False)
-    spec = hybrid_job(
-        8, accumulate=2, clip=0.05, round_trip=True, empty_init=True, data_parallel_size=2, tensor_parallel_size=2,
-        pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"], compile=True,
-    )
-    result = run_distributed(spec, tmp_path, timeout=600)
+    result = results["replicate"]
     assert_same_training(ref, result)
-    assert_planner_predicts_state(spec, result)
+    assert_planner_predicts_state(specs["replicate"], result)
     for key in ("val/loss", "val/accuracy"):
         assert result["validation"][key] == pytest.approx(ref["validation"][key], abs=TOL), key
     whole = ref["states"][0]
     assert_state_fraction(result, expected_parameter_bytes(whole, tp=2, stage_prefixes=STAGE_0))
     # One gradient round over the replicas per optimizer step, not per micro-batch.
     assert result["comm"]["rounds"] == STEPS
-    assert_checkpoint_holds_whole_tensors(tmp_path / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
+    assert_checkpoint_holds_whole_tensors(root / "replicate" / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
     assert result["compiled_blocks"] == ["model.blocks.0", "model.blocks.1"]  # rank 0's stage
+
+
+def test_dp2_shard_tp2_pp2_matches_single_device(eight_rank_results):
+    """Issue 28's 8-rank layout: each tensor-parallel stage's state sharded over its 2 replicas (FSDP2 over DTensor
+    stages), built on the meta device, gradients clipped over every stage and shard, accumulation 2."""
+    results, specs, root = eight_rank_results
+    ref = reference(accumulate=2, clip=0.05, empty_init=False)
+    result = results["shard"]
+    assert_same_training(ref, result)
+    assert_planner_predicts_state(specs["shard"], result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+    assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], tp=2, dp_shards=2, stage_prefixes=STAGE_0))
+    assert result["comm"]["rounds"] == STEPS
+    assert_checkpoint_holds_whole_tensors(root / "shard" / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
 
 
 PAIRS = {
@@ -138,11 +165,38 @@ SHARDED = {
 }
 
 
+#: Sharded data parallelism inside pipelines (issue 28): each stage's state sharded over the dp ranks, gathered
+#: once per optimizer step, one reduce-scatter after the last accumulated backward, clipping over stages and shards.
+#: name -> (strategy, rank 0's stage prefixes, embedding tied to the head). Accumulation 2, clipping, a checkpoint
+#: round trip, a validation pass before training (the pipeline is traced for evaluation first).
+SHARDED_PIPELINES = {
+    "pp2xshard_dp2_1f1b_untied": (
+        {"data_parallel_size": 2, "data_parallel_mode": "shard", "pipeline_parallel_size": 2, "schedule": "1f1b",
+         "microbatches": 4, "split_points": ["model.blocks.2"]},
+        STAGE_0,
+        False,
+    ),
+    # The head on the last stage tied to the embedding on the first: one weight summed over two pipeline ranks.
+    "pp2xshard_dp2_interleaved_tied_sharded_checkpoint": (
+        {"data_parallel_size": 2, "data_parallel_mode": "shard", "pipeline_parallel_size": 2, "schedule": "interleaved_1f1b",
+         "stages_per_rank": 2, "split_points": ["model.blocks.1", "model.blocks.2", "model.blocks.3"], "save_format": "sharded"},
+        ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.2."),
+        True,
+    ),
+}
+
+
+def sharded_pipeline_job(strategy: dict, tie_weights: bool) -> JobSpec:
+    job = hybrid_job(4, accumulate=2, clip=0.05, round_trip=True, **strategy)
+    return replace(job, sanity_val_steps=2, tie_weights=tie_weights)
+
+
 @pytest.fixture(scope="module")
 def four_rank_results(tmp_path_factory):
     """The 4-rank jobs below, one after another in one launch (starting 4 processes is the slow part)."""
     specs = {name: hybrid_job(4, accumulate=accumulate, **strategy) for name, (strategy, accumulate, _) in PAIRS.items()}
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, (devices, strategy, _) in SHARDED.items() if devices == 4})
+    specs.update({name: sharded_pipeline_job(strategy, tied) for name, (strategy, _, tied) in SHARDED_PIPELINES.items()})
     return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=600)
 
 
@@ -155,6 +209,23 @@ def test_each_pair_of_dimensions_matches_single_device(name, four_rank_results):
     assert_planner_predicts_state(hybrid_job(4, accumulate=accumulate, **strategy), result)
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], **fraction))
+
+
+@pytest.mark.parametrize("name", list(SHARDED_PIPELINES))
+def test_sharded_data_parallel_inside_pipelines_matches_single_device(name, four_rank_results):
+    strategy, stage_prefixes, tied = SHARDED_PIPELINES[name]
+    ref = reference(accumulate=2, clip=0.05, tie_weights=tied)
+    result = four_rank_results[name]
+    assert_same_training(ref, result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+    expected = expected_parameter_bytes(ref["states"][0], dp_shards=2, stage_prefixes=stage_prefixes)
+    assert_state_fraction(result, expected)
+    assert_planner_predicts_state(sharded_pipeline_job(strategy, tied), result)
+    if not tied:  # (a tied head is a second copy of the embedding on the last stage: more than a quarter there)
+        # Parameters, gradients and AdamW moments: about a quarter of the whole model's (pp2 × 2 shards).
+        whole = sum(t.numel() * t.element_size() for n, t in ref["states"][0].items() if n.endswith(("weight", "bias")))
+        assert result["state_bytes"]["total"] <= 0.27 * 4 * whole
+    assert result["comm"]["rounds"] == STEPS  # one gather and one reduce-scatter per optimizer step
 
 
 def auto_job(**strategy) -> JobSpec:

@@ -50,6 +50,7 @@ class ShardedStageParameters:
         self.replaced: dict[int, nn.Parameter] = {id(p): after[name] for name, p in before.items() if name in after}
         self._gathered = False
         self._initialised = False
+        self._gathered_bytes = 0
         self._stage_modules: list[nn.Module] = []
 
     @property
@@ -73,6 +74,7 @@ class ShardedStageParameters:
             for unit in self.units:
                 unit.unshard()
             self._gathered = True
+            self._gathered_bytes = sum(_local(p).numel() * _local(p).element_size() for p in self.holder.parameters())
         self._bind(self._stage_modules)
 
     def _bind(self, stage_modules: Iterable[nn.Module]) -> None:
@@ -87,14 +89,15 @@ class ShardedStageParameters:
     def reduce(self) -> int:
         """Reduce-scatter the accumulated whole gradients into each rank's gradient shards; free the whole parameters.
 
-        Returns the bytes of whole gradients handed to the reduction (0 if nothing was gathered).
+        Returns the bytes this optimizer step handed to collectives: the whole parameters gathered and their whole
+        gradients reduced (0 if nothing was gathered).
         """
         if not self._gathered:
             return 0
         whole = [p for p in self.holder.parameters()]
         # Tensor-parallel stages may leave partial-sum (or differently placed) gradients: FSDP reduces local parts.
         reduce_partial_gradients(whole)
-        sent = sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in whole if p.grad is not None)
+        sent = self._gathered_bytes + sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in whole if p.grad is not None)
         root_state = fully_shard.state(self.units[-1])
         for unit in self.units:
             unit.set_requires_gradient_sync(True, recurse=False)

@@ -1,0 +1,92 @@
+"""FSDP2 over a pipeline rank's stages, driven by hand (parallelize/pipeline/sharded_stages.py).
+
+One rank here (the multi-rank exactness is in tests/distributed/test_hybrid_parallel.py): which modules become
+units, and that stage graphs holding the same names train the holder's parameters — gathered once, gradients
+accumulated over several backwards and handed to the shards in one reduction.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageParameters, shard_units
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.experts = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])  # a list inside a block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.proj(x)) + sum(e(x) for e in self.experts)
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int = 11, width: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(2)])
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: reachable from two children
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+@pytest.fixture
+def one_rank_mesh():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_blocks_then_children_then_the_holder_and_a_tied_weight_stays_one_parameter(one_rank_mesh):
+    holder = TiedLM().double()
+    units = shard_units(holder, one_rank_mesh, torch.distributed.fsdp.MixedPrecisionPolicy())
+    # Each block (not the experts inside it), the norm; the embedding and head share a weight: the holder keeps it.
+    assert units == [holder.blocks[0], holder.blocks[1], holder.norm, holder]
+    assert holder.head.weight is holder.embed.weight
+    assert all(isinstance(p, DTensor) for p in holder.parameters())
+
+
+def test_stage_graphs_train_the_holder_with_one_reduction_per_optimizer_step(one_rank_mesh):
+    torch.manual_seed(0)
+    holder = TiedLM().double()
+    plain = copy.deepcopy(holder)
+    stage = copy.deepcopy(holder)  # stands in for a traced stage graph: the same parameter names
+    sharded = ShardedStageParameters(holder, one_rank_mesh)
+    sharded.adopt([stage])
+    batches = [torch.randint(0, 11, (3, 5)) for _ in range(2)]
+    for idx in batches:  # two accumulated steps: gathered once, no reduction in between
+        sharded.gather()
+        assert sharded.gathered
+        assert all(not isinstance(p, DTensor) for p in stage.parameters())
+        stage(idx).square().mean().backward()
+        plain(idx).square().mean().backward()
+    sent = sharded.reduce()
+    assert sent > 0 and not sharded.gathered
+    whole = dict(plain.named_parameters())
+    for name, param in holder.named_parameters():
+        assert isinstance(param.grad, DTensor), name
+        torch.testing.assert_close(param.grad.full_tensor(), whole[name].grad, rtol=0, atol=1e-12, msg=name)
+    # A sharded parameter changed by the optimizer is what the next gather binds.
+    with torch.no_grad():
+        holder.norm.weight.add_(1.0)
+    sharded.gather()
+    torch.testing.assert_close(stage.norm.weight.detach(), whole["norm.weight"].detach() + 1.0)
+    sharded.release()  # gradients are still on the shards, none on the gathered tensors: freed
+    assert not sharded.gathered
