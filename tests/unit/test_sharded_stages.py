@@ -68,7 +68,7 @@ def test_stage_graphs_train_the_holder_with_one_reduction_per_optimizer_step(one
     holder = TiedLM().double()
     plain = copy.deepcopy(holder)
     stage = copy.deepcopy(holder)  # stands in for a traced stage graph: the same parameter names
-    sharded = ShardedStageParameters(holder, one_rank_mesh)
+    sharded = ShardedStageParameters(holder, one_rank_mesh, torch.device("cpu"))
     sharded.adopt([stage])
     batches = [torch.randint(0, 11, (3, 5)) for _ in range(2)]
     for idx in batches:  # two accumulated steps: gathered once, no reduction in between

@@ -112,6 +112,7 @@ def build_local_pipeline(
     group: ProcessGroup,
     chained: bool = False,
     tensor_parallel: StageTensorParallel | None = None,
+    allocate_later: bool = False,
 ) -> LocalPipeline:
     """Split ``module`` at ``split_points`` and build this rank's stages; rebinds ``module`` (see module doc).
 
@@ -128,6 +129,8 @@ def build_local_pipeline(
             (what V-shaped schedules need: there two consecutive stages share a rank, and only those stages
             hand activations over in memory). The traced stages are checked to form such a chain.
         tensor_parallel: Split this rank's stages over a tensor-parallel mesh (traced stages only).
+        allocate_later: For a module built on the meta device: leave this rank's stage tensors on the meta
+            device (the caller shards them first, then allocates only its shards).
 
     Raises:
         TypeError: The module can be neither traced nor sliced.
@@ -173,13 +176,14 @@ def build_local_pipeline(
         for s in range(num_stages)
     ]
     canonical: dict[int, Tensor] = {}
-    allocate = device if deferred else None
+    allocate = device if deferred and not allocate_later else None
     for s in local:
         _share(train_pipe.get_stage_module(s), originals, canonical, allocate)
     for s in local:
         _share(eval_pipe.get_stage_module(s), originals, canonical, allocate)
     if deferred:
-        _check_no_meta([pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local], type(module).__name__, device)
+        kept = set(originals) if allocate_later else set()
+        _check_no_meta([pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local], type(module).__name__, device, kept)
     if chained:
         check_chain(train_pipe, type(module).__name__)
         train_stages = [PipelineStage(train_pipe.get_stage_module(s), s, num_stages, device, group=group) for s in local]
@@ -399,13 +403,14 @@ def on_meta(tree: Any) -> Any:
     return tree_map(lambda t: torch.empty_like(t, device="meta") if isinstance(t, Tensor) else t, tree)
 
 
-def _check_no_meta(stage_modules: list[nn.Module], module_name: str, device: torch.device) -> None:
-    """Refuse stage tensors of a meta trace that no original holds; empty ones (HF's empty KV cache) get memory."""
+def _check_no_meta(stage_modules: list[nn.Module], module_name: str, device: torch.device, kept: set[str] = frozenset()) -> None:
+    """Refuse stage tensors of a meta trace that no original holds; empty ones (HF's empty KV cache) get memory.
+    ``kept``: names left on the meta device on purpose (allocated by the caller later)."""
     for stage_module in stage_modules:
         for name, tensor in list(_named_tensors(stage_module)):
             if tensor.is_meta and tensor.numel() == 0:
                 _set_by_name(stage_module, name, torch.empty_like(tensor, device=device))
-    left = sorted({name for m in stage_modules for name, t in _named_tensors(m) if t.is_meta})
+    left = sorted({name for m in stage_modules for name, t in _named_tensors(m) if t.is_meta and name not in kept})
     if left:
         raise RuntimeError(
             f"Cutting {module_name} (built on the meta device) into stages found tensors that are neither parameters nor "

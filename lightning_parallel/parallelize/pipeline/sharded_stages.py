@@ -25,10 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 
 
@@ -38,13 +40,19 @@ class ShardedStageParameters:
     Args:
         holder: The pipelined module after the cut: it holds this rank's stage tensors (others are ``None``).
         dp_mesh: 1-D (shard) or 2-D ``(replicate, shard)`` (hybrid sharding) data-parallel mesh.
+        device: Where the shards live: a holder built on the meta device is sharded there, then only its shards
+            (and its buffers) get memory on ``device``, uninitialised (the caller gives them their values).
         mp_policy: FSDP2 mixed precision.
     """
 
-    def __init__(self, holder: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None) -> None:
+    def __init__(
+        self, holder: nn.Module, dp_mesh: DeviceMesh, device: torch.device, mp_policy: MixedPrecisionPolicy | None = None
+    ) -> None:
         self.holder = holder
         before = {name: p for name, p in holder.named_parameters(remove_duplicate=False)}
         self.units = shard_units(holder, dp_mesh, mp_policy or MixedPrecisionPolicy())
+        if has_meta_tensors(holder):
+            allocate_local(holder, device)
         after = dict(holder.named_parameters(remove_duplicate=False))
         #: ``id(whole parameter before sharding) -> its sharded parameter`` (for optimizers built before).
         self.replaced: dict[int, nn.Parameter] = {id(p): after[name] for name, p in before.items() if name in after}
@@ -77,13 +85,21 @@ class ShardedStageParameters:
             self._gathered_bytes = sum(_local(p).numel() * _local(p).element_size() for p in self.holder.parameters())
         self._bind(self._stage_modules)
 
+    def tensors(self) -> dict[str, Tensor]:
+        """The holder's parameters (as they are now: shards, or gathered) and buffers, by every name."""
+        current: dict[str, Tensor] = dict(self.holder.named_parameters(remove_duplicate=False))
+        current.update((name, b) for name, b in self.holder.named_buffers(remove_duplicate=False) if b is not None)
+        return current
+
     def _bind(self, stage_modules: Iterable[nn.Module]) -> None:
-        """Point the stage graphs at the holder's current parameters (gathered, or shards until the next gather)."""
-        current = dict(self.holder.named_parameters(remove_duplicate=False))
+        """Point the stage graphs at the holder's current tensors (parameters gathered, or shards until the next
+        gather; buffers, which a meta-built holder got memory for after the stages were traced)."""
+        current = self.tensors()
         for module in stage_modules:
-            for name, param in list(module.named_parameters(remove_duplicate=False)):
+            named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+            for name, tensor in named:
                 bound = current.get(name)
-                if bound is not None and bound is not param:
+                if bound is not None and bound is not tensor:
                     _set_by_name(module, name, bound)
 
     def reduce(self) -> int:
@@ -170,8 +186,10 @@ def _local(tensor: Tensor) -> Tensor:
 def _set_by_name(module: nn.Module, name: str, value: Tensor) -> None:
     parent_name, _, attribute = name.rpartition(".")
     parent = module.get_submodule(parent_name) if parent_name else module
-    if isinstance(value, nn.Parameter) or attribute in parent._parameters:
+    if attribute in parent._parameters:
         parent._parameters[attribute] = value  # type: ignore[assignment]
+    elif attribute in parent._buffers:
+        parent._buffers[attribute] = value
     else:
         setattr(parent, attribute, value)
 

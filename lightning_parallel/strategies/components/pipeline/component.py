@@ -90,6 +90,7 @@ class PipelineComponent(Component):
                 tensor_parallel=tensor.stage_plan if tensor.enabled else None,
                 activation_checkpointing=engine.activation_checkpointing.patterns,
                 compile_stages=engine.compile.stage_compiler if engine.compile.enabled else None,
+                allocate_later=engine.data_parallel.shards,  # shard on the meta device, then allocate the shards
             )
         # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.
         engine.precision_plugin.clip_grad_by_norm = partial(_clip_pipeline, self)
@@ -132,27 +133,30 @@ class PipelineComponent(Component):
 
     def _on_built(self, local: LocalPipeline) -> None:
         placement = self.engine.placement
+        # Sharded stages first: a meta-built stage is sharded on the meta device and only the shards get memory.
+        sharded = self._shard_stages(local) if self.engine.data_parallel.shards else None
         local.replaced.update(placement.allocate_outside_stages())
         for optimizer in self.engine.optimizers:
             remap_optimizer(unwrap_optimizer(optimizer), local.replaced)
+            if sharded is not None:
+                remap_optimizer(unwrap_optimizer(optimizer), sharded.replaced)
         placement.place_stages(local.local_tensors, self.runner.root_name or "")
-        if self.engine.data_parallel.shards:
-            self._shard_stages(local)
 
-    def _shard_stages(self, local: LocalPipeline) -> None:
-        """Shard this rank's stage parameters over the data-parallel ranks (after they got their values)."""
+    def _shard_stages(self, local: LocalPipeline) -> ShardedStageParameters:
+        """Shard this rank's stage parameters over the data-parallel ranks (FSDP2 over the module holding them)."""
         engine = self.engine
         runner = self.runner
         holder = engine.lightning_module.get_submodule(runner.root_name or "")
         sharded = ShardedStageParameters(
-            holder, replica_mesh(engine.device_mesh, sharded=True), fsdp_mixed_precision(engine.precision_plugin)
+            holder, replica_mesh(engine.device_mesh, sharded=True), engine.root_device,
+            fsdp_mixed_precision(engine.precision_plugin),
         )
-        for optimizer in engine.optimizers:
-            remap_optimizer(unwrap_optimizer(optimizer), sharded.replaced)
-        # New traces (other shapes) are bound to these names: keep the shards there, not the whole tensors.
-        local.local_tensors = {name: sharded.replaced.get(id(t), t) for name, t in local.local_tensors.items()}
+        # Starting values and new traces (other shapes) go to these tensors by name: the shards, not the whole.
+        current = sharded.tensors()
+        local.local_tensors = {name: current.get(name, t) for name, t in local.local_tensors.items()}
         sharded.adopt(stage.submod for stage in [*local.train_stages, *local.eval_stages])
         runner.sharded = sharded
+        return sharded
 
     def _reduce_gradients(self) -> None:
         engine = self.engine

@@ -109,6 +109,8 @@ class PipelineRunner:
             to checkpoint inside the training stages.
         compile_stages: Given the LightningModule and the name of the module being cut, what compiles a
             stage's module (``None``: stages run eagerly).
+        allocate_later: A module built on the meta device keeps its stage tensors there after the cut (the
+            caller shards them, then allocates its shards only).
     """
 
     def __init__(
@@ -122,8 +124,10 @@ class PipelineRunner:
         tensor_parallel: Callable[[str], StageTensorParallel] | None = None,
         activation_checkpointing: Sequence[str] = (),
         compile_stages: Callable[[nn.Module, str], Callable[[nn.Module], None] | None] | None = None,
+        allocate_later: bool = False,
     ) -> None:
         self.config = config
+        self._allocate_later = allocate_later
         self._compile_stages_for = compile_stages
         self._compile: Callable[[nn.Module], None] | None = None
         self._tensor_parallel_for = tensor_parallel
@@ -263,6 +267,7 @@ class PipelineRunner:
         self.local = build_local_pipeline(
             root, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.pp_rank, self.device,
             self.pp_group, chained=self.config.spec.placement == "v", tensor_parallel=self.tensor_parallel,
+            allocate_later=self._allocate_later,
         )
         self._checkpointed = checkpointed
         for stage in self.local.train_stages:
