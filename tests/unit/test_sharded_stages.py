@@ -90,3 +90,17 @@ def test_stage_graphs_train_the_holder_with_one_reduction_per_optimizer_step(one
     torch.testing.assert_close(stage.norm.weight.detach(), whole["norm.weight"].detach() + 1.0)
     sharded.release()  # gradients are still on the shards, none on the gathered tensors: freed
     assert not sharded.gathered
+
+
+def test_a_holder_built_on_the_meta_device_is_sharded_there_and_only_its_shards_get_memory(one_rank_mesh):
+    with torch.device("meta"):
+        holder = TiedLM().double()
+    holder.register_buffer("table", torch.empty(4, device="meta"))
+    stage = copy.deepcopy(holder)  # a stage traced from the meta skeleton: meta tensors under the same names
+    sharded = ShardedStageParameters(holder, one_rank_mesh, torch.device("cpu"))
+    assert not any(t.is_meta for t in sharded.tensors().values())
+    assert all(isinstance(p, DTensor) and not p.to_local().is_meta for p in holder.parameters())
+    sharded.adopt([stage])  # the stage reads the holder's tensors from now on, buffers included
+    assert stage.table is holder.table and not stage.table.is_meta
+    sharded.gather()
+    assert not any(p.is_meta for p in stage.parameters())
