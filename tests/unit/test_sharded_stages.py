@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageParameters, shard_units
+from lightning_parallel.parallelize.placement.deferred_init import allocate_local
 
 
 class Block(nn.Module):
@@ -68,7 +69,7 @@ def test_stage_graphs_train_the_holder_with_one_reduction_per_optimizer_step(one
     holder = TiedLM().double()
     plain = copy.deepcopy(holder)
     stage = copy.deepcopy(holder)  # stands in for a traced stage graph: the same parameter names
-    sharded = ShardedStageParameters(holder, one_rank_mesh, torch.device("cpu"))
+    sharded = ShardedStageParameters(holder, one_rank_mesh)
     sharded.adopt([stage])
     batches = [torch.randint(0, 11, (3, 5)) for _ in range(2)]
     for idx in batches:  # two accumulated steps: gathered once, no reduction in between
@@ -97,7 +98,7 @@ def test_a_holder_built_on_the_meta_device_is_sharded_there_and_only_its_shards_
         holder = TiedLM().double()
     holder.register_buffer("table", torch.empty(4, device="meta"))
     stage = copy.deepcopy(holder)  # a stage traced from the meta skeleton: meta tensors under the same names
-    sharded = ShardedStageParameters(holder, one_rank_mesh, torch.device("cpu"))
+    sharded = ShardedStageParameters(holder, one_rank_mesh, allocate=lambda m: allocate_local(m, torch.device("cpu")))
     assert not any(t.is_meta for t in sharded.tensors().values())
     assert all(isinstance(p, DTensor) and not p.to_local().is_meta for p in holder.parameters())
     sharded.adopt([stage])  # the stage reads the holder's tensors from now on, buffers included

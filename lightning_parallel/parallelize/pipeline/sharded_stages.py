@@ -18,19 +18,18 @@ driven by hand, the way torch's own ``PipelineStage`` drives an FSDP stage at it
   and the whole parameters freed;
 - :meth:`ShardedStageParameters.release` frees them after an evaluation step.
 
-No Lightning here.
+FSDP2 has no public call for "run your post-backward now": the private calls used here (checked against torch
+2.13) are the ones torch's ``PipelineStage.perform_reduce_grad`` makes. No Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 
 
@@ -40,19 +39,23 @@ class ShardedStageParameters:
     Args:
         holder: The pipelined module after the cut: it holds this rank's stage tensors (others are ``None``).
         dp_mesh: 1-D (shard) or 2-D ``(replicate, shard)`` (hybrid sharding) data-parallel mesh.
-        device: Where the shards live: a holder built on the meta device is sharded there, then only its shards
-            (and its buffers) get memory on ``device``, uninitialised (the caller gives them their values).
         mp_policy: FSDP2 mixed precision.
+        allocate: Called with the holder once it is sharded: a holder built on the meta device is sharded there,
+            and only then are its shards (and its buffers) given memory.
     """
 
     def __init__(
-        self, holder: nn.Module, dp_mesh: DeviceMesh, device: torch.device, mp_policy: MixedPrecisionPolicy | None = None
+        self,
+        holder: nn.Module,
+        dp_mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        allocate: Callable[[nn.Module], None] | None = None,
     ) -> None:
         self.holder = holder
         before = {name: p for name, p in holder.named_parameters(remove_duplicate=False)}
         self.units = shard_units(holder, dp_mesh, mp_policy or MixedPrecisionPolicy())
-        if has_meta_tensors(holder):
-            allocate_local(holder, device)
+        if allocate is not None:
+            allocate(holder)
         after = dict(holder.named_parameters(remove_duplicate=False))
         #: ``id(whole parameter before sharding) -> its sharded parameter`` (for optimizers built before).
         self.replaced: dict[int, nn.Parameter] = {id(p): after[name] for name, p in before.items() if name in after}

@@ -24,6 +24,7 @@ from lightning_parallel.parallelize.data.grad_sync import average_gradients, sum
 from lightning_parallel.parallelize.pipeline.config import PipelineConfig
 from lightning_parallel.parallelize.pipeline.build import LocalPipeline, remap_optimizer
 from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageParameters
+from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 from lightning_parallel.strategies.optimizer import unwrap_optimizer
 from lightning_parallel.strategies.precision import fsdp_mixed_precision
@@ -147,9 +148,14 @@ class PipelineComponent(Component):
         engine = self.engine
         runner = self.runner
         holder = engine.lightning_module.get_submodule(runner.root_name or "")
+        device = engine.root_device
+
+        def allocate_shards(sharded_holder: torch.nn.Module) -> None:
+            if has_meta_tensors(sharded_holder):  # built on the meta device: memory for this rank's shards only
+                allocate_local(sharded_holder, device)
+
         sharded = ShardedStageParameters(
-            holder, replica_mesh(engine.device_mesh, sharded=True), engine.root_device,
-            fsdp_mixed_precision(engine.precision_plugin),
+            holder, replica_mesh(engine.device_mesh, sharded=True), fsdp_mixed_precision(engine.precision_plugin), allocate_shards
         )
         # Starting values and new traces (other shapes) go to these tensors by name: the shards, not the whole.
         current = sharded.tensors()
