@@ -73,3 +73,38 @@ def test_data_parallel_setup_warns_once_about_unsynchronized_batchnorm():
         warnings.simplefilter("error")
         DataParallelComponent(engine(1), DataParallelConfig(), SyncConfig(), sync_batchnorm=False).prepare(None, fitting=True)
         DataParallelComponent(engine(2), DataParallelConfig(), SyncConfig(), sync_batchnorm=False).prepare(None, fitting=False)
+
+
+def _divergent_buffers_worker(rank: int, store_file: str, found: "torch.multiprocessing.Queue") -> None:
+    import torch.distributed as dist
+
+    from lightning_parallel.parallelize.data.batchnorm import replica_divergent_buffers
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=2)
+    try:
+        module = torch.nn.Module()
+        module.register_buffer("running_max", torch.zeros(3))  # a statistic of the batch this replica saw
+        module.register_buffer("cache", torch.zeros(4))  # rebuilt the same way on every replica
+        module.norm = torch.nn.BatchNorm1d(3)  # judged on its own (sync_batchnorm): left out here
+        batch = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank))
+        module.running_max.copy_(batch.max(0).values)
+        module.cache.copy_(torch.arange(4.0))
+        module.norm(batch)
+        found.put((rank, replica_divergent_buffers(module, dist.group.WORLD)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_buffers_that_differ_between_replicas_after_a_step_are_named(tmp_path):
+    import torch.multiprocessing as mp
+
+    from lightning_parallel.parallelize.data.batchnorm import running_statistics_warning
+
+    context = mp.get_context("spawn")
+    found = context.Queue()
+    mp.start_processes(_divergent_buffers_worker, args=(str(tmp_path / "store"), found), nprocs=2, start_method="spawn")
+    results = dict(found.get(timeout=60) for _ in range(2))
+    assert results == {0: ["running_max"], 1: ["running_max"]}
+    message = running_statistics_warning(results[0], "IBertForMaskedLM", 2)
+    assert "running_max" in message and "differ between data-parallel replicas" in message
+    assert running_statistics_warning([], "M", 2) is None and running_statistics_warning(["x"], "M", 1) is None

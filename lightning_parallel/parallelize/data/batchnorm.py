@@ -200,3 +200,54 @@ def check_pipeline_batch_statistics(
             f"{what}, and this batch of {rows} rows would be padded to the traced {padded_rows} rows, padding that "
             f"the statistics would include. Keep every batch the same size (DataLoader(drop_last=True) for training)."
         )
+
+
+def replica_divergent_buffers(module: nn.Module, group: dist.ProcessGroup) -> list[str]:
+    """Names of the buffers of ``module`` (outside BatchNorm layers, judged on their own) whose values differ
+    between the data-parallel replicas of ``group``: statistics of the slice of the batch each replica saw.
+
+    Compared by a checksum per buffer (sum and sum of squares in float64), gathered once over ``group``; buffers a
+    step rebuilds the same way on every replica (rotary caches, masks) are equal and not named. Every rank of
+    ``group`` must call this with the same buffers (replicas of one model, or of one pipeline stage).
+    """
+    batchnorm_prefixes = tuple(f"{name}." for name, layer in module.named_modules() if isinstance(layer, _BatchNorm))
+    named = [
+        (name, buffer)
+        for name, buffer in module.named_buffers()
+        if buffer is not None and not buffer.is_meta and buffer.numel() > 0
+        and not (batchnorm_prefixes and name.startswith(batchnorm_prefixes))
+    ]
+    if not named:
+        return []
+    sums = torch.stack([torch.stack([b.detach().double().sum(), b.detach().double().square().sum()]) for _, b in named])
+    sums = sums.cpu() if dist.get_backend(group) == "gloo" else sums
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, sums, group=group)
+    stacked = torch.stack(gathered)  # [replicas, buffers, 2]
+    differs = ~(stacked == stacked[:1]).all(dim=(0, 2))
+    return [name for (name, _), different in zip(named, differs.tolist()) if different]
+
+
+def running_statistics_warning(divergent: list[str], module_name: str, replicas: int) -> str | None:
+    """The warning for buffers a training step updates from the batch it sees (like BatchNorm's running statistics,
+    but of any layer: I-BERT's activation ranges, a running mean kept by hand), or ``None`` without any.
+
+    Each data-parallel replica updates them from its own slice of the global batch, so the saved values differ from
+    one device's (the parameters and the loss need not: these buffers may not feed the forward at all).
+
+    Args:
+        divergent: What :func:`replica_divergent_buffers` found after the first training step.
+        module_name: The module's class name, for the message.
+        replicas: Data-parallel replicas.
+    """
+    if not divergent or replicas <= 1:
+        return None
+    named = ", ".join(divergent[:3]) + (f" and {len(divergent) - 3} more" if len(divergent) > 3 else "")
+    return (
+        f"{module_name} has {len(divergent)} buffers ({named}) that differ between data-parallel replicas after the first "
+        f"training step: running statistics of the batch each one sees. Each of the {replicas} replicas updates them "
+        f"from its own slice of the global batch "
+        f"(replicas start every step from rank 0's under DDP), so they differ from one device training on the whole "
+        f"batch, and so do the values saved in checkpoints. Where they feed the forward (quantization ranges, "
+        f"normalisation), training differs too; keep data_parallel_size=1 for such a model, or freeze the statistics."
+    )

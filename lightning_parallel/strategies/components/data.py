@@ -20,10 +20,13 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_parallel.layout import ParallelLayout, replica_mesh
+from lightning_parallel.measure.collectives import outside_training
 from lightning_parallel.parallelize.data.batchnorm import (
     batch_statistics_layers,
     convert_sync_batchnorm,
+    replica_divergent_buffers,
     revert_sync_batchnorm,
+    running_statistics_warning,
     unsynchronized_batchnorm_warning,
 )
 from lightning_parallel.parallelize.data.replicated import DataParallelConfig, apply_ddp
@@ -33,6 +36,7 @@ from lightning_parallel.parallelize.data.sharded import (
     set_gradient_sync,
     shard_over_data_parallel,
 )
+from lightning_parallel.strategies.collectives import is_dry_run
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.precision import fsdp_mixed_precision
 
@@ -62,6 +66,7 @@ class DataParallelComponent(Component):
         self.periodic_sync: PeriodicSync | None = None
         self.sharded_units: list[nn.Module] = []
         self._batchnorm_converted = False
+        self._buffers_checked = False
 
     @property
     def shards(self) -> bool:
@@ -170,6 +175,21 @@ class DataParallelComponent(Component):
         for module in engine.lightning_module.modules():
             if isinstance(module, Metric) and module.process_group is None:
                 module.process_group = engine.data_parallel_group
+
+    def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        engine = self.engine
+        if hook != "training_step" or self._buffers_checked or engine.layout.data_parallel_size == 1 or is_dry_run():
+            return run()
+        # After the first training step, buffers that differ between replicas are statistics of each one's slice.
+        self._buffers_checked = True
+        output = run()
+        module = engine.lightning_module
+        with outside_training():
+            divergent = replica_divergent_buffers(module, engine.data_parallel_group)
+        message = running_statistics_warning(divergent, type(module).__name__, engine.layout.data_parallel_size)
+        if message is not None:
+            rank_zero_warn(message)
+        return output
 
     def gradient_sync_blocked(self) -> AbstractContextManager[None]:
         return self._no_sync()
