@@ -155,7 +155,7 @@ def unsynchronized_batchnorm_warning(layers: list[str], module_name: str, replic
     """
     if not layers or replicas <= 1:
         return None
-    named = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    named = _first_names(layers)
     return (
         f"{module_name} has {len(layers)} BatchNorm layers ({named}) and sync_batchnorm is off: each of the "
         f"{replicas} data-parallel replicas normalises by the statistics of its own slice of the batch, not the "
@@ -186,7 +186,7 @@ def check_pipeline_batch_statistics(
     """
     if not layers:
         return
-    named = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
+    named = _first_names(layers)
     what = f"{module_name} has BatchNorm layers ({named}) that normalise by the statistics of the batch they see"
     if microbatches > 1:
         raise ValueError(
@@ -242,7 +242,7 @@ def running_statistics_warning(divergent: list[str], module_name: str, replicas:
     """
     if not divergent or replicas <= 1:
         return None
-    named = ", ".join(divergent[:3]) + (f" and {len(divergent) - 3} more" if len(divergent) > 3 else "")
+    named = _first_names(divergent)
     return (
         f"{module_name} has {len(divergent)} buffers ({named}) that differ between data-parallel replicas after the first "
         f"training step: running statistics of the batch each one sees. Each of the {replicas} replicas updates them "
@@ -251,3 +251,8 @@ def running_statistics_warning(divergent: list[str], module_name: str, replicas:
         f"batch, and so do the values saved in checkpoints. Where they feed the forward (quantization ranges, "
         f"normalisation), training differs too; keep data_parallel_size=1 for such a model, or freeze the statistics."
     )
+
+
+def _first_names(names: list[str]) -> str:
+    """The first three names, and how many more (for a message)."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
