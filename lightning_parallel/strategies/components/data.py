@@ -1,7 +1,8 @@
 """Data parallelism in the engine: replicate (DDP), shard (FSDP2 / HSDP) or synchronize periodically.
 
-Pipeline stages hold their own parameters; their replicas average gradients in the pipeline component
-(once per optimizer step), so none of the wrapping here applies under ``pipeline_parallel_size > 1``.
+Pipeline stages hold their own parameters; their replicas average (or, sharded, reduce-scatter) gradients in the
+pipeline component (once per optimizer step), so none of the wrapping here applies under
+``pipeline_parallel_size > 1``. The check for buffers that differ between replicas does.
 """
 
 from __future__ import annotations

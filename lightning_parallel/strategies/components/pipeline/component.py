@@ -4,7 +4,9 @@ The pipeline owns backward: the schedule runs it inside ``training_step``, and L
 call hands the gradients over (Lightning zeroes gradients between the two). Gradients of replicated
 stages (and of tied weights split over stages) are reduced once per optimizer step, after the last
 accumulated micro-step. With ``tensor_parallel_size > 1`` each stage is split over the ``tp`` mesh after the
-cut, by the tensor-parallel component's plan.
+cut, by the tensor-parallel component's plan. Under a sharded ``data_parallel_mode`` the stages' parameters are
+then sharded over the data-parallel ranks (:mod:`lightning_parallel.parallelize.pipeline.sharded_stages`): gathered
+once per optimizer step, reduce-scattered once after the last accumulated micro-step.
 """
 
 from __future__ import annotations
