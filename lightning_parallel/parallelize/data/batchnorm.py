@@ -219,8 +219,9 @@ def replica_divergent_buffers(module: nn.Module, group: dist.ProcessGroup) -> li
     ]
     if not named:
         return []
-    sums = torch.stack([torch.stack([b.detach().double().sum(), b.detach().double().square().sum()]) for _, b in named])
-    sums = sums.cpu() if dist.get_backend(group) == "gloo" else sums
+    # One tensor on the backend's device (gloo: the host), whatever device each buffer is on.
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else named[0][1].device
+    sums = torch.stack([torch.stack([b.detach().double().sum(), b.detach().double().square().sum()]).to(device) for _, b in named])
     gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, sums, group=group)
     stacked = torch.stack(gathered)  # [replicas, buffers, 2]
