@@ -203,9 +203,6 @@ def enumerate_layouts(
             key = f"dp={dp}{f' × cp={cp}' if cp > 1 else ''} × tp={tp} × pp={pp}"
             if any(sizes[dim] != size for dim, size in fixed.items()):
                 continue
-            if cp > 1 and pp > 1:
-                rejected[key] = "context parallelism does not combine with pipeline parallelism yet"
-                continue
             if tp > 1 and tp not in tensor_parallel_sizes:
                 rejected[key] = f"the tensor-parallel plan cannot split the model {tp} ways"
                 continue

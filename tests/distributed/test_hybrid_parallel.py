@@ -186,6 +186,14 @@ SHARDED_PIPELINES = {
 }
 
 
+#: Context parallelism inside pipelines (issue 28): each stage's attention runs the ring over the cp group, the
+#: sequence split at the model call, the last stage's logits gathered whole for the step's loss.
+CONTEXT_PIPELINES = {
+    "pp2xcp2": {"data_parallel_size": 1, "context_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4,
+                "split_points": ["model.blocks.2"]},
+}
+
+
 def sharded_pipeline_job(strategy: dict, tie_weights: bool) -> JobSpec:
     job = hybrid_job(4, accumulate=2, clip=0.05, round_trip=True, **strategy)
     return replace(job, sanity_val_steps=2, tie_weights=tie_weights)
@@ -197,6 +205,7 @@ def four_rank_results(tmp_path_factory):
     specs = {name: hybrid_job(4, accumulate=accumulate, **strategy) for name, (strategy, accumulate, _) in PAIRS.items()}
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, (devices, strategy, _) in SHARDED.items() if devices == 4})
     specs.update({name: sharded_pipeline_job(strategy, tied) for name, (strategy, _, tied) in SHARDED_PIPELINES.items()})
+    specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, strategy in CONTEXT_PIPELINES.items()})
     return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=600)
 
 
@@ -226,6 +235,14 @@ def test_sharded_data_parallel_inside_pipelines_matches_single_device(name, four
         whole = sum(t.numel() * t.element_size() for n, t in ref["states"][0].items() if n.endswith(("weight", "bias")))
         assert result["state_bytes"]["total"] <= 0.27 * 4 * whole
     assert result["comm"]["rounds"] == STEPS  # one gather and one reduce-scatter per optimizer step
+
+
+@pytest.mark.parametrize("name", list(CONTEXT_PIPELINES))
+def test_context_parallelism_inside_pipelines_matches_single_device(name, four_rank_results):
+    ref = reference(accumulate=2)
+    result = four_rank_results[name]
+    assert_same_training(ref, result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
 
 
 def auto_job(**strategy) -> JobSpec:

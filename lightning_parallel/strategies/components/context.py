@@ -34,8 +34,6 @@ class ContextParallelComponent(Component):
             return
         engine = self.engine
         refused = []
-        if layout.pipeline_parallel_size > 1:
-            refused.append((f"pipeline_parallel_size={layout.pipeline_parallel_size}", "pipeline_parallel_size=1"))
         if engine.tensor_parallel_config.sequence_parallel:
             refused.append(("sequence_parallel=True", "sequence_parallel=False"))
         if engine.compile.config.enabled:
@@ -50,8 +48,8 @@ class ContextParallelComponent(Component):
             )
 
     def apply(self, trainer: Trainer, fitting: bool) -> None:
-        if not self.enabled or self.splitter is not None:
-            return
+        if not self.enabled or self.splitter is not None or self.engine.layout.pipeline_parallel_size > 1:
+            return  # (a pipeline splits the sequence of its model call itself: components/pipeline)
         engine = self.engine
         if engine.tensor_parallel.loss_parallel:
             raise ValueError(

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from lightning_parallel.layout import ParallelLayout, replica_mesh
 from lightning_parallel.parallelize.common.grad_norm import clip_grad_norm_
+from lightning_parallel.parallelize.context.traced import StageSequenceSplit
 from lightning_parallel.parallelize.data.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline.config import PipelineConfig
 from lightning_parallel.parallelize.pipeline.build import LocalPipeline, remap_optimizer
@@ -94,6 +95,7 @@ class PipelineComponent(Component):
                 activation_checkpointing=engine.activation_checkpointing.patterns,
                 compile_stages=engine.compile.stage_compiler if engine.compile.enabled else None,
                 allocate_later=engine.data_parallel.shards,  # shard on the meta device, then allocate the shards
+                sequence_split=_sequence_split(engine),
             )
         # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.
         engine.precision_plugin.clip_grad_by_norm = partial(_clip_pipeline, self)
@@ -177,10 +179,21 @@ class PipelineComponent(Component):
         reduce_partial_gradients(module.parameters())
         for param, group in self.runner.tied_parameters(module):
             sum_gradients([param], group)
-        if engine.layout.data_parallel_size > 1:
+        if engine.layout.data_parallel_size * engine.layout.context_parallel_size > 1:
             sharded_ids = {id(p) for p in sharded.replaced.values()} if sharded is not None else set()
-            sent += average_gradients([p for p in module.parameters() if id(p) not in sharded_ids], engine.data_parallel_group)
+            # Context-parallel peers hold partial gradients of the same weights: averaged with the replicas (dp × cp).
+            cp = engine.layout.context_parallel_size > 1
+            group = replica_mesh(engine.device_mesh).get_group() if cp else engine.data_parallel_group
+            sent += average_gradients([p for p in module.parameters() if id(p) not in sharded_ids], group)
             engine.record_gradient_round(sent, time.perf_counter() - start)
+
+
+def _sequence_split(engine: EngineHost) -> StageSequenceSplit | None:
+    """Context parallelism for the stages, when ``context_parallel_size > 1``."""
+    if engine.layout.context_parallel_size == 1:
+        return None
+    cp_mesh = engine.device_mesh["cp"]
+    return StageSequenceSplit(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
 
 
 def _take_gradients(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, Tensor]]:

@@ -53,6 +53,7 @@ from lightning_parallel.parallelize.pipeline.schedule import (
     build_schedule,
     stage_ranks,
 )
+from lightning_parallel.parallelize.context.traced import StageSequenceSplit
 from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageParameters
 from lightning_parallel.parallelize.pipeline.split import SplitPlan, plan_split
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
@@ -125,8 +126,12 @@ class PipelineRunner:
         activation_checkpointing: Sequence[str] = (),
         compile_stages: Callable[[nn.Module, str], Callable[[nn.Module], None] | None] | None = None,
         allocate_later: bool = False,
+        sequence_split: StageSequenceSplit | None = None,
     ) -> None:
         self.config = config
+        self._sequence_split = sequence_split
+        self._layout: Any = None  # the sequence layout of the step in flight (context parallelism)
+        self._sequence_checked = False
         self._allocate_later = allocate_later
         self._compile_stages_for = compile_stages
         self._compile: Callable[[nn.Module], None] | None = None
@@ -201,6 +206,9 @@ class PipelineRunner:
             on_build: Called once with this rank's stages, right after the first batch built them.
         """
         captured = self._capture(module, hook, args, kwargs)
+        if self._sequence_split is not None:
+            self._layout, split_args, split_kwargs = self._sequence_split.split(captured.args, captured.kwargs)
+            captured = CapturedModelCall(captured.name, split_args, split_kwargs)
         root = module.get_submodule(captured.name)
         root_name = type(root).__name__
         if self._batch_statistics is None:  # the whole module: afterwards a rank holds its stages' statistics only
@@ -453,11 +461,18 @@ class PipelineRunner:
         if self.sharded is not None:
             self.sharded.adopt(stage.submod for stage in _schedule_stages(schedule))
             self.sharded.gather()
-        with self.tensor_parallel.context() if self.tensor_parallel is not None else nullcontext():
+        mode = nullcontext()
+        if self._sequence_split is not None:
+            stage_tensors = {id(t) for stage in _schedule_stages(schedule) for t in (*stage.submod.parameters(), *stage.submod.buffers())}
+            mode = self._sequence_split.mode(self._layout, stage_tensors)
+        with self.tensor_parallel.context() if self.tensor_parallel is not None else nullcontext(), mode:
             if training:
                 schedule.step(*inputs, target=target, return_outputs=False, **model_kwargs)
             else:
                 schedule.eval(*inputs, target=target, **model_kwargs)
+        if self._sequence_split is not None and not self._sequence_checked:
+            self._sequence_checked = True
+            self._sequence_split.check_attention_ran(mode, self.pp_group)
         if self.sharded is not None and not training:
             self.sharded.release()
 
@@ -472,6 +487,8 @@ class PipelineRunner:
             return zero_like_output(output) if state.training else torch.zeros((), device=self.device)
         if rows < state.per_microbatch:
             output = tree_map(lambda t: t[:rows] if isinstance(t, Tensor) else t, output)
+        if self._sequence_split is not None:  # the user's step sees the whole sequence, as without pipelines
+            output = self._sequence_split.gather(output, self._layout)
         result = self._call_user_step(state, index, output)
         state.outputs[index] = apply_to_collection(result, Tensor, lambda t: t.detach())
         if not state.training:
