@@ -38,7 +38,8 @@ def _profile(model: str, n_layer: int, n_embd: int, tie_weights: bool, batch_siz
 def layout_of(spec: JobSpec) -> Layout:
     """The planner's layout for a test job (sizes filled as the strategy presets fill them)."""
     kwargs = spec.strategy_kwargs
-    names = {"dp": "data_parallel_size", "tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
+    names = {"dp": "data_parallel_size", "cp": "context_parallel_size", "tp": "tensor_parallel_size",
+             "pp": "pipeline_parallel_size"}
     fill = {"data": "dp", "tensor": "tp", "pipeline": "pp"}.get(spec.strategy, "dp")
     sizes = {dim: kwargs.get(name, -1 if dim == fill else 1) for dim, name in names.items()}
     known = math.prod(size for size in sizes.values() if size != -1)
@@ -51,7 +52,8 @@ def layout_of(spec: JobSpec) -> Layout:
         schedule=kwargs.get("schedule", "1f1b") if pipelined else "none",
         stages_per_rank=kwargs.get("stages_per_rank", 1) if pipelined else 1,
         microbatches=kwargs.get("microbatches", 4) if pipelined else 1,
-        activation_checkpointing=bool(kwargs.get("activation_checkpointing")),
+        activation_checkpointing=bool(kwargs.get("activation_checkpointing")), cp=sizes["cp"],
+        ep=kwargs.get("expert_parallel_size", 1),
     )
 
 

@@ -437,9 +437,10 @@ def _all_to_all_seconds(hardware: HardwareProfile, layout: Layout, payload: floa
 
 def _shard_ranks(layout: Layout) -> int:
     """Ranks that shard one replica's state: the data-parallel shard group, times cp where FSDP2 runs (sharded
-    modes, or DTensor parameters under TP: the engine shards over ``dp_shard × cp``)."""
+    modes, or DTensor parameters under TP without pipelines: the engine shards over ``dp_shard × cp``; replicated
+    pipeline stages average their gradients instead)."""
     sharded = layout.data_parallel_mode != "replicate"
-    fsdp = sharded or (layout.tp > 1 and layout.dp * layout.cp > 1)
+    fsdp = sharded or (layout.tp > 1 and layout.dp * layout.cp > 1 and layout.pp == 1)
     return (layout.shard_size if sharded else 1) * (layout.cp if fsdp else 1)
 
 

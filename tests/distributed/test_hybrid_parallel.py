@@ -78,16 +78,16 @@ STAGE_0 = ("model.tok_emb", "model.pos_emb", "model.blocks.0.", "model.blocks.1.
 
 
 def eight_rank_job(**strategy) -> JobSpec:
-    return hybrid_job(
-        8, accumulate=2, clip=0.05, round_trip=True, empty_init=True, data_parallel_size=2, tensor_parallel_size=2,
-        pipeline_parallel_size=2, schedule="1f1b", microbatches=2, split_points=["model.blocks.2"], **strategy,
-    )
+    layout = {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "schedule": "1f1b",
+              "microbatches": 2, "split_points": ["model.blocks.2"], **strategy}
+    return hybrid_job(8, accumulate=2, clip=0.05, round_trip=True, empty_init=True, **layout)
 
 
 @pytest.fixture(scope="module")
 def eight_rank_results(tmp_path_factory):
     """The 8-rank layouts, in one launch: dp2 × tp2 × pp2 with replicas, and with the replicas sharding each stage."""
-    specs = {"replicate": eight_rank_job(compile=True), "shard": eight_rank_job(data_parallel_mode="shard")}
+    specs = {"replicate": eight_rank_job(compile=True), "shard": eight_rank_job(data_parallel_mode="shard"),
+             "context": eight_rank_job(data_parallel_size=1, context_parallel_size=2, microbatches=4)}
     root = tmp_path_factory.mktemp("eight_ranks")
     return run_distributed_jobs(specs, root, timeout=900), specs, root
 
@@ -126,6 +126,20 @@ def test_dp2_shard_tp2_pp2_matches_single_device(eight_rank_results):
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], tp=2, dp_shards=2, stage_prefixes=STAGE_0))
     assert result["comm"]["rounds"] == STEPS
     assert_checkpoint_holds_whole_tensors(root / "shard" / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
+
+
+def test_cp2_tp2_pp2_matches_single_device(eight_rank_results):
+    """Issue 28's context parallelism inside tensor-parallel pipeline stages: each stage's attention heads split
+    over tp, each head's ring over cp, 4 micro-batches over 2 stages, built on the meta device, clipping,
+    accumulation 2, a full-format round trip."""
+    results, specs, root = eight_rank_results
+    ref = reference(accumulate=2, clip=0.05, empty_init=False)
+    result = results["context"]
+    assert_same_training(ref, result)
+    assert_planner_predicts_state(specs["context"], result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+    assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], tp=2, stage_prefixes=STAGE_0))
+    assert_checkpoint_holds_whole_tensors(root / "context" / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
 
 
 PAIRS = {

@@ -42,6 +42,8 @@ LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     # Context parallelism (eager attention is refused: it would attend within each rank's part only).
     "cp2": (2, 1, "hybrid", {"context_parallel_size": 2, "data_parallel_size": 1}),
+    # ... inside a pipeline: each stage's attention a ring over the cp ranks (issue 28).
+    "cp2×pp2": (4, 1, "hybrid", {"context_parallel_size": 2, "data_parallel_size": 1, "pipeline_parallel_size": 2, **MICROBATCHES}),
     # Expert parallelism borrows data-parallel ranks: 2 ranks each holding half the experts; 4 ranks as 2 groups of 2.
     "dp2 ep2": (2, 2, "hybrid", {"data_parallel_size": 2, "expert_parallel_size": 2}),
     # ... with the dense parameters sharded (FSDP2) and the experts divided.
@@ -72,6 +74,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp2×tp2×pp2": ("qwen2", "phi3"),
     "dp2-shard×pp2": ("llama", "gpt2"),
     "cp2": (*FAMILIES, VIEW),
+    "cp2×pp2": ("llama", "phi3"),
     "dp2 ep2": MOE,
     "dp2-shard ep2": ("mixtral",),
     "dp4 ep2": ("qwen2_moe",),
@@ -85,7 +88,7 @@ UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceabl
                (DEMO, "tp2"): "nothing split"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
 ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2"),
-              ("mixtral", "dp2-shard ep2"), ("gpt2", "dp2-shard×pp2")}
+              ("mixtral", "dp2-shard ep2"), ("gpt2", "dp2-shard×pp2"), ("phi3", "cp2×pp2")}
 #: TP jobs that save a checkpoint (in this format), wipe the weights and validate from it (fused layers, Conv1D, GQA).
 ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded",
               ("mixtral", "dp2 ep2"): "full", ("qwen2_moe", "dp2 ep2"): "sharded", ("llama", "dp2-shard×pp2"): "full"}
@@ -190,14 +193,14 @@ SPLIT_IN_STAGES = {
 
 
 def test_four_ranks_tp_pp(tmp_path):
-    results = run_layout(("tp2×pp2", "dp2-shard×pp2", "dp4 ep2", "dp2 ep2×tp2"), tmp_path)
+    results = run_layout(("tp2×pp2", "dp2-shard×pp2", "cp2×pp2", "dp4 ep2", "dp2 ep2×tp2"), tmp_path)
     assert_round_trips_load_into_the_plain_model(results, tmp_path)
     for (family, layout), result in results.items():
         assert_matches_single_device(family, layout, result)
         if "ep" in layout:
             assert_experts_divided(family, result, ranks=2, dense_sharded="tp" in layout)
         whole = reference(family, 1, 2 if (family, layout) in ACCUMULATE else 1)["grads"][0]
-        for name in SPLIT_IN_STAGES.get(family, ()):
+        for name in SPLIT_IN_STAGES.get(family, ()) if "tp" in layout else ():
             # Fused and Conv1D layers are split inside pipeline stages too (half of each per TP rank).
             assert result["local_numel"][name] == whole[name].numel() // 2, (family, name)
 

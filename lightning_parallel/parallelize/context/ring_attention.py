@@ -174,6 +174,10 @@ def ring_attention(
     Returns:
         This rank's slice of the attention output (``query``'s shape, ``value``'s head dim).
     """
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(t, DTensor) for t in (query, key, value)):
+        return _ring_over_local_heads(query, key, value, group, is_causal, scale, enable_gqa)
     if key.size(1) != query.size(1):
         # Grouped-query attention: the ring passes the keys/values with their own heads (see _grouped_ops).
         # One key/value head broadcasts over the query heads (multi-query attention without enable_gqa, as
@@ -198,3 +202,26 @@ def ring_attention(
     out = _RingAttention.apply(query, key.contiguous(), pad(value, (0, width - v_width)).contiguous(), is_causal, scale,
                                group)
     return out[..., :v_width]
+
+
+def _ring_over_local_heads(
+    query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup, is_causal: bool, scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """The ring on DTensor inputs (attention of a tensor-parallel model traced whole, as pipeline stages are):
+    heads split over the tensor-parallel ranks (or replicated) are independent of each other, so each rank runs
+    the ring on its local heads and the output keeps the query's placements."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tensors = (query, key, value)
+    if not all(isinstance(t, DTensor) for t in tensors):
+        raise TypeError("scaled_dot_product_attention got a mix of DTensors and plain tensors under context parallelism.")
+    for name, tensor in zip(("query", "key", "value"), tensors):
+        if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim in (0, 1)) for p in tensor.placements):
+            raise TypeError(
+                f"scaled_dot_product_attention's {name} is laid out {tensor.placements} under context parallelism: the "
+                "ring needs whole sequences and head widths on each rank (split by batch or heads only)."
+            )
+    out = ring_attention(query.to_local(), key.to_local(), value.to_local(), group, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+    return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
