@@ -201,10 +201,11 @@ SHARDED_PIPELINES = {
 
 
 #: Context parallelism inside pipelines (issue 28): each stage's attention runs the ring over the cp group, the
-#: sequence split at the model call, the last stage's logits gathered whole for the step's loss.
+#: sequence split at the model call, the last stage's logits gathered whole for the step's loss; blocks
+#: checkpointed inside the stages (their recomputation in backward runs the ring again).
 CONTEXT_PIPELINES = {
-    "pp2xcp2": {"data_parallel_size": 1, "context_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4,
-                "split_points": ["model.blocks.2"]},
+    "pp2xcp2_checkpointed": {"data_parallel_size": 1, "context_parallel_size": 2, "pipeline_parallel_size": 2,
+                             "microbatches": 4, "split_points": ["model.blocks.2"], "activation_checkpointing": "auto"},
 }
 
 
@@ -256,6 +257,7 @@ def test_context_parallelism_inside_pipelines_matches_single_device(name, four_r
     ref = reference(accumulate=2)
     result = four_rank_results[name]
     assert_same_training(ref, result)
+    assert_planner_predicts_state(hybrid_job(4, accumulate=2, **CONTEXT_PIPELINES[name]), result)
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
 
 
