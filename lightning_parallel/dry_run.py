@@ -32,6 +32,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.parallelize.placement.deferred_init import starting_values_skipped
 from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.observe.monitor import ScalingMonitor
 from lightning_parallel.strategies import ParallelEngineStrategy
@@ -118,7 +119,8 @@ def simulate_rank(cfg: Any, rank: int) -> dict[str, Any]:
     if not 0 <= rank < world:
         raise ValueError(f"--rank {rank} is outside the {world} ranks of trainer.devices={devices} × trainer.num_nodes={nodes}.")
     start = time.perf_counter()
-    with fake_world(rank, world, devices), counted_pipeline_sends() as sends:
+    # Values are meaningless on the fake backend: skip replaying the model's construction for starting values.
+    with fake_world(rank, world, devices), counted_pipeline_sends() as sends, starting_values_skipped():
         L.seed_everything(cfg.seed, verbose=False)
         datamodule = instantiate(cfg.data)
         strategy = instantiate(cfg.strategy)

@@ -34,6 +34,25 @@ from lightning_parallel.parallelize.tensor.fused import FusedLayout
 Targets = Mapping[str, Tensor]
 
 
+#: Whether starting values are written at all (see :func:`starting_values_skipped`).
+_SKIP_STARTING_VALUES = False
+
+
+@contextmanager
+def starting_values_skipped() -> Iterator[None]:
+    """Inside: :meth:`InitialValues.write` leaves this rank's allocated tensors as they are (no draws, no copies).
+
+    For dry runs (``lightning_parallel.dry_run``), whose values are meaningless: replaying construction materialises
+    every module whole, which for a 70B-parameter model is hours of random draws on a CPU.
+    """
+    global _SKIP_STARTING_VALUES
+    saved, _SKIP_STARTING_VALUES = _SKIP_STARTING_VALUES, True
+    try:
+        yield
+    finally:
+        _SKIP_STARTING_VALUES = saved
+
+
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is on the meta device (built for deferred init)."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
@@ -202,6 +221,8 @@ class InitialValues:
         Returns:
             The names written.
         """
+        if _SKIP_STARTING_VALUES:
+            return []
         fused = fused or {}
         scratch = HostScratch()
         reset_state: dict[int, Tensor] = {}
