@@ -192,6 +192,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     tokens = 1.0 / layout.cp
 
     memory, micro_times, compute, tp_bytes, tp_seconds, p2p_bytes, p2p_seconds, grad_bytes = [], [], [], [], [], [], [], []
+    shares: list[float] = []  # each pipeline rank's part of the trunk's layers
     ep_bytes, ep_seconds, expert_grad_bytes = [], [], []
     for pp_rank, stages in enumerate(rank_stages):
         segments = [segment for stage in stages for segment in stage]
@@ -232,7 +233,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         )
         ep_b = _all_to_all_bytes(step, layout) * micro * tokens * (1.0 if layout.pp == 1 else _trunk_share(profile, segments))
         ep_t = _all_to_all_seconds(hardware, layout, ep_b, step.expert_calls, _dp_crosses(layout, workload))
-        micro_times.append(seconds + tp_t + p2p_t + ep_t + _ring_seconds(hardware, profile, layout, workload, micro))
+        micro_times.append(seconds + tp_t + p2p_t + ep_t + _ring_seconds(hardware, profile, layout, workload, micro, share))
+        shares.append(share)
         ep_bytes.append(ep_b)
         ep_seconds.append(ep_t)
         compute.append(seconds)
@@ -254,7 +256,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     dp_seconds += _collective_seconds(hardware, expert_replicas, max(expert_grad_bytes), 1, _dp_crosses(layout, workload), "all_reduce")
     dp_wire += _ring_factor(expert_replicas, "all_reduce") * expert_dp_bytes
     step_seconds = workload.accumulate * batch_seconds + dp_seconds
-    ring_payload, ring_received = (batches * b for b in _ring_bytes(profile, layout, micro))
+    ring_payload, ring_received = (batches * b for b in _ring_bytes(profile, layout, micro, shares[0]))
     single = workload.global_batch * sum(profile.step(1).flops.values()) / hardware.flops_per_device(1)
     notes = _notes(layout, workload, hardware)
     return Prediction(
@@ -271,7 +273,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         tp_s=batches * tp_seconds[slowest],
         p2p_s=batches * p2p_seconds[slowest],
         dp_s=dp_seconds,
-        cp_s=batches * _ring_seconds(hardware, profile, layout, workload, micro),
+        cp_s=batches * _ring_seconds(hardware, profile, layout, workload, micro, shares[slowest]),
         ep_s=batches * ep_seconds[slowest],
         bubble_fraction=bubble,
         step_s=step_seconds,
@@ -444,14 +446,15 @@ def _shard_ranks(layout: Layout) -> int:
     return (layout.shard_size if sharded else 1) * (layout.cp if fsdp else 1)
 
 
-def _ring_kv_bytes(profile: ModelProfile, layout: Layout, micro: float) -> float:
+def _ring_kv_bytes(profile: ModelProfile, layout: Layout, micro: float, share: float = 1.0) -> float:
     """Keys and values of the whole sequence, all attention layers, one micro-batch: two layer inputs per layer
     split over tp (multi-head attention; grouped-query attention sends its fewer key/value heads: less)."""
-    return sum(2 * profile.layer_input_bytes[layer] for layer in profile.trunk_layers) / layout.tp * micro
+    return sum(2 * profile.layer_input_bytes[layer] for layer in profile.trunk_layers) / layout.tp * micro * share
 
 
-def _ring_bytes(profile: ModelProfile, layout: Layout, micro: float) -> tuple[float, float]:
-    """(payload handed to collectives, bytes received) of ring attention per micro-batch on one rank.
+def _ring_bytes(profile: ModelProfile, layout: Layout, micro: float, share: float = 1.0) -> tuple[float, float]:
+    """(payload handed to collectives, bytes received) of ring attention per micro-batch on one rank (``share``: the
+    part of the trunk's attention layers this rank runs, under pipelines).
 
     Forward all-gathers this rank's keys/values (payload KV/cp, receives (cp−1)/cp of KV); backward gathers them
     again and passes the key/value gradients round the ring in cp exchanges of KV/cp; checkpointing recomputes
@@ -460,20 +463,22 @@ def _ring_bytes(profile: ModelProfile, layout: Layout, micro: float) -> tuple[fl
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
-    kv = _ring_kv_bytes(profile, layout, micro)
+    kv = _ring_kv_bytes(profile, layout, micro, share)
     gathers = 3 if layout.activation_checkpointing else 2
     payload = gathers * kv / cp + kv
     received = (gathers + 1) * kv * (cp - 1) / cp
     return payload, received
 
 
-def _ring_seconds(hardware: HardwareProfile, profile: ModelProfile, layout: Layout, workload: Workload, micro: float) -> float:
+def _ring_seconds(
+    hardware: HardwareProfile, profile: ModelProfile, layout: Layout, workload: Workload, micro: float, share: float = 1.0,
+) -> float:
     """One micro-batch's ring-attention communication on one rank (no overlap with compute counted)."""
     if layout.cp == 1:
         return 0.0
     calls = (3 if layout.activation_checkpointing else 2) + layout.cp
     bandwidth, latency = hardware.link(layout.cp * layout.tp > workload.devices_per_node)
-    return len(profile.trunk_layers) * calls * latency + _ring_bytes(profile, layout, micro)[1] / bandwidth
+    return len(profile.trunk_layers) * share * calls * latency + _ring_bytes(profile, layout, micro, share)[1] / bandwidth
 
 
 def _tp_crosses(layout: Layout, workload: Workload) -> bool:
