@@ -278,6 +278,34 @@ class HFOtherLM(HFCausalLM):
         self.net = auto[OTHER_FAMILIES[family][0]].from_config(other_config(family, attention))
 
 
+class RouterLossLM(HFOtherLM):
+    """Tiny Mixtral trained with its load-balancing loss (``output_router_logits=True``), added to the loss as a
+    user adds ``aux_loss``: a product of batch means, which the strategies make the global batch's."""
+
+    COEFFICIENT = 0.5  # large, so that a per-rank loss would show
+
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__("mixtral", lr=lr)
+        self.net.config.output_router_logits = True
+        self.net.config.router_aux_loss_coef = self.COEFFICIENT
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        out = self.net(input_ids=x)
+        loss = F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1)) + self.COEFFICIENT * out.aux_loss
+        return loss, out.logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train/loss_synced", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, logits = self._loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/accuracy", (logits.argmax(-1) == batch[1]).double().mean(), sync_dist=True)
+
+
 class HFImageClassifier(L.LightningModule):
     """A transformers image classifier (``pixel_values`` in, ``logits`` out) on labelled images."""
 

@@ -19,6 +19,7 @@ from tests.distributed.test_transformers import (
     ROUND_TRIP,
     UNSUPPORTED,
     REF,
+    ROUTER_LOSS,
     VIEW,
 )
 from tests.hf_models import FAMILIES
@@ -38,6 +39,7 @@ DESCRIPTIONS = {
     REF: "Meta's reference Llama written by hand (own `RMSNorm`, `SwiGLU` module, `reshape` after attention)",
     "mixtral": "Mixtral (`MixtralForCausalLM`: MoE, 4 experts as fused 3-D `gate_up_proj`/`down_proj`, top-2 router)",
     "qwen2_moe": "Qwen2-MoE (`Qwen2MoeForCausalLM`: MoE beside a shared expert with a sigmoid gate)",
+    ROUTER_LOSS: "Mixtral with its load-balancing loss (`output_router_logits=True`, made the global batch's)",
     GPT_MOE: "the recipe GPT with a MoE layer per block (`model=gpt_moe`: our own 3-D experts)",
 }
 
@@ -48,13 +50,13 @@ def render() -> str:
         "| model | " + " | ".join(layouts) + " |",
         "|---|" + "---|" * len(layouts),
     ]
-    for family in (*FAMILIES, DEMO, VIEW, REF, *MOE):
+    for family in (*FAMILIES, DEMO, VIEW, REF, *MOE, ROUTER_LOSS):
         cells = []
         for layout in layouts:
             if family in MATRIX[layout]:
                 extras = [word for word, cases in (("accumulate", ACCUMULATE), ("checkpoint", ROUND_TRIP)) if (family, layout) in cases]
                 cells.append("tested" + (f" (+{', '.join(extras)})" if extras else ""))
-            elif "ep" in layout and family not in MOE:
+            elif "ep" in layout and family not in (*MOE, ROUTER_LOSS):
                 cells.append("— (no experts)")
             elif (family, layout) in UNSUPPORTED:
                 cells.append(f"refused: {UNSUPPORTED[family, layout]}")

@@ -61,6 +61,8 @@ VIEW = "view_attention"
 REF = "llama_reference"
 #: The recipe GPT with a Mixture-of-Experts layer in each block (our own module in transformers' experts layout).
 GPT_MOE = "gpt_moe"
+#: Mixtral trained with its load-balancing loss (``output_router_logits=True``), made the global batch's.
+ROUTER_LOSS = "router_loss_mixtral"
 #: Mixture-of-experts families (fused 3-D experts; Qwen2-MoE with a gated shared expert).
 MOE = (*MOE_FAMILIES, GPT_MOE)
 #: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
@@ -75,7 +77,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp2-shard×pp2": ("llama", "gpt2"),
     "cp2": (*FAMILIES, VIEW),
     "cp2×pp2": ("llama", "phi3"),
-    "dp2 ep2": MOE,
+    "dp2 ep2": (*MOE, ROUTER_LOSS),
     "dp2-shard ep2": ("mixtral",),
     "dp4 ep2": ("qwen2_moe",),
     "dp2 ep2×tp2": ("qwen2_moe",),
@@ -95,7 +97,7 @@ ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp
 
 
 def model_name(family: str, layout: str = "") -> str:
-    if family in (DEMO, VIEW, REF, GPT_MOE):
+    if family in (DEMO, VIEW, REF, GPT_MOE, ROUTER_LOSS):
         return family
     return f"hf_{family}:eager" if layout.endswith("eager") else f"hf_{family}"
 

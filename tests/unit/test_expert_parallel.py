@@ -132,18 +132,33 @@ def test_dispatch_and_combine_equal_the_experts_own_forward_values_and_gradients
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
-def test_a_per_rank_load_balancing_loss_is_refused_by_name():
+def test_load_balancing_losses_are_found_where_the_model_calls_them():
+    """Every transformers MoE modeling module of the model is taken (its loss is made global when called); a
+    loss function of another signature, asked for by the config, is refused by name."""
+    import sys
+    import types
     from types import SimpleNamespace
 
-    from lightning_parallel.strategies.components.expert import _refuse_local_load_balancing_loss
+    pytest.importorskip("transformers")
+    from lightning_parallel.parallelize.expert.load_balancing import load_balancing_modules
+    from tests.hf_models import RouterLossLM
 
-    model = nn.Module()
-    model.net = nn.Module()
-    model.net.config = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.01)
-    with pytest.raises(ValueError, match=r"expert_parallel_size=2: net's config has output_router_logits=True.*router_aux_loss_coef=0"):
-        _refuse_local_load_balancing_loss(model, 2)
-    model.net.config.router_aux_loss_coef = 0.0  # the logits are returned but nothing is added to the loss
-    _refuse_local_load_balancing_loss(model, 2)
+    found = load_balancing_modules(RouterLossLM())
+    assert [m.__name__ for m in found] == ["transformers.models.mixtral.modeling_mixtral"]
+    assert load_balancing_modules(nn.Linear(2, 2)) == []
+
+    other = types.ModuleType("other_moe_modeling")
+    other.load_balancing_loss_func = lambda router_probs, expert_indices: 0.0  # switch-transformers' signature
+    sys.modules[other.__name__] = other
+    try:
+        net = type("OtherMoE", (nn.Module,), {"__module__": other.__name__})()
+        net.config = SimpleNamespace(output_router_logits=True, router_aux_loss_coef=0.01)
+        with pytest.raises(ValueError, match=r"OtherMoE.*output_router_logits=True.*cannot be made global.*router_aux_loss_coef=0"):
+            load_balancing_modules(net)
+        net.config.router_aux_loss_coef = 0.0  # the logits are returned but nothing is added to the loss
+        assert load_balancing_modules(net) == []
+    finally:
+        del sys.modules[other.__name__]
 
 
 def test_experts_are_called_positionally_whatever_their_implementation_names_the_arguments(one_rank_group):

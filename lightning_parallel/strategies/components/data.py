@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -33,6 +34,7 @@ from lightning_parallel.parallelize.data.batchnorm import (
 from lightning_parallel.parallelize.data.replicated import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.data.grad_sync import average_gradients
 from lightning_parallel.parallelize.data.periodic_sync import PeriodicSync, SyncConfig
+from lightning_parallel.parallelize.expert.load_balancing import global_load_balancing, load_balancing_modules
 from lightning_parallel.parallelize.data.sharded import (
     set_gradient_sync,
     shard_over_data_parallel,
@@ -68,6 +70,7 @@ class DataParallelComponent(Component):
         self.sharded_units: list[nn.Module] = []
         self._batchnorm_converted = False
         self._buffers_checked = False
+        self._balancing_modules: list[ModuleType] | None = None
 
     @property
     def shards(self) -> bool:
@@ -178,6 +181,25 @@ class DataParallelComponent(Component):
                 module.process_group = engine.data_parallel_group
 
     def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with global_load_balancing(*self._load_balancing()):
+            return self._check_buffers_after(hook, run)
+
+    def _load_balancing(self) -> tuple[list[ModuleType], Any]:
+        """The MoE modeling modules whose load-balancing loss is made global, and the ranks that split the batch
+        (data-parallel replicas and context-parallel peers). Replicas that synchronize periodically train
+        their own objective between syncs: each keeps its own loss there."""
+        engine = self.engine
+        layout = engine.layout
+        if layout.data_parallel_size * layout.context_parallel_size == 1 or self.sync.method != "every_step":
+            return [], None
+        if self._balancing_modules is None:
+            self._balancing_modules = load_balancing_modules(engine.lightning_module)
+        if not self._balancing_modules:
+            return [], None
+        group = replica_mesh(engine.device_mesh).get_group() if layout.context_parallel_size > 1 else engine.data_parallel_group
+        return self._balancing_modules, group
+
+    def _check_buffers_after(self, hook: str, run: Callable[[], Any]) -> Any:
         engine = self.engine
         if hook != "training_step" or self._buffers_checked or engine.layout.data_parallel_size == 1 or is_dry_run():
             return run()

@@ -94,7 +94,6 @@ class ExpertParallelComponent(Component):
             fqn, reason = next(iter(refused.items()))
             raise ValueError(f"{fqn}: its experts cannot be divided over expert-parallel ranks: {reason}. Set expert_parallel_size=1.")
         experts: dict[str, RoutedExperts] = found  # type: ignore[assignment]
-        _refuse_local_load_balancing_loss(module, ep)
         for fqn, routed in experts.items():
             check_divisible(fqn, routed, ep)
         ep_mesh, replicas = expert_meshes(engine.device_mesh, ep)
@@ -132,19 +131,3 @@ class ExpertParallelComponent(Component):
         if sent:
             engine.record_gradient_round(sent, time.perf_counter() - start)
 
-
-def _refuse_local_load_balancing_loss(module: nn.Module, ep: int) -> None:
-    """A load-balancing loss computed per rank is a product of that rank's batch means: not the global one.
-
-    transformers adds it to the loss when a config asks for the router logits (``output_router_logits``) with a
-    non-zero ``router_aux_loss_coef``; under expert parallelism each rank would add its own, silently changing the
-    objective. Refuse with the fix until it is made global.
-    """
-    for name, sub in module.named_modules():
-        config = getattr(sub, "config", None)
-        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 1.0):
-            raise ValueError(
-                f"expert_parallel_size={ep}: {name or type(module).__name__}'s config has output_router_logits=True, so "
-                f"each rank would add the load-balancing loss of its own tokens (a product of its batch means), not "
-                f"the global batch's. Set output_router_logits=False (or router_aux_loss_coef=0) for expert parallelism."
-            )
