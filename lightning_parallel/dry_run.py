@@ -32,9 +32,9 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lightning_parallel.parallelize.placement.deferred_init import starting_values_skipped
 from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.observe.monitor import ScalingMonitor
+from lightning_parallel.parallelize.placement.deferred_init import starting_values_skipped
 from lightning_parallel.strategies import ParallelEngineStrategy
 
 

@@ -34,11 +34,11 @@ from lightning_parallel.parallelize.data.batchnorm import (
 from lightning_parallel.parallelize.data.replicated import DataParallelConfig, apply_ddp
 from lightning_parallel.parallelize.data.grad_sync import average_gradients
 from lightning_parallel.parallelize.data.periodic_sync import PeriodicSync, SyncConfig
-from lightning_parallel.parallelize.expert.load_balancing import global_load_balancing, load_balancing_modules
 from lightning_parallel.parallelize.data.sharded import (
     set_gradient_sync,
     shard_over_data_parallel,
 )
+from lightning_parallel.parallelize.expert.load_balancing import global_load_balancing, load_balancing_modules
 from lightning_parallel.strategies.collectives import is_dry_run
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.precision import fsdp_mixed_precision
