@@ -92,6 +92,20 @@ def eight_rank_results(tmp_path_factory):
     return run_distributed_jobs(specs, root, timeout=900), specs, root
 
 
+def assert_eight_rank_job_matches(eight_rank_results, name: str, **fraction) -> tuple[dict, dict]:
+    """An 8-rank job trained as one device (every step, validation), holds rank 0's predicted state (its stage,
+    split by ``fraction``), and saved whole tensors; returns (reference, result)."""
+    results, specs, root = eight_rank_results
+    ref = reference(accumulate=2, clip=0.05, empty_init=False)
+    result = results[name]
+    assert_same_training(ref, result)
+    assert_planner_predicts_state(specs[name], result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+    assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], stage_prefixes=STAGE_0, **fraction))
+    assert_checkpoint_holds_whole_tensors(root / name / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
+    return ref, result
+
+
 def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(eight_rank_results):
     """The issue's 8-rank layout: 2 replicas of a 2-stage pipeline whose stages are split over 2 ranks.
 
@@ -99,47 +113,25 @@ def test_dp2_tp2_pp2_1f1b_with_accumulation_and_clipping(eight_rank_results):
     differently): each rank allocates only its part, with the values of building it eagerly on one device.
     The stages' blocks are compiled (``compile=True``, inductor).
     """
-    results, specs, root = eight_rank_results
-    ref = reference(accumulate=2, clip=0.05, empty_init=False)
-    result = results["replicate"]
-    assert_same_training(ref, result)
-    assert_planner_predicts_state(specs["replicate"], result)
-    for key in ("val/loss", "val/accuracy"):
-        assert result["validation"][key] == pytest.approx(ref["validation"][key], abs=TOL), key
-    whole = ref["states"][0]
-    assert_state_fraction(result, expected_parameter_bytes(whole, tp=2, stage_prefixes=STAGE_0))
+    ref, result = assert_eight_rank_job_matches(eight_rank_results, "replicate", tp=2)
+    assert result["validation"]["val/accuracy"] == pytest.approx(ref["validation"]["val/accuracy"], abs=TOL)
     # One gradient round over the replicas per optimizer step, not per micro-batch.
     assert result["comm"]["rounds"] == STEPS
-    assert_checkpoint_holds_whole_tensors(root / "replicate" / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
     assert result["compiled_blocks"] == ["model.blocks.0", "model.blocks.1"]  # rank 0's stage
 
 
 def test_dp2_shard_tp2_pp2_matches_single_device(eight_rank_results):
     """Issue 28's 8-rank layout: each tensor-parallel stage's state sharded over its 2 replicas (FSDP2 over DTensor
     stages), built on the meta device, gradients clipped over every stage and shard, accumulation 2."""
-    results, specs, root = eight_rank_results
-    ref = reference(accumulate=2, clip=0.05, empty_init=False)
-    result = results["shard"]
-    assert_same_training(ref, result)
-    assert_planner_predicts_state(specs["shard"], result)
-    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
-    assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], tp=2, dp_shards=2, stage_prefixes=STAGE_0))
+    _, result = assert_eight_rank_job_matches(eight_rank_results, "shard", tp=2, dp_shards=2)
     assert result["comm"]["rounds"] == STEPS
-    assert_checkpoint_holds_whole_tensors(root / "shard" / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
 
 
 def test_cp2_tp2_pp2_matches_single_device(eight_rank_results):
     """Issue 28's context parallelism inside tensor-parallel pipeline stages: each stage's attention heads split
     over tp, each head's ring over cp, 4 micro-batches over 2 stages, built on the meta device, clipping,
     accumulation 2, a full-format round trip."""
-    results, specs, root = eight_rank_results
-    ref = reference(accumulate=2, clip=0.05, empty_init=False)
-    result = results["context"]
-    assert_same_training(ref, result)
-    assert_planner_predicts_state(specs["context"], result)
-    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
-    assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], tp=2, stage_prefixes=STAGE_0))
-    assert_checkpoint_holds_whole_tensors(root / "context" / "final.ckpt", ref["states"][-1], n_layer=LAYERS)
+    assert_eight_rank_job_matches(eight_rank_results, "context", tp=2)
 
 
 PAIRS = {
