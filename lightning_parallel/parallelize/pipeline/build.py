@@ -28,6 +28,7 @@ from torch.export.unflatten import InterpreterModule
 from torch.utils._pytree import tree_map
 
 from lightning_parallel.parallelize.pipeline.graph import check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
+from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts, opaque_routed_experts
 from lightning_parallel.parallelize.pipeline.schedule import stages_on
 from lightning_parallel.parallelize.pipeline.stage_boundary import contiguous_boundaries, contiguous_module_boundaries
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
@@ -138,6 +139,7 @@ def build_local_pipeline(
     """
     num_stages = len(stage_to_rank)
     local = stages_on(stage_to_rank, pp_rank)
+    mark_routed_experts(module)  # before the skeleton is copied: its experts call this module's
     skeleton = meta_copy(module)
     # A module built with meta parameters (deferred initialisation) is traced as its meta skeleton, and
     # only this rank's stage tensors are allocated on the device.
@@ -289,7 +291,8 @@ def _trace(
     was_training = module.training
     module.train(training)
     try:
-        pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+        with opaque_routed_experts(module):  # data-dependent routing: one operator in the graph
+            pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
         check_stage_inputs(pipe)
         contiguous_boundaries(pipe)  # p2p sends need contiguous activations and gradients
         for submodule in pipe.split_gm.modules():

@@ -1,0 +1,130 @@
+"""Routed experts as one opaque operator in a pipeline's traced graph, so that Mixture-of-Experts models trace.
+
+A MoE block's experts call is data-dependent: which tokens reach which expert (transformers' ``eager`` and
+``grouped_mm`` implementations loop over the experts that were hit; expert parallelism's all-to-all sizes its
+exchange by the router's counts). torch.export cannot capture that, so the pipeline frontend refused every such model
+at its first batch. The router, the weighting, shared experts and everything around them trace fine, so only the
+experts call is hidden: while the pipeline traces, each routed-experts module (transformers' layout,
+:func:`~lightning_parallel.parallelize.expert.experts.routed_experts`) is called as the operator
+``lightning_parallel::routed_experts(hidden, index, weights, key, names, parameters)`` — its output has the hidden
+states' shape, which is all the trace needs. The parameters are inputs of the operator, so the split sees which
+stage uses them and binds that stage's tensors (plain, tensor- or expert-parallel, gathered) into the call.
+
+When the stage runs, the operator's autograd kernel calls the *live* module (looked up by ``key``) with those
+parameters (``torch.func.functional_call``): its own forward, in the experts implementation the model chose, or
+expert parallelism's dispatch when the experts are divided. Autograd records that call as usual, so backward needs
+no formula of its own and nothing is recomputed. No Lightning here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.parallelize.expert.experts import RoutedExperts, routed_experts
+
+#: The attribute holding a routed-experts module's key (copied with the module: a meta skeleton keeps it).
+KEY_ATTRIBUTE = "_lightning_parallel_experts_key"
+
+_LIBRARY = torch.library.Library("lightning_parallel", "FRAGMENT")
+_LIBRARY.define(
+    "routed_experts(Tensor hidden, Tensor index, Tensor weights, int key, str[] names, Tensor[] parameters) -> Tensor"
+)
+_LIVE: dict[int, weakref.ReferenceType[nn.Module]] = {}
+_KEYS = itertools.count()
+
+
+def _is_fake(tensor: Tensor) -> bool:
+    # torch._subclasses.fake_tensor is private (checked against torch 2.13): torch.export runs the module on fake
+    # tensors, and the operator's autograd kernel (reached before any fake kernel) must only report the shape then.
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
+
+
+def _run(hidden: Tensor, index: Tensor, weights: Tensor, key: int, names: list[str], parameters: list[Tensor]) -> Tensor:
+    if _is_fake(hidden):
+        return torch.empty_like(hidden)
+    reference = _LIVE.get(key)
+    module = reference() if reference is not None else None
+    if module is None:
+        raise RuntimeError(
+            f"A pipeline stage calls routed experts #{key}, whose module no longer exists: the stages outlived the "
+            "model they were traced from. Build the pipeline again for this model."
+        )
+    return torch.func.functional_call(module, dict(zip(names, parameters)), (hidden, index, weights))
+
+
+# The autograd kernel records the module's own operations (its backward is theirs); the explicit kernel serves
+# inference mode, where autograd keys are skipped; the meta kernel gives export the output's shape.
+_LIBRARY.impl("routed_experts", _run, "Autograd")
+_LIBRARY.impl("routed_experts", _run, "CompositeExplicitAutograd")
+_LIBRARY.impl("routed_experts", lambda hidden, *_: torch.empty_like(hidden), "Meta")
+
+
+def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts]:
+    """Give every routed-experts module under ``module`` a key naming it as the live module its stages call.
+
+    Call it on the module the stages will train, before copying it (a meta skeleton keeps the keys).
+    """
+    marked = {}
+    for name, sub in module.named_modules():
+        experts = routed_experts(sub)
+        if not isinstance(experts, RoutedExperts):
+            continue
+        key = getattr(sub, KEY_ATTRIBUTE, None)
+        reference = _LIVE.get(key) if key is not None else None
+        if reference is None or reference() is not sub:  # a copy carries its original's key: give it its own
+            key = next(_KEYS)
+            setattr(sub, KEY_ATTRIBUTE, key)
+        _LIVE[key] = weakref.ref(sub)
+        marked[name] = experts
+    return marked
+
+
+@contextmanager
+def opaque_routed_experts(module: nn.Module) -> Iterator[None]:
+    """While tracing ``module``: its marked routed-experts modules are called as the opaque operator."""
+    patched = []
+    for sub in module.modules():
+        key = getattr(sub, KEY_ATTRIBUTE, None)
+        if key is not None:
+            patched.append((sub, sub.__dict__.get("forward")))
+            sub.forward = _OpaqueCall(sub, key)
+    try:
+        yield
+    finally:
+        for sub, forward in patched:
+            if forward is None:
+                sub.__dict__.pop("forward", None)
+            else:
+                sub.forward = forward
+
+
+class _OpaqueCall:
+    """``experts(hidden_states, top_k_index, top_k_weights)`` as the operator; any other call traced as it is."""
+
+    def __init__(self, module: nn.Module, key: int) -> None:
+        self.module, self.key = module, key
+        self.forward = module.__dict__.get("forward") or type(module).forward.__get__(module)
+        self.signature = inspect.signature(self.forward)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError:
+            return self.forward(*args, **kwargs)
+        values = [value for value in bound.arguments.values()]
+        if len(values) != 3 or not all(isinstance(v, Tensor) for v in values):
+            return self.forward(*args, **kwargs)  # another convention (Llama 4 computes every expert): traced as is
+        hidden, index, weights = values
+        names = [name for name, _ in self.module.named_parameters(recurse=False)]
+        parameters = [self.module._parameters[name] for name in names]
+        return torch.ops.lightning_parallel.routed_experts(hidden, index, weights, self.key, names, parameters)
