@@ -231,8 +231,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
         )
-        ep_b = _all_to_all_bytes(step, layout) * micro * tokens * (1.0 if layout.pp == 1 else _trunk_share(profile, segments))
-        ep_t = _all_to_all_seconds(hardware, layout, ep_b, step.expert_calls, _dp_crosses(layout, workload))
+        ep_b = _all_to_all_bytes(step, layout) * micro * tokens * share  # this stage's share of the MoE layers
+        ep_t = _all_to_all_seconds(hardware, layout, ep_b, step.expert_calls * share, _dp_crosses(layout, workload))
         micro_times.append(seconds + tp_t + p2p_t + ep_t + _ring_seconds(hardware, profile, layout, workload, micro, share))
         shares.append(share)
         ep_bytes.append(ep_b)
@@ -250,8 +250,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     batches = workload.accumulate * layout.microbatches
     batch_seconds = layout.microbatches * micro_times[slowest] / (1 - bubble)
     dp_seconds, _, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
-    # Divided experts' gradients: one all-reduce over the dp / ep ranks holding the same experts.
-    expert_replicas = layout.dp // layout.ep if layout.ep > 1 else 1
+    # Divided experts' gradients: one all-reduce over the dp / ep ranks holding the same experts (and their cp peers).
+    expert_replicas = layout.dp // layout.ep * layout.cp if layout.ep > 1 else 1
     expert_dp_bytes = expert_grad_bytes[0] if expert_replicas > 1 else 0.0
     dp_seconds += _collective_seconds(hardware, expert_replicas, max(expert_grad_bytes), 1, _dp_crosses(layout, workload), "all_reduce")
     dp_wire += _ring_factor(expert_replicas, "all_reduce") * expert_dp_bytes

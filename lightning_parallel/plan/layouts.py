@@ -183,8 +183,8 @@ def enumerate_layouts(
         devices_per_node: Devices of one node in the hardware (where hybrid sharding shards).
         fixed: Sizes the user pinned, e.g. ``{"tp": 4}`` (``ep``, a part of dp, too).
         experts: What every expert-parallel size must divide (the MoE layers' expert counts' common divisor);
-            0 for a model without routed experts. Expert parallelism divides dp's ranks, without pipelines or
-            context parallelism (what the strategy combines it with).
+            0 for a model without routed experts. Expert parallelism divides dp's ranks; inside pipelines only
+            with replicated dp and without tp or cp (what the strategy combines it with).
     """
     fixed = dict(fixed or {})
     pinned_ep = fixed.pop("ep", None)
@@ -223,21 +223,30 @@ def enumerate_layouts(
             if isinstance(sizes, str):
                 rejected[key] = sizes
                 continue
-            layouts.extend(dataclasses.replace(layout, ep=ep) for layout in found for ep in sizes)
+            layouts.extend(
+                dataclasses.replace(layout, ep=ep) for layout in found for ep in sizes
+                if ep == 1 or _expert_parallel_combines(layout)
+            )
     return layouts, rejected
+
+
+def _expert_parallel_combines(layout: Layout) -> bool:
+    """Whether the strategy runs expert parallelism with the rest of ``layout``: inside pipelines only with replicated
+    data parallelism and neither tensor nor context parallelism (as ``ExpertParallelComponent.validate``)."""
+    return layout.pp == 1 or (layout.tp == 1 and layout.cp == 1 and layout.data_parallel_mode == "replicate")
 
 
 def _expert_parallel_sizes(dp: int, pp: int, cp: int, experts: int, pinned: int | None) -> tuple[int, ...] | str:
     """The expert-parallel sizes to compare for one (dp, pp, cp), or why a pinned one cannot apply."""
-    possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and pp == 1 and cp == 1))
+    possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and (pp == 1 or cp == 1)))
     if pinned is None:
         return possible
     if pinned in possible:
         return (pinned,)
     if not experts:
         return f"ep={pinned}: the model holds no routed experts"
-    if pp > 1 or cp > 1:
-        return f"ep={pinned} does not combine with {'pipeline' if pp > 1 else 'context'} parallelism yet"
+    if pp > 1 and cp > 1:
+        return f"ep={pinned} does not combine with pipeline and context parallelism together yet"
     return f"ep={pinned} must divide dp={dp} and the {experts} experts of every MoE layer"
 
 

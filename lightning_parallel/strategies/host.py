@@ -98,6 +98,8 @@ class ExpertParallelView(Protocol):
     @property
     def held_parameters(self) -> tuple[nn.Parameter, ...]: ...
 
+    def divide_stage_experts(self) -> dict[int, nn.Parameter]: ...
+
 
 class DataParallelView(Protocol):
     config: DataParallelConfig

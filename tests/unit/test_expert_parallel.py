@@ -54,8 +54,9 @@ def test_expert_parallel_size_divides_the_data_parallel_ranks_it_borrows():
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
-        ({"context_parallel_size": 2}, "context_parallel_size=2"),
+        ({"pipeline_parallel_size": 2, "context_parallel_size": 2}, "pipeline_parallel_size and context_parallel_size together"),
+        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "pipeline_parallel_size and tensor_parallel_size together"),
+        ({"pipeline_parallel_size": 2, "data_parallel_mode": "shard"}, "pipeline_parallel_size with data_parallel_mode='shard'"),
         ({"sync": "local_sgd", "sync_every": 2}, "sync='local_sgd'"),
         ({"comm_hook": "fp16"}, "comm_hook='fp16'"),
     ],

@@ -239,18 +239,21 @@ def test_expert_parallel_prediction_divides_the_experts_and_adds_the_all_to_alls
 
 
 def test_the_planner_compares_expert_parallel_layouts_of_a_moe_model_and_honours_a_pinned_ep():
-    """ep divides dp's ranks and every MoE layer's experts (4 here), and applies without pipelines: the planner
-    compares those layouts for the recipe MoE (only); a pinned ep is kept, or refused with the reason."""
+    """ep divides dp's ranks and every MoE layer's experts (4 here), inside pipelines only with replicated dp and
+    no tp: the planner compares those layouts for the recipe MoE (only); a pinned ep is kept, or refused with the
+    reason."""
     prof = _profile("gpt_moe", SPEC.n_layer, SPEC.n_embd, SPEC.tie_weights, SPEC.batch_size, SPEC.precision, 1)
     assert prof.experts_divisor == 4 and profile().experts_divisor == 0
     workload = Workload(8, 1, 64)
     layouts, _ = enumerate_layouts(workload, SPEC.n_layer, {1, 2, 4}, 8, experts=prof.experts_divisor)
-    assert {(l.dp, l.pp, l.ep) for l in layouts if l.ep > 1} == {(8, 1, 2), (8, 1, 4), (4, 1, 2), (4, 1, 4), (2, 1, 2)}
+    assert {(l.dp, l.pp, l.ep) for l in layouts if l.ep > 1} == {
+        (8, 1, 2), (8, 1, 4), (4, 1, 2), (4, 1, 4), (2, 1, 2), (4, 2, 2), (4, 2, 4), (2, 4, 2)}
+    inside_pipelines = [l for l in layouts if l.ep > 1 and l.pp > 1]
+    assert all(l.tp == 1 and l.data_parallel_mode == "replicate" for l in inside_pipelines)
     dense, _ = enumerate_layouts(workload, SPEC.n_layer, {1, 2, 4}, 8)
     assert {l.ep for l in dense} == {1}
     pinned, rejected = enumerate_layouts(workload, SPEC.n_layer, {1, 2, 4}, 8, fixed={"ep": 4}, experts=4)
-    assert {l.ep for l in pinned} == {4} and {l.dp for l in pinned} == {4, 8}
-    assert "ep=4 does not combine with pipeline parallelism yet" in rejected["dp=4 × tp=1 × pp=2"]
+    assert {l.ep for l in pinned} == {4} and {(l.dp, l.pp) for l in pinned} == {(4, 1), (8, 1), (4, 2)}
     assert "ep=4 must divide dp=2" in rejected["dp=2 × tp=4 × pp=1"]
     result = plan(prof, workload, ANY_HARDWARE, fixed={"ep": 2})
     assert result.recommended.layout.ep == 2

@@ -331,6 +331,19 @@ def _split_over_tensor_parallel(
         canonical[key] = placed.get(id(tensor), tensor)
 
 
+def replace_stage_tensors(local: LocalPipeline, placed: dict[int, Tensor]) -> None:
+    """Swap tensors of this rank's stages by identity (``id(old) -> new``): in every stage graph, in the tensors
+    new traces are bound to, and in ``local.replaced`` (what the optimizers adopt)."""
+    if not placed:
+        return
+    for stage in [*local.train_stages, *local.eval_stages]:
+        for name, tensor in list(_named_tensors(stage.submod)):
+            if id(tensor) in placed:
+                _set_by_name(stage.submod, name, placed[id(tensor)])
+    local.local_tensors = {name: placed.get(id(t), t) for name, t in local.local_tensors.items()}
+    local.replaced = {key: placed.get(id(p), p) if p is not None else None for key, p in local.replaced.items()}
+
+
 def _slice_sequential(
     module: nn.Sequential,
     split_points: Sequence[str],

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_parallel.layout import ParallelLayout, expert_meshes
+from lightning_parallel.layout import ParallelLayout, expert_meshes, replica_mesh
 from lightning_parallel.parallelize.expert.experts import (
     RoutedExperts,
     check_divisible,
@@ -44,6 +44,7 @@ class ExpertParallelComponent(Component):
         self.parameter_names: tuple[str, ...] = ()
         self._parameters: list[nn.Parameter] = []
         self._replicas: dist.ProcessGroup | None = None
+        self._experts: dict[str, RoutedExperts] = {}
 
     @property
     def enabled(self) -> bool:
@@ -60,11 +61,15 @@ class ExpertParallelComponent(Component):
         if ep == 1:
             return
         engine = self.engine
+        pp, cp, tp = layout.pipeline_parallel_size, layout.context_parallel_size, layout.tensor_parallel_size
         refused = []
-        for size, name in ((layout.pipeline_parallel_size, "pipeline_parallel_size"),
-                           (layout.context_parallel_size, "context_parallel_size")):
-            if size > 1:
-                refused.append((f"{name}={size}", f"{name}=1"))
+        if pp > 1 and cp > 1:
+            refused.append(("pipeline_parallel_size and context_parallel_size together", "one of them to 1"))
+        if pp > 1 and tp > 1:
+            refused.append(("pipeline_parallel_size and tensor_parallel_size together", "one of them to 1"))
+        if pp > 1 and engine.data_parallel.shards:
+            refused.append((f"pipeline_parallel_size with data_parallel_mode={engine.data_parallel.config.mode!r}",
+                            "data_parallel_mode='replicate'"))
         if engine.data_parallel.sync.is_periodic:
             refused.append((f"sync={engine.data_parallel.sync.method!r}", "sync='every_step'"))
         if engine.data_parallel.config.comm_hook != "allreduce":
@@ -77,7 +82,7 @@ class ExpertParallelComponent(Component):
             )
 
     def apply(self, trainer: Trainer, fitting: bool) -> None:
-        if not self.enabled or self._parameters:
+        if not self.enabled or self._experts:
             return
         engine = self.engine
         module = engine.lightning_module
@@ -96,21 +101,52 @@ class ExpertParallelComponent(Component):
         experts: dict[str, RoutedExperts] = found  # type: ignore[assignment]
         for fqn, routed in experts.items():
             check_divisible(fqn, routed, ep)
-        ep_mesh, replicas = expert_meshes(engine.device_mesh, ep)
-        self._replicas = replicas.get_group() if replicas.size() > 1 else None
+        self._experts = experts
+        if engine.pipeline_parallel.enabled:
+            return  # the pipeline is cut on the first batch: each rank divides its stages' experts then
         modules = dict(module.named_modules())
+        self._divide({fqn: modules[fqn] for fqn in experts}, broadcast=True)
+
+    def divide_stage_experts(self) -> dict[int, nn.Parameter]:
+        """Under pipeline parallelism, once the stages are cut: divide the experts of this rank's stages.
+
+        Returns ``id(whole parameter) -> its expert-parallel replacement``, for the stages and the optimizers to adopt.
+        """
+        if not self.enabled or self._parameters:
+            return {}
+        module = self.engine.lightning_module
+        held = {
+            fqn: module.get_submodule(fqn) for fqn, routed in self._experts.items()
+            if all(module.get_submodule(fqn)._parameters[name] is not None for name in routed.parameters)
+        }
+        whole = {fqn: [sub._parameters[name] for name in self._experts[fqn].parameters] for fqn, sub in held.items()}
+        self._divide(held, broadcast=False)  # the pipeline started every rank from rank 0's weights
+        return {
+            id(old): sub._parameters[name]
+            for fqn, sub in held.items()
+            for old, name in zip(whole[fqn], self._experts[fqn].parameters)
+        }
+
+    def _divide(self, modules: dict[str, nn.Module], broadcast: bool) -> None:
+        engine = self.engine
+        ep = engine.layout.expert_parallel_size
+        ep_mesh, replicas = expert_meshes(engine.device_mesh, ep)
+        self._replicas = _gradient_peers(engine, replicas)
         names = []
-        for fqn, routed in experts.items():
-            self._same_experts_everywhere(modules[fqn], routed)
-            self._parameters += shard_experts(fqn, modules[fqn], routed, ep_mesh)
+        for fqn, sub in modules.items():
+            routed = self._experts[fqn]
+            if broadcast:
+                self._same_experts_everywhere(sub, routed)
+            self._parameters += shard_experts(fqn, sub, routed, ep_mesh)
             names += [f"{fqn}.{name}" for name in routed.parameters]
         self.parameter_names = tuple(names)
         # DDP (and Lightning's weight sync outside fitting) leaves them alone: this component reduces their gradients.
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(engine.lightning_module, list(names))
         held = sum(p.to_local().numel() for p in self._parameters)
+        first = next(iter(self._experts.values()))
         rank_zero_info(
-            f"Expert parallelism: {len(experts)} MoE layer(s), {next(iter(experts.values())).num_experts} experts each, "
-            f"divided over ep={ep} ranks ({held} expert parameters on this rank)."
+            f"Expert parallelism: {len(modules)} MoE layer(s) here of {len(self._experts)}, {first.num_experts} experts "
+            f"each, divided over ep={ep} ranks ({held} expert parameters on this rank)."
         )
 
     def _same_experts_everywhere(self, module: nn.Module, routed: RoutedExperts) -> None:
@@ -127,7 +163,23 @@ class ExpertParallelComponent(Component):
             return
         engine = self.engine
         start = time.perf_counter()
-        sent = reduce_expert_gradients(self._parameters, self._replicas, engine.layout.data_parallel_size)
+        # Context-parallel peers hold other parts of the same sequences: their gradients join the average.
+        divide_by = engine.layout.data_parallel_size * engine.layout.context_parallel_size
+        sent = reduce_expert_gradients(self._parameters, self._replicas, divide_by)
         if sent:
             engine.record_gradient_round(sent, time.perf_counter() - start)
 
+
+
+def _gradient_peers(engine: EngineHost, replicas: object) -> dist.ProcessGroup | None:
+    """The ranks whose expert gradients sum into this rank's: those holding the same experts (every ``ep``-th
+    data-parallel rank) and, under context parallelism, each of their context-parallel peers. ``None``: no other."""
+    layout = engine.layout
+    cp = layout.context_parallel_size
+    if cp == 1:
+        return replicas.get_group() if replicas.size() > 1 else None
+    dp_cp = replica_mesh(engine.device_mesh)  # (dp_replicate, dp_shard, cp) flattened: dp-major, cp-minor
+    ep = layout.expert_parallel_size
+    # DeviceMesh._unflatten is private (checked against torch 2.13): as in layout.expert_meshes.
+    split = dp_cp._unflatten(0, (layout.data_parallel_size // ep, ep, cp), ("ep_replicas", "ep", "cp"))
+    return split["ep_replicas", "cp"]._flatten("ep_replicas_cp").get_group()

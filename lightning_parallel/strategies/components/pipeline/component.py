@@ -25,7 +25,7 @@ from lightning_parallel.parallelize.common.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.context.traced import StageSequenceSplit
 from lightning_parallel.parallelize.data.grad_sync import average_gradients, sum_gradients
 from lightning_parallel.parallelize.pipeline.config import PipelineConfig
-from lightning_parallel.parallelize.pipeline.build import LocalPipeline, remap_optimizer
+from lightning_parallel.parallelize.pipeline.build import LocalPipeline, remap_optimizer, replace_stage_tensors
 from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageParameters
 from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
@@ -138,6 +138,11 @@ class PipelineComponent(Component):
 
     def _on_built(self, local: LocalPipeline) -> None:
         placement = self.engine.placement
+        # Experts of this rank's stages divided over ep (the trace saw them whole; their calls are opaque operators).
+        experts = self.engine.expert_parallel.divide_stage_experts()
+        replace_stage_tensors(local, experts)
+        for optimizer in self.engine.optimizers:
+            remap_optimizer(unwrap_optimizer(optimizer), experts)
         # Sharded stages first: a meta-built stage is sharded on the meta device and only the shards get memory.
         sharded = self._shard_stages(local) if self.engine.data_parallel.shards else None
         local.replaced.update(placement.allocate_outside_stages())
@@ -181,6 +186,7 @@ class PipelineComponent(Component):
             sum_gradients([param], group)
         if engine.layout.data_parallel_size * engine.layout.context_parallel_size > 1:
             sharded_ids = {id(p) for p in sharded.replaced.values()} if sharded is not None else set()
+            sharded_ids |= {id(p) for p in engine.expert_parallel.held_parameters}  # reduced by expert parallelism
             # Context-parallel peers hold partial gradients of the same weights: averaged with the replicas (dp × cp).
             cp = engine.layout.context_parallel_size > 1
             group = replica_mesh(engine.device_mesh).get_group() if cp else engine.data_parallel_group
