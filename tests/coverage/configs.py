@@ -221,14 +221,10 @@ MAX_PARAMETERS = 3_000_000  # a "tiny" config above this kept a size no rule shr
 
 
 #: The experts implementation a mixture-of-experts layer is built with, by layout (default: :data:`EAGER_EXPERTS`).
-#: transformers' default, ``"grouped_mm"``, has no float64 CPU kernel when it runs eagerly, so the eager
-#: layouts and the single-device reference use ``"eager"`` (a loop over the experts a batch routes to: the
-#: same function). The pipeline traces its stages with torch.export, which cannot capture that loop (its
-#: trip count is data-dependent). ``"grouped_mm"`` does trace (traced, it becomes transformers'
-#: ``grouped_mm_fallback`` custom op), but the automatic split profiles the model eagerly first, which
-#: float64 on CPU cannot run; ``"batched_mm"`` (each token's experts gathered, one batched matmul: static
-#: shapes, float64 kernels, the same function) is what pp2 runs here. On GPU a user's default traces.
-EXPERTS_BY_LAYOUT: dict[str, str | None] = {"pp2": "batched_mm"}
+#: transformers' default, ``"grouped_mm"``, has no float64 CPU kernel when it runs eagerly, so every layout and
+#: the single-device reference use ``"eager"`` (a loop over the experts a batch routes to: the same function).
+#: Pipelines trace that loop as one opaque operator (``parallelize/pipeline/opaque_experts.py``), so pp2 runs it too.
+EXPERTS_BY_LAYOUT: dict[str, str | None] = {}
 EAGER_EXPERTS = "eager"
 
 

@@ -57,9 +57,18 @@ def load(path: Path = RESULTS) -> dict[str, Any]:
 def save(results: dict[str, Any], path: Path = RESULTS) -> None:
     import transformers
 
-    results["versions"] = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+    # A partial re-sweep under newer libraries keeps the older cells: the versions line names every version swept.
+    previous = results.get("versions", {})
+    results["versions"] = {name: _merged_versions(previous.get(name), now) for name, now in
+                           (("transformers", transformers.__version__), ("torch", torch.__version__.split("+")[0]))}
     results["families"] = dict(sorted(results["families"].items(), key=lambda kv: (kv[1]["task"], kv[0])))
     path.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+
+
+def _merged_versions(previous: str | None, now: str) -> str:
+    """``"5.24.0"`` and ``"5.25.0"`` -> ``"5.24.0 and 5.25.0"``; a version already named is not repeated."""
+    seen = previous.split(" and ") if previous else []
+    return " and ".join(seen if now in seen else [*seen, now])
 
 
 def key(task: str, model_type: str) -> str:

@@ -194,3 +194,81 @@ def test_a_split_whose_stage_misses_inputs_is_refused_with_the_stage_named():
     x = graph.placeholder("x")
     graph.output(graph.call_module("inner", (x, x)))
     check_stage_inputs(SimpleNamespace(split_gm=torch.fx.GraphModule({"inner": torch.fx.symbolic_trace(Two())}, graph)))
+
+
+class LoopingExperts(nn.Module):
+    """Routed experts in transformers' layout whose forward loops over the experts hit (data-dependent shapes)."""
+
+    def __init__(self, experts: int = 4, hidden: int = D, inner: int = 6) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inner, hidden, dtype=torch.float64) / hidden)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner, dtype=torch.float64) / inner)
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for expert in index.unique().tolist():
+            token, choice = torch.where(index == expert)
+            gate, up = (hidden[token] @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
+            value = (nn.functional.silu(gate) * up) @ self.down_proj[expert].T
+            out = out.index_add(0, token, value * weights[token, choice, None])
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(D, 4, bias=False, dtype=torch.float64)
+        self.experts = LoopingExperts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, D)
+        weights, index = self.router(flat).softmax(-1).topk(2, dim=-1)
+        return x + self.experts(flat, index, weights).reshape(x.shape)
+
+
+class MoEStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(MoEBlock() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_routed_experts_trace_as_one_operator_calling_the_live_module():
+    """The experts' data-dependent loop stops torch.export; marked, each experts call is an opaque operator whose
+    stages compute the module's own values and gradients (router included), also when traced from a meta copy."""
+    from lightning_parallel.parallelize.pipeline.build import meta_copy, on_meta
+    from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts
+
+    torch.manual_seed(0)
+    model, x = MoEStack(), torch.randn(B, L, D, dtype=torch.float64)
+    with pytest.raises(Exception):
+        _trace(model, (x,), {}, ["layers.1"], training=True)
+    expected = model(x)
+    expected.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    assert set(mark_routed_experts(model)) == {"layers.0.experts", "layers.1.experts"}
+    for traced in (model, meta_copy(model)):
+        inputs = (x,) if traced is model else on_meta((x,))
+        pipe = _trace(traced, inputs, {}, ["layers.1"], training=True, device=torch.device("cpu"))
+        stages = [pipe.get_stage_module(s) for s in range(2)]
+        graphs = [m.graph for m in stages[0].modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)]
+        assert any("routed_experts" in str(node.target) for graph in graphs for node in graph.nodes)
+        if traced is not model:  # bind the live parameters by name, as the pipeline does for a new trace
+            for stage in stages:
+                for name, _ in list(stage.named_parameters()):
+                    owner, _, leaf = name.rpartition(".")
+                    setattr(stage.get_submodule(owner), leaf, model.get_parameter(name))
+        boundary = stages[0](x)
+        output = stages[1](*boundary) if isinstance(boundary, tuple) else stages[1](boundary)
+        torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+        output.square().sum().backward()
+        for name, param in model.named_parameters():
+            stage_param = next(p for stage in stages for n, p in stage.named_parameters() if n == name)
+            torch.testing.assert_close(stage_param.grad, grads[name], rtol=0, atol=1e-12, msg=name)
+            stage_param.grad = None
