@@ -2,8 +2,8 @@
 
 * :mod:`tests.coverage.configs` — which families (the installed transformers' auto mappings) and each one's
   tiny config, derived from its config class by attribute name (:data:`~tests.coverage.configs.OVERRIDES` lists
-  the few exceptions, each with its reason; :data:`~tests.coverage.configs.EXPERTS_BY_LAYOUT` the
-  mixture-of-experts implementation each layout runs, and why);
+  the few exceptions, each with its reason; :data:`~tests.coverage.configs.EAGER_EXPERTS` the
+  mixture-of-experts implementation every layout runs, and why);
 * :mod:`tests.coverage.models` — the LightningModule wrappers and synthetic data per task;
 * :mod:`tests.coverage.cells` — one cell: the Trainer, the comparison with single-device training, the verdict
   (and :func:`~tests.coverage.cells.settings`, what a cell runs beyond its layout's defaults, e.g.

@@ -19,7 +19,7 @@ import torch
 import lightning_parallel
 from lightning_parallel.parallelize.expert.experts import find_routed_experts
 from lightning_parallel.parallelize.data.batchnorm import batch_statistics_layers
-from tests.coverage.configs import experts_implementation
+from tests.coverage.configs import EAGER_EXPERTS
 from tests.coverage.models import CoverageData, CoverageModule, channels_of, image_size_of
 from tests.harness import Recorder, single_device_order
 
@@ -48,7 +48,7 @@ EXPERT_LAYOUTS = ("ep2",)
 def build(task: str, model_type: str, layout: str | None) -> tuple[CoverageModule, CoverageData, L.Trainer, Recorder]:
     """Module, data and Trainer for one cell (``layout=None``: the single-device reference)."""
     L.seed_everything(SEED, workers=True)
-    model = CoverageModule(task, model_type, experts=experts_implementation(layout))
+    model = CoverageModule(task, model_type, experts=EAGER_EXPERTS)
     replicas = 1 if layout is None else LAYOUTS[layout][0]
     data = CoverageData(task, BATCH // replicas, VAL_BATCH // replicas, channels=channels_of(model), image=image_size_of(model))
     model.cell_settings = settings(model, layout)
@@ -75,7 +75,7 @@ def settings(model: CoverageModule, layout: str | None) -> dict[str, Any]:
     * ``sync_batchnorm=True`` for data parallelism over a model with BatchNorm layers: without it each
       replica normalises by its own slice (as Lightning's DDP does, and the strategy warns); with it DP
       computes what one device does, which is what the README promises and the cell checks.
-    * ``experts_implementation`` for mixture-of-experts models (see :data:`tests.coverage.configs.EXPERTS_BY_LAYOUT`).
+    * ``experts_implementation`` for mixture-of-experts models (see :data:`tests.coverage.configs.EAGER_EXPERTS`).
     """
     found: dict[str, Any] = {}
     if layout is not None and LAYOUTS[layout][0] > 1 and batch_statistics_layers(model, training=True):

@@ -220,23 +220,17 @@ AUTO_CLASSES = {"causal_lm": "AutoModelForCausalLM", "masked_lm": "AutoModelForM
 MAX_PARAMETERS = 3_000_000  # a "tiny" config above this kept a size no rule shrank: say so rather than crawl
 
 
-#: The experts implementation a mixture-of-experts layer is built with, by layout (default: :data:`EAGER_EXPERTS`).
-#: transformers' default, ``"grouped_mm"``, has no float64 CPU kernel when it runs eagerly, so every layout and
-#: the single-device reference use ``"eager"`` (a loop over the experts a batch routes to: the same function).
-#: Pipelines trace that loop as one opaque operator (``parallelize/pipeline/opaque_experts.py``), so pp2 runs it too.
-EXPERTS_BY_LAYOUT: dict[str, str | None] = {}
+#: The experts implementation every mixture-of-experts layer is built with, in every layout and the single-device
+#: reference: transformers' default, ``"grouped_mm"``, has no float64 CPU kernel when it runs eagerly, and
+#: ``"eager"`` (a loop over the experts a batch routes to) is the same function. Pipelines trace that loop as one
+#: opaque operator (``parallelize/pipeline/opaque_experts.py``), so pp2 runs it too.
 EAGER_EXPERTS = "eager"
-
-
-def experts_implementation(layout: str | None) -> str | None:
-    """What ``experts_implementation`` the sweep passes for ``layout`` (``None``: transformers' default)."""
-    return EXPERTS_BY_LAYOUT.get(layout, EAGER_EXPERTS) if layout is not None else EAGER_EXPERTS
 
 
 def build_model(task: str, model_type: str, experts: str | None = EAGER_EXPERTS) -> Any:
     """The family's model from its tiny config, through the task's auto class (as a user builds it), with the
     attention implementation transformers picks by default and the experts implementation ``experts``
-    (``None``: transformers' default; see :data:`EXPERTS_BY_LAYOUT`)."""
+    (``None``: transformers' default; see :data:`EAGER_EXPERTS`)."""
     import transformers
 
     config = tiny_config(task, model_type)

@@ -30,10 +30,12 @@ SPLIT_BY_TP = (".q_proj.", ".k_proj.", ".v_proj.", ".fc_in.", ".out_proj.weight"
 
 
 @cache
-def reference(accumulate: int = 1, clip: float | None = None, empty_init: bool | None = None, tie_weights: bool = True) -> dict:
+def reference(
+    accumulate: int = 1, clip: float | None = None, empty_init: bool | None = None, tie_weights: bool = True, model: str = "gpt"
+) -> dict:
     return run_job(
-        JobSpec(batch_size=GLOBAL_BATCH, steps=STEPS, n_layer=LAYERS, accumulate=accumulate, gradient_clip_val=clip, validate=True,
-                empty_init=empty_init, tie_weights=tie_weights)
+        JobSpec(model=model, batch_size=GLOBAL_BATCH, steps=STEPS, n_layer=LAYERS, accumulate=accumulate, gradient_clip_val=clip,
+                validate=True, empty_init=empty_init, tie_weights=tie_weights)
     )
 
 
@@ -201,6 +203,16 @@ CONTEXT_PIPELINES = {
 }
 
 
+#: Expert parallelism inside pipelines, the model built on the meta device: each rank cuts its stages with their
+#: experts still on meta, divides them over ep, then allocates and initialises only its own experts.
+EXPERT_PIPELINE = {"data_parallel_size": 2, "expert_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2,
+                   "split_points": ["model.blocks.2"]}
+
+
+def expert_pipeline_job() -> JobSpec:
+    return replace(hybrid_job(4, accumulate=2, empty_init=True, **EXPERT_PIPELINE), model="gpt_moe")
+
+
 def sharded_pipeline_job(strategy: dict, tie_weights: bool) -> JobSpec:
     job = hybrid_job(4, accumulate=2, clip=0.05, round_trip=True, **strategy)
     return replace(job, sanity_val_steps=2, tie_weights=tie_weights)
@@ -213,6 +225,7 @@ def four_rank_results(tmp_path_factory):
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, (devices, strategy, _) in SHARDED.items() if devices == 4})
     specs.update({name: sharded_pipeline_job(strategy, tied) for name, (strategy, _, tied) in SHARDED_PIPELINES.items()})
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, strategy in CONTEXT_PIPELINES.items()})
+    specs["dp2_ep2xpp2_meta_init"] = expert_pipeline_job()
     return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=600)
 
 
@@ -251,6 +264,17 @@ def test_context_parallelism_inside_pipelines_matches_single_device(name, four_r
     assert_same_training(ref, result)
     assert_planner_predicts_state(hybrid_job(4, accumulate=2, **CONTEXT_PIPELINES[name]), result)
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+
+
+def test_expert_parallelism_inside_pipelines_built_on_meta_matches_single_device(four_rank_results):
+    ref = reference(accumulate=2, empty_init=False, model="gpt_moe")  # built in float64, as on meta
+    result = four_rank_results["dp2_ep2xpp2_meta_init"]
+    assert_same_training(ref, result)
+    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+    # Rank 0's stage (blocks 0 and 1) holds 2 of each layer's 4 experts (each 4·16 × 16), and no other block's.
+    experts = {name: numel for name, numel in result["local_numel"].items() if ".experts." in name}
+    assert experts == {f"model.blocks.{b}.mlp.experts.{p}": 2 * 4 * 16 * 16 for b in (0, 1) for p in ("up_proj", "down_proj")}
+    assert_planner_predicts_state(expert_pipeline_job(), result)
 
 
 def auto_job(**strategy) -> JobSpec:

@@ -67,5 +67,8 @@ def run(rank: int, world_size: int, store: str, out: str, steps: int) -> None:
                  "full_mlp": full_bytes, "n_head": sharded.blocks[0].attn.n_head},
                 Path(out),
             )
+        # Leave together: a rank that exits while its peer's gloo threads still run can abort ("terminate called
+        # without an active exception", seen in CI), as tests/jobs_worker.py explains.
+        dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -5,7 +5,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.coverage.cells import describe_failure  # noqa: E402
-from tests.coverage.configs import PATCH, WINDOW, experts_implementation, tiny_config  # noqa: E402
+from tests.coverage.configs import EAGER_EXPERTS, PATCH, WINDOW, build_model, tiny_config  # noqa: E402
 
 
 def test_windowed_hierarchies_get_an_image_every_stage_tiles_with_windows():
@@ -21,9 +21,10 @@ def test_group_norms_of_hierarchical_models_fit_their_widths():
     assert all(width % config.num_groups == 0 for width in [config.embedding_size, *config.hidden_sizes])
 
 
-def test_pipelines_run_experts_that_trace():
-    assert experts_implementation("pp2") == "batched_mm"
-    assert experts_implementation(None) == experts_implementation("dp2") == "eager"
+def test_every_layout_builds_experts_the_reference_can_run_in_float64():
+    # transformers' default (grouped_mm) has no float64 CPU kernel; pipelines trace eager experts as one operator.
+    model = build_model("causal_lm", "mixtral")
+    assert EAGER_EXPERTS == "eager" == model.config._experts_implementation
 
 
 def test_an_error_our_library_explains_is_a_refusal():

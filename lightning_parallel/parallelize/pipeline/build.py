@@ -15,7 +15,7 @@ are ``None`` (their memory is freed). No Lightning here.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -114,6 +114,7 @@ def build_local_pipeline(
     chained: bool = False,
     tensor_parallel: StageTensorParallel | None = None,
     allocate_later: bool = False,
+    divided_later: Collection[str] = (),
 ) -> LocalPipeline:
     """Split ``module`` at ``split_points`` and build this rank's stages; rebinds ``module`` (see module doc).
 
@@ -132,6 +133,9 @@ def build_local_pipeline(
         tensor_parallel: Split this rank's stages over a tensor-parallel mesh (traced stages only).
         allocate_later: For a module built on the meta device: leave this rank's stage tensors on the meta
             device (the caller shards them first, then allocates only its shards).
+        divided_later: For a module built on the meta device: names (relative to ``module``) of parameters left
+            on the meta device even without ``allocate_later`` (routed experts, which the caller divides over
+            expert-parallel ranks first: the rank then allocates its experts only).
 
     Raises:
         TypeError: The module can be neither traced nor sliced.
@@ -179,12 +183,12 @@ def build_local_pipeline(
     ]
     canonical: dict[int, Tensor] = {}
     allocate = device if deferred and not allocate_later else None
+    kept = set(originals) if allocate_later else set(divided_later) & set(originals)
     for s in local:
-        _share(train_pipe.get_stage_module(s), originals, canonical, allocate)
+        _share(train_pipe.get_stage_module(s), originals, canonical, allocate, kept)
     for s in local:
-        _share(eval_pipe.get_stage_module(s), originals, canonical, allocate)
+        _share(eval_pipe.get_stage_module(s), originals, canonical, allocate, kept)
     if deferred:
-        kept = set(originals) if allocate_later else set()
         _check_no_meta([pipe.get_stage_module(s) for pipe in (train_pipe, eval_pipe) for s in local], type(module).__name__, device, kept)
     if chained:
         check_chain(train_pipe, type(module).__name__)
@@ -390,20 +394,27 @@ def _originals(module: nn.Module) -> dict[str, Tensor]:
     return dict(_named_tensors(module))
 
 
-def _share(stage_module: nn.Module, originals: dict[str, Tensor], canonical: dict[int, Tensor], allocate: torch.device | None = None) -> None:
+def _share(
+    stage_module: nn.Module,
+    originals: dict[str, Tensor],
+    canonical: dict[int, Tensor],
+    allocate: torch.device | None = None,
+    kept: Collection[str] = (),
+) -> None:
     """Make every tensor of ``stage_module`` the one object this rank holds for its original.
 
     Local stages (and the eval graphs) then share parameters: gradients of a weight used by two local
     stages accumulate in one ``.grad``, and the eval graph sees the trained values. With ``allocate``
     (a trace of the meta skeleton) that object is new: uninitialised memory on ``allocate`` for a meta
-    original, the original itself on that device otherwise (a buffer built in ``__init__``).
+    original, the original itself on that device otherwise (a buffer built in ``__init__``); names in ``kept``
+    stay as traced (on the meta device).
     """
     for name, tensor in list(_named_tensors(stage_module)):
         if name not in originals:
             continue
         key = id(originals[name])
         if key not in canonical:
-            canonical[key] = tensor if allocate is None else _allocated(originals[name], allocate)
+            canonical[key] = tensor if allocate is None or name in kept else _allocated(originals[name], allocate)
         keep = canonical[key]
         if keep is not tensor:
             _set_by_name(stage_module, name, keep)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Literal
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lightning_parallel.parallelize.common.trunk import find_trunk, parameter_count, trunk_layer_names
+from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts, opaque_routed_experts
 
 Balance = Literal["params", "time"]
 BALANCES: tuple[str, ...] = ("params", "time")
@@ -171,8 +173,13 @@ def _profile(
     try:
         module.eval()
         cuda_devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+        # A meta-built module cannot route tokens (which tokens reach an expert is data): its experts only report
+        # their output's shape, as in the pipeline's trace.
+        on_meta = any(p.is_meta for p in module.parameters())
+        if on_meta:
+            mark_routed_experts(module)
         with torch.random.fork_rng(devices=cuda_devices):
-            with torch.no_grad():
+            with torch.no_grad(), opaque_routed_experts(module) if on_meta else nullcontext():
                 module(*args, **kwargs)
             if timed:
                 runs = [_timed_run(module, layers, layer_ids, args, kwargs) for _ in range(repeats)]

@@ -26,6 +26,7 @@ from lightning_parallel.parallelize.expert.experts import (
     shard_experts,
 )
 from lightning_parallel.parallelize.expert.gradients import reduce_expert_gradients
+from lightning_parallel.parallelize.placement.deferred_init import allocate_local
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
@@ -107,6 +108,16 @@ class ExpertParallelComponent(Component):
         modules = dict(module.named_modules())
         self._divide({fqn: modules[fqn] for fqn in experts}, broadcast=True)
 
+    def parameter_names_under(self, root: str) -> tuple[str, ...]:
+        """The routed experts' parameter names relative to the submodule ``root`` (``""``: the LightningModule)
+        that the pipeline cuts; a module built on the meta device keeps them there until they are divided."""
+        prefix = f"{root}." if root else ""
+        return tuple(
+            f"{fqn}.{name}".removeprefix(prefix)
+            for fqn, routed in self._experts.items() if fqn.startswith(prefix)
+            for name in routed.parameters
+        )
+
     def divide_stage_experts(self) -> dict[int, nn.Parameter]:
         """Under pipeline parallelism, once the stages are cut: divide the experts of this rank's stages.
 
@@ -121,6 +132,8 @@ class ExpertParallelComponent(Component):
         }
         whole = {fqn: [sub._parameters[name] for name in self._experts[fqn].parameters] for fqn, sub in held.items()}
         self._divide(held, broadcast=False)  # the pipeline started every rank from rank 0's weights
+        for sub in held.values():  # built on the meta device (kept there by the cut): memory for this rank's experts
+            allocate_local(sub, self.engine.root_device)
         return {
             id(old): sub._parameters[name]
             for fqn, sub in held.items()

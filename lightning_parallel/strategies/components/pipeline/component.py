@@ -95,6 +95,7 @@ class PipelineComponent(Component):
                 activation_checkpointing=engine.activation_checkpointing.patterns,
                 compile_stages=engine.compile.stage_compiler if engine.compile.enabled else None,
                 allocate_later=engine.data_parallel.shards,  # shard on the meta device, then allocate the shards
+                divided_later=engine.expert_parallel.parameter_names_under,  # divide on meta, then allocate
                 sequence_split=_sequence_split(engine),
             )
         # Clipping must see the norm of the whole model: every stage's gradients, tied weights once.

@@ -17,7 +17,7 @@ never reach the user's step).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,6 +112,8 @@ class PipelineRunner:
             stage's module (``None``: stages run eagerly).
         allocate_later: A module built on the meta device keeps its stage tensors there after the cut (the
             caller shards them, then allocates its shards only).
+        divided_later: Given the name of the module being cut, the names (relative to it) of parameters that a
+            module built on the meta device keeps there after the cut, for the caller to divide first (experts).
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class PipelineRunner:
         activation_checkpointing: Sequence[str] = (),
         compile_stages: Callable[[nn.Module, str], Callable[[nn.Module], None] | None] | None = None,
         allocate_later: bool = False,
+        divided_later: Callable[[str], Collection[str]] | None = None,
         sequence_split: StageSequenceSplit | None = None,
     ) -> None:
         self.config = config
@@ -133,6 +136,7 @@ class PipelineRunner:
         self._layout: Any = None  # the sequence layout of the step in flight (context parallelism)
         self._sequence_checked = False
         self._allocate_later = allocate_later
+        self._divided_later = divided_later
         self._compile_stages_for = compile_stages
         self._compile: Callable[[nn.Module], None] | None = None
         self._tensor_parallel_for = tensor_parallel
@@ -276,6 +280,7 @@ class PipelineRunner:
             root, example_args, example_kwargs, self.plan.split_points, self.stage_to_rank, self.pp_rank, self.device,
             self.pp_group, chained=self.config.spec.placement == "v", tensor_parallel=self.tensor_parallel,
             allocate_later=self._allocate_later,
+            divided_later=self._divided_later(captured.name) if self._divided_later is not None else (),
         )
         self._checkpointed = checkpointed
         for stage in self.local.train_stages:
