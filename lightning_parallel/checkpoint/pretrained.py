@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,7 +88,7 @@ def load_pretrained(
     if message:
         raise RuntimeError(
             f"weights_from={str(path)!r} does not fit this model (names relative to {prefix or 'the module'!r}): "
-            f"{message}. Build the model from the same configuration the weights were saved with."
+            f"{message}. {_fix_for(expected, present)}"
         )
     wanted = {}
     for name in targets:
@@ -103,6 +104,27 @@ def load_pretrained(
         for name, stored in wanted.items():
             _copy_sliced(source, stored, targets[name], fused.get(name))  # type: ignore[arg-type]
     return list(wanted)
+
+
+#: A Mixture-of-Experts layer stored one module per expert (``...experts.3.w1.weight``, as Hugging Face checkpoints
+#: keep them) and one built as fused 3-D parameters (``...experts.gate_up_proj``, as transformers 5 builds them).
+_EXPERT_PER_MODULE = re.compile(r"\.experts\.\d+\.")
+_FUSED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]+$")
+
+
+def _fix_for(expected: Mapping[str, tuple[int, ...]], present: Mapping[str, tuple[int, ...]]) -> str:
+    """What to do about a source that does not fit: the usual fix, or the one for per-expert MoE checkpoints."""
+    fused = [k for k in set(expected) - set(present) if _FUSED_EXPERTS.search(k)]
+    per_expert = [k for k in set(present) - set(expected) if _EXPERT_PER_MODULE.search(k)]
+    if fused and per_expert:
+        return (
+            "The source stores each expert as a module of its own, as Hugging Face checkpoints of Mixture-of-Experts "
+            "models do, and the model holds them fused (transformers converts them in from_pretrained); weights_from "
+            "reads tensors under the model's own names and does not convert them. Build the model with "
+            "from_pretrained(path) instead (every rank then reads the whole checkpoint), or pass a checkpoint this "
+            "library saved."
+        )
+    return "Build the model from the same configuration the weights were saved with."
 
 
 def _prefix(found: Mapping[str, tuple[int, ...]], whole: Mapping[str, tuple[int, ...]]) -> str:

@@ -286,3 +286,16 @@ def test_weights_from_tells_what_it_cannot_read(tmp_path):
     (tmp_path / "notes.txt").write_text("not a checkpoint")
     with pytest.raises(ValueError, match="could not be read as a checkpoint file"):
         load_pretrained(tmp_path / "notes.txt", local_targets(module), None, whole_shapes=shapes)
+
+
+def test_weights_from_a_per_expert_hugging_face_checkpoint_says_how_to_load_it(tmp_path):
+    """transformers 5 builds Mixtral's experts fused (3-D) but saves them one module per expert, as the Hub keeps them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="stores each expert as a module of its own.*from_pretrained") as raised:
+        load_pretrained(tmp_path, local_targets(model), None, whole_shapes=shapes)
+    assert "experts.gate_up_proj" in str(raised.value) and "experts.0.w1.weight" in str(raised.value)
