@@ -203,14 +203,28 @@ CONTEXT_PIPELINES = {
 }
 
 
-#: Expert parallelism inside pipelines, the model built on the meta device: each rank cuts its stages with their
-#: experts still on meta, divides them over ep, then allocates and initialises only its own experts.
-EXPERT_PIPELINE = {"data_parallel_size": 2, "expert_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2,
-                   "split_points": ["model.blocks.2"]}
+#: Expert parallelism on the recipe MoE (4 experts per block): name -> (strategy, built on the meta device, rank 0's
+#: blocks). Inside pipelines, meta-built: each rank cuts its stages with their experts still on meta, divides them
+#: over ep, then allocates and initialises only its own. HSDP: 2 replicas × 2 shards of the dense part, the experts
+#: divided over ep=2 (adjacent dp ranks) and replicated over the ranks holding the same experts.
+EXPERT_LAYOUTS = {
+    "dp2_ep2xpp2_meta_init": (
+        {"data_parallel_size": 2, "expert_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2,
+         "split_points": ["model.blocks.2"]},
+        True,
+        (0, 1),
+    ),
+    "hybrid_shard_2x2_ep2": (
+        {"data_parallel_size": 4, "data_parallel_mode": "hybrid_shard", "data_parallel_shard_size": 2, "expert_parallel_size": 2},
+        None,
+        (0, 1, 2, 3),
+    ),
+}
 
 
-def expert_pipeline_job() -> JobSpec:
-    return replace(hybrid_job(4, accumulate=2, empty_init=True, **EXPERT_PIPELINE), model="gpt_moe")
+def expert_job(name: str) -> JobSpec:
+    strategy, empty_init, _ = EXPERT_LAYOUTS[name]
+    return replace(hybrid_job(4, accumulate=2, empty_init=empty_init, **strategy), model="gpt_moe")
 
 
 def sharded_pipeline_job(strategy: dict, tie_weights: bool) -> JobSpec:
@@ -225,7 +239,7 @@ def four_rank_results(tmp_path_factory):
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, (devices, strategy, _) in SHARDED.items() if devices == 4})
     specs.update({name: sharded_pipeline_job(strategy, tied) for name, (strategy, _, tied) in SHARDED_PIPELINES.items()})
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, strategy in CONTEXT_PIPELINES.items()})
-    specs["dp2_ep2xpp2_meta_init"] = expert_pipeline_job()
+    specs.update({name: expert_job(name) for name in EXPERT_LAYOUTS})
     return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=600)
 
 
@@ -266,15 +280,18 @@ def test_context_parallelism_inside_pipelines_matches_single_device(name, four_r
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
 
 
-def test_expert_parallelism_inside_pipelines_built_on_meta_matches_single_device(four_rank_results):
-    ref = reference(accumulate=2, empty_init=False, model="gpt_moe")  # built in float64, as on meta
-    result = four_rank_results["dp2_ep2xpp2_meta_init"]
+@pytest.mark.parametrize("name", list(EXPERT_LAYOUTS))
+def test_expert_parallelism_with_pipelines_and_hsdp_matches_single_device(name, four_rank_results):
+    _, empty_init, blocks = EXPERT_LAYOUTS[name]
+    # A meta-built model is compared with one built in float64 (its construction draws in the precision's dtype).
+    ref = reference(accumulate=2, empty_init=False if empty_init else None, model="gpt_moe")
+    result = four_rank_results[name]
     assert_same_training(ref, result)
     assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
-    # Rank 0's stage (blocks 0 and 1) holds 2 of each layer's 4 experts (each 4·16 × 16), and no other block's.
+    # Rank 0 holds 2 of each of its blocks' 4 experts (each 4·16 × 16), and no other block's.
     experts = {name: numel for name, numel in result["local_numel"].items() if ".experts." in name}
-    assert experts == {f"model.blocks.{b}.mlp.experts.{p}": 2 * 4 * 16 * 16 for b in (0, 1) for p in ("up_proj", "down_proj")}
-    assert_planner_predicts_state(expert_pipeline_job(), result)
+    assert experts == {f"model.blocks.{b}.mlp.experts.{p}": 2 * 4 * 16 * 16 for b in blocks for p in ("up_proj", "down_proj")}
+    assert_planner_predicts_state(expert_job(name), result)
 
 
 def auto_job(**strategy) -> JobSpec:
