@@ -26,7 +26,7 @@ from lightning_parallel.parallelize.expert.experts import (
     shard_experts,
 )
 from lightning_parallel.parallelize.expert.gradients import reduce_expert_gradients
-from lightning_parallel.parallelize.placement.deferred_init import allocate_local
+from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.strategies.components.base import Component
 
 if TYPE_CHECKING:
@@ -132,8 +132,9 @@ class ExpertParallelComponent(Component):
         }
         whole = {fqn: [sub._parameters[name] for name in self._experts[fqn].parameters] for fqn, sub in held.items()}
         self._divide(held, broadcast=False)  # the pipeline started every rank from rank 0's weights
-        for sub in held.values():  # built on the meta device (kept there by the cut): memory for this rank's experts
-            allocate_local(sub, self.engine.root_device)
+        for sub in held.values():
+            if has_meta_tensors(sub):  # built on the meta device, kept there by the cut: memory for this rank's experts
+                allocate_local(sub, self.engine.root_device)
         return {
             id(old): sub._parameters[name]
             for fqn, sub in held.items()
