@@ -236,9 +236,10 @@ OTHER_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # ALiBi (one slope per head, built for all heads in the model), query_key_value interleaved per head, tied head.
     "bloom": ("causal_lm", "BloomConfig", dict(hidden_size=32, n_head=4, n_layer=4, hidden_dropout=0.0,
                                                attention_dropout=0.0)),
-    # Mixture of experts: a softmax top-2 router over 4 experts kept as fused 3-D gate_up_proj / down_proj.
+    # Mixture of experts: a softmax top-2 router over 4 experts kept as fused 3-D gate_up_proj / down_proj (4 layers:
+    # two MoE blocks per stage under pp2).
     "mixtral": ("causal_lm", "MixtralConfig", dict(hidden_size=32, intermediate_size=32, num_attention_heads=4,
-                                                   num_key_value_heads=2, num_hidden_layers=2, num_local_experts=4,
+                                                   num_key_value_heads=2, num_hidden_layers=4, num_local_experts=4,
                                                    num_experts_per_tok=2, max_position_embeddings=16)),
     # Mixture of experts beside a shared expert with a sigmoid gate (and dense attention with biased q/k/v).
     "qwen2_moe": ("causal_lm", "Qwen2MoeConfig", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
