@@ -277,7 +277,7 @@ def make_data(spec: JobSpec) -> L.LightningDataModule:
 
         if is_image_family(spec.model.removeprefix("hf_").partition(":")[0]):  # hf_vit, hf_resnet
             return SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
-    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral") or spec.model.startswith("hf_"):
+    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral", "reduced_kv_attention") or spec.model.startswith("hf_"):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -317,6 +317,10 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         from tests.hf_models import ReferenceLlamaLM
 
         return ReferenceLlamaLM()
+    if spec.model == "reduced_kv_attention":
+        from tests.hf_models import ReducedKVLM
+
+        return ReducedKVLM()
     if spec.model == "hand_norm_attention":
         from tests.hf_models import HandNormLM
 

@@ -236,6 +236,11 @@ OTHER_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # ALiBi (one slope per head, built for all heads in the model), query_key_value interleaved per head, tied head.
     "bloom": ("causal_lm", "BloomConfig", dict(hidden_size=32, n_head=4, n_layer=4, hidden_dropout=0.0,
                                                attention_dropout=0.0)),
+    # LSH-free YOSO attention (use_expectation): a custom autograd.Function whose backward is not its forward's
+    # derivative, which a pipeline's trace must keep.
+    "yoso": ("masked_lm", "YosoConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                             num_hidden_layers=4, max_position_embeddings=24, hidden_dropout_prob=0.0,
+                                             attention_probs_dropout_prob=0.0)),
     # Mixture of experts: a softmax top-2 router over 4 experts kept as fused 3-D gate_up_proj / down_proj (4 layers:
     # two MoE blocks per stage under pp2).
     "mixtral": ("causal_lm", "MixtralConfig", dict(hidden_size=32, intermediate_size=32, num_attention_heads=4,
@@ -450,3 +455,74 @@ class ReferenceLlamaLM(ViewAttentionLM):
         self.tok = torch.nn.Embedding(VOCAB, dim)
         self.layers = torch.nn.ModuleList(RefLayer(dim, n_heads) for _ in range(n_layers))
         self.norm, self.output = RefRMSNorm(dim), torch.nn.Linear(dim, VOCAB, bias=False)
+
+
+class SequenceReduction(torch.nn.Module):
+    """SegFormer/PVT-style: keys and values read a summary of the sequence (a causal convolution over each position
+    and the one before, then a LayerNorm), computed from the attention's input after its queries are projected."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv1d(dim, dim, kernel_size=2), torch.nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.conv(F.pad(x.transpose(1, 2), (1, 0))).transpose(1, 2))
+
+
+class TokenGate(torch.nn.Module):
+    """A per-token sigmoid gate from the attention's input, multiplied into every head's output."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x @ self.weight)[..., None, None]
+
+
+class HalfGradient(torch.autograd.Function):
+    """Identity forward, half the gradient backward: a custom backward that is not its forward's derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 0.5
+
+
+class ReducedKVAttention(torch.nn.Module):
+    """Queries from the input, keys and values from a :class:`SequenceReduction` of it, a :class:`TokenGate` on the
+    heads' output and a :class:`HalfGradient` before the output projection."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.wq, self.wk, self.wv, self.wo = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.reduce, self.gate = SequenceReduction(dim), TokenGate(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.wq(x).view(B, L, self.n_heads, -1).transpose(1, 2)
+        summary = self.reduce(x)
+        k = self.wk(summary).view(B, L, self.n_heads, -1).transpose(1, 2)
+        v = self.wv(summary).view(B, L, self.n_heads, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2) * self.gate(x)
+        return self.wo(HalfGradient.apply(o.reshape(B, L, -1)))
+
+
+class ReducedKVLayer(RefLayer):
+    def __init__(self, d: int, n_heads: int) -> None:
+        super().__init__(d, n_heads)
+        self.attention = ReducedKVAttention(d, n_heads)
+
+
+class ReducedKVLM(ReferenceLlamaLM):
+    """:class:`ReferenceLlamaLM` with :class:`ReducedKVAttention` (model name ``reduced_kv_attention``): children
+    of the attention called between its split projections on whole tensors (the reduction, feeding keys and values;
+    the gate, multiplied into this rank's heads) and a custom autograd Function inside the blocks."""
+
+    def __init__(self, lr: float = 0.1, dim: int = 32, n_heads: int = 4, n_layers: int = 4) -> None:
+        super().__init__(lr, dim, n_heads, n_layers)
+        self.layers = torch.nn.ModuleList(ReducedKVLayer(dim, n_heads) for _ in range(n_layers))

@@ -3,7 +3,9 @@
 OPT and ViT hand a non-contiguous attention mask (an ``expand``) from one stage to the next, which gloo
 refused to send; BERT has a submodule called ``self`` (``attention.self``), which the traced stage's
 generated code assigned over ``self``; ResNet normalises with BatchNorm, whose statistics a pipeline of
-several micro-batches would compute per micro-batch — refused, and exact with ``microbatches=1``.
+several micro-batches would compute per micro-batch — refused, and exact with ``microbatches=1``. YOSO's
+attention and a hand-written block call custom ``torch.autograd.Function``s whose backward is not their forward's
+derivative: the traced stages keep it.
 Every family has four blocks (two per stage); the transformers run more micro-batches than stages.
 Models are built from tiny configs (``tests/hf_models.py``, ``OTHER_FAMILIES``), float64, dropout off.
 """
@@ -31,7 +33,15 @@ FAMILIES = {
     "bert": {"microbatches": 4},
     "vit": {"microbatches": 4},
     "resnet": {"microbatches": 1, "schedule": "gpipe"},
+    "yoso:eager": {"microbatches": 4},  # YosoCumulation, a custom autograd.Function (YOSO has no SDPA path)
+    "reduced_kv_attention": {"microbatches": 4},  # hand-written, with a custom autograd.Function in each block
 }
+#: FAMILIES that are written by hand (tests/hf_models.py), not built from a transformers config.
+HAND_WRITTEN = ("reduced_kv_attention",)
+
+
+def model_name(family: str) -> str:
+    return family if family in HAND_WRITTEN else f"hf_{family}"
 
 
 def val_batch(family: str) -> int | None:
@@ -40,7 +50,7 @@ def val_batch(family: str) -> int | None:
 
 def job(family: str, options: dict) -> JobSpec:
     return JobSpec(
-        model=f"hf_{family}", strategy="pipeline", devices=2, batch_size=BATCH, val_batch_size=val_batch(family),
+        model=model_name(family), strategy="pipeline", devices=2, batch_size=BATCH, val_batch_size=val_batch(family),
         steps=STEPS, validate=True,
         # Lightning's sanity check builds the pipeline from a validation batch; training traces its own shape.
         sanity_val_steps=1,
@@ -50,7 +60,7 @@ def job(family: str, options: dict) -> JobSpec:
 
 @cache
 def reference(family: str) -> dict:
-    return run_job(JobSpec(model=f"hf_{family}", batch_size=BATCH, val_batch_size=val_batch(family), steps=STEPS, validate=True))
+    return run_job(JobSpec(model=model_name(family), batch_size=BATCH, val_batch_size=val_batch(family), steps=STEPS, validate=True))
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,9 @@
 One launch of 2 ranks: BERT (attention and MLP split across sibling modules), Falcon (multi-query fused
 ``query_key_value``: the attention stays whole, the MLP of ``FalconLinear`` layers is split; the output of a
 row-wise layer is added to in place), Falcon's new decoder architecture (``query_key_value`` grouped per k/v
-head), BLOOM (ALiBi slopes per head, cut to each rank's heads) and LitGPT (fused GQA ``qkv`` whose head
-counts live on its ``Config`` dataclass). Each trains as on one device, and each rank holds at most the
+head), BLOOM (ALiBi slopes per head, cut to each rank's heads), LitGPT (fused GQA ``qkv`` whose head
+counts live on its ``Config`` dataclass) and a hand-written attention whose keys and values read a SegFormer-style
+sequence reduction (:class:`tests.hf_models.ReducedKVAttention`). Each trains as on one device, and each rank holds at most the
 share of the parameters given below (the largest rank's parameters / the whole model's).
 """
 
@@ -27,6 +28,9 @@ FAMILIES = {
     "falcon_grouped": ("hf_falcon_grouped", 0.6),
     "bloom": ("hf_bloom:eager", 0.6),  # BLOOM has no SDPA path in transformers
     "litgpt": ("litgpt", 0.6),
+    # Hand-written: keys and values from a sequence reduction of the attention's input (run whole on every rank, its
+    # gradient whole), a per-token gate multiplied into this rank's heads (its gradient a partial sum, reduced).
+    "reduced_kv": ("reduced_kv_attention", 0.65),
 }
 
 

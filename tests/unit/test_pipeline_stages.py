@@ -272,3 +272,91 @@ def test_routed_experts_trace_as_one_operator_calling_the_live_module():
             stage_param = next(p for stage in stages for n, p in stage.named_parameters() if n == name)
             torch.testing.assert_close(stage_param.grad, grads[name], rtol=0, atol=1e-12, msg=name)
             stage_param.grad = None
+
+
+class StraightThrough(torch.autograd.Function):
+    """Rounds forward, passes the gradient unchanged backward (quantisation-aware training's estimator)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.round(x * scale) / scale
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class ReverseGradient(torch.autograd.Function):
+    """New-style (``setup_context``): identity forward with a second, non-differentiable output; backward reverses."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, strength: float = 1.0):
+        return x * weight, None, x.detach().abs().amax()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, weight, strength = inputs  # keywords arrive bound to their positions
+        ctx.save_for_backward(weight, x)
+        ctx.strength = strength
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _none, _peak):
+        weight, x = ctx.saved_tensors
+        return -ctx.strength * grad * weight, -ctx.strength * (grad * x).sum(0), None
+
+
+class CustomBackwardBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(D, D, dtype=torch.float64)
+        self.gain = nn.Parameter(torch.rand(L, D, dtype=torch.float64) + 0.5)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        quantised = StraightThrough.apply(self.linear(h), 4.0)
+        reversed_, nothing, peak = ReverseGradient.apply(quantised, weight=self.gain, strength=0.5)
+        assert nothing is None
+        return reversed_.tanh() + 0 * peak
+
+
+class CustomBackwardStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CustomBackwardBlock() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_custom_autograd_functions_keep_their_backward_in_traced_stages():
+    """torch.export traces through an autograd.Function (round's derivative is zero: a straight-through estimator
+    would get no gradient); each call is one operator whose stage runs the Function itself, old- and new-style,
+    with keyword, non-tensor and None arguments and outputs, also when traced from a meta copy."""
+    from lightning_parallel.parallelize.pipeline.build import meta_copy, on_meta
+
+    torch.manual_seed(0)
+    model, x = CustomBackwardStack(), torch.randn(B, L, D, dtype=torch.float64)
+    expected = model(x)
+    expected.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert all(g.abs().sum() > 0 for g in grads.values())  # round's own derivative would make them zero
+    model.zero_grad()
+    for traced in (model, meta_copy(model)):
+        inputs = (x,) if traced is model else on_meta((x,))
+        pipe = _trace(traced, inputs, {}, ["layers.1"], training=True, device=torch.device("cpu"))
+        stages = [pipe.get_stage_module(s) for s in range(2)]
+        if traced is not model:  # bind the live parameters by name, as the pipeline does for a new trace
+            for stage in stages:
+                for name, _ in list(stage.named_parameters()):
+                    owner, _, leaf = name.rpartition(".")
+                    setattr(stage.get_submodule(owner), leaf, model.get_parameter(name))
+        boundary = stages[0](x)
+        output = stages[1](*boundary) if isinstance(boundary, tuple) else stages[1](boundary)
+        torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+        output.square().sum().backward()
+        for name, param in model.named_parameters():
+            stage_param = next(p for stage in stages for n, p in stage.named_parameters() if n == name)
+            torch.testing.assert_close(stage_param.grad, grads[name], rtol=0, atol=1e-12, msg=name)
+            stage_param.grad = None
+    assert torch.autograd.Function.apply.__func__ is torch.autograd.Function.__dict__["apply"].__func__

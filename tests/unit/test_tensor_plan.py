@@ -384,7 +384,10 @@ def test_per_head_norm_gradient_is_summed_over_the_group_and_the_pre_norm_is_not
 def test_a_norm_over_the_whole_split_width_is_refused_when_called_on_a_slice():
     from lightning_parallel.parallelize.tensor import split_region
 
-    tracker = split_region.SplitRegionParameters(None, "attn", tp_size=2)
+    from types import SimpleNamespace
+
+    mesh = SimpleNamespace(get_group=lambda: None, size=lambda: 2)  # a tp2 mesh, as far as the tracker asks
+    tracker = split_region.SplitRegionParameters(mesh, "attn")
     norm = nn.LayerNorm(16)  # the whole q width, which is also the input width: only the call tells
     tracker._open()
     with pytest.raises(RuntimeError, match=r"attn\.q_norm\.weight has the whole split width 16.*this rank's 8 features"):

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_map
 
 from lightning_parallel.parallelize.pipeline.graph import check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
 from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts, opaque_routed_experts
+from lightning_parallel.parallelize.pipeline.opaque_functions import opaque_autograd_functions
 from lightning_parallel.parallelize.pipeline.schedule import stages_on
 from lightning_parallel.parallelize.pipeline.stage_boundary import contiguous_boundaries, contiguous_module_boundaries
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
@@ -295,7 +296,8 @@ def _trace(
     was_training = module.training
     module.train(training)
     try:
-        with opaque_routed_experts(module):  # data-dependent routing: one operator in the graph
+        # Data-dependent routing, and custom backwards that a trace through the forward would lose: one operator each.
+        with opaque_routed_experts(module), opaque_autograd_functions():
             pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
         check_stage_inputs(pipe)
         contiguous_boundaries(pipe)  # p2p sends need contiguous activations and gradients

@@ -34,7 +34,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
-from lightning_parallel.parallelize.tensor.latent import gradient_summed
+from lightning_parallel.parallelize.tensor.partial_gradients import gradient_summed
 from lightning_parallel.parallelize.tensor.per_head import LocalView
 from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters
 

@@ -31,9 +31,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
+from lightning_parallel.parallelize.tensor.partial_gradients import ScaleGradient, gradient_summed
 from lightning_parallel.parallelize.tensor.projections import features, is_projection
 from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters, regions_of
 
@@ -109,31 +109,6 @@ class LatentRegion:
         for seen, scaled in self._scaled:
             if seen is tensor:  # q/k/v reading one tensor keep sharing one input (one all-reduce)
                 return (scaled, *args[1:])
-        scaled = _ScaleGradient.apply(tensor, 1.0 / self.mesh.size())
+        scaled = ScaleGradient.apply(tensor, 1.0 / self.mesh.size())
         self._scaled.append((tensor, scaled))
         return (scaled, *args[1:])
-
-
-def gradient_summed(value: Any, mesh: Any) -> Any:
-    """A floating tensor that needs a gradient, as itself in forward, with its gradient summed over ``mesh`` in
-    backward (each rank's is a partial sum); anything else unchanged."""
-    if not isinstance(value, Tensor) or not value.is_floating_point() or not value.requires_grad:
-        return value
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
-    # to_local(grad_placements=Partial) declares this rank's gradient a partial sum; from_local's backward
-    # then all-reduces it into the replicated input's whole gradient.
-    return DTensor.from_local(value, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-
-class _ScaleGradient(torch.autograd.Function):
-    """Identity in forward; the gradient times ``factor`` in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: Tensor, factor: float) -> Tensor:
-        ctx.factor = factor
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.factor, None

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel.parallelize.tensor.partial_gradients import ScaleGradient, gradient_summed
 from lightning_parallel.parallelize.tensor.projections import features, is_projection
 from lightning_parallel.parallelize.tensor.split_norm import SplitWidthNorm, install_split_width_norms, norm_like, recognise_norm
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
@@ -178,37 +179,52 @@ class SplitRegionParameters(PartialSumParameters):
     called after a column-wise projection of the region returned and before the row-wise one is called. Its
     parameters' gradients are then partial sums over this rank's slice; :func:`reduce_split_region_gradients`
     all-reduces them over the group once, after the last accumulated backward (as the strategy reduces the
-    partial-sum gradients of sequence-parallel norms). The parameters are looked up on the child at that time,
-    so wrapping that replaces them (FSDP2 over data-parallel replicas) is followed. A child called both inside
+    partial-sum gradients of sequence-parallel norms).
+
+    A child called there on a *whole* tensor (one the region received, or one its column-wise projections read) is a
+    replicated computation beside this rank's heads: SegFormer's and PVT's sequence reduction (the keys' and values'
+    input made from the region's input after the queries were projected), a gate from the hidden states multiplied
+    into every head. Its output reaches this rank's heads, directly or through a column-wise projection, so it is
+    made a partial sum like everything else on the slice: its input's gradient is summed over the group in backward,
+    and where a column-wise projection reads its output, that projection's (whole) input gradient is scaled by
+    ``1/tp`` first (:mod:`~lightning_parallel.parallelize.tensor.partial_gradients`, as multi-head latent attention's
+    regions do). One all-reduce more per such call in backward. The parameters are looked up on the child at reduction
+    time, so wrapping that replaces them (FSDP2 over data-parallel replicas) is followed. A child called both inside
     and outside the split in one forward cannot be reduced correctly and stops with an error, as does one whose
     parameter has the whole split width (a norm over all heads together, whose statistic needs every slice).
 
     Args:
-        group: The tensor-parallel process group.
+        mesh: The tensor-parallel mesh.
         name: The region's FQN, for messages.
-        tp_size: The tensor-parallel degree.
     """
 
-    def __init__(self, group: dist.ProcessGroup, name: str, tp_size: int) -> None:
-        super().__init__(group, name, self.inside_parameters)
-        self.tp_size = tp_size
+    def __init__(self, mesh: Any, name: str) -> None:
+        super().__init__(mesh.get_group(), name, self.inside_parameters)
+        self.mesh, self.tp_size = mesh, mesh.size()
         self._split = False
         self._children: dict[str, nn.Module] = {}
         self._inside: dict[str, bool] = {}
         self._seen: dict[str, bool] = {}
+        self._whole: list[Tensor] = []  # this call's tensors that every rank holds whole
+        self._whole_outputs: list[tuple[Tensor, Tensor | None]] = []  # (output, scaled) of whole-input calls
+        self._pending: str | None = None  # the whole-input child being called
 
     def attach(
         self, region: nn.Module, opening: list[nn.Module], closing: list[nn.Module], candidates: Mapping[str, nn.Module]
     ) -> None:
         """Hook ``region``, its split projections and the ``candidates`` (children with parameters)."""
-        region.register_forward_pre_hook(self._enter)
+        region.register_forward_pre_hook(self._enter, with_kwargs=True)
+        region.register_forward_hook(self._leave, always_call=True)
         for projection in opening:
+            # First among the projection's hooks: it sees the tensor as the region computed it.
+            projection.register_forward_pre_hook(self._projection_input, prepend=True)
             projection.register_forward_hook(self._open)
         for projection in closing:
             projection.register_forward_pre_hook(self._close)
         for child, sub in candidates.items():
             self._children[child] = sub
             sub.register_forward_pre_hook(partial(self._called, child, sub))
+            sub.register_forward_hook(partial(self._returned, child))
         # Found again by reduce_split_region_gradients from the model's root (a plain attribute: no state_dict entry).
         region._split_region_parameters = self
 
@@ -216,8 +232,21 @@ class SplitRegionParameters(PartialSumParameters):
         """The parameters of the children the last forward called inside the split."""
         return [p for child, sub in self._children.items() if self._inside.get(child) for p in sub.parameters()]
 
-    def _enter(self, *_: Any) -> None:
-        self._split, self._seen = False, {}
+    def _enter(self, _: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._split, self._seen, self._whole_outputs = False, {}, []
+        self._whole = [v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)]
+
+    def _projection_input(self, _: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if not args or not isinstance(args[0], Tensor):
+            return None
+        self._whole.append(args[0])
+        for index, (output, scaled) in enumerate(self._whole_outputs):
+            if output is args[0] and output.requires_grad:
+                if scaled is None:  # once per tensor: keys and values reading it keep sharing one input
+                    scaled = ScaleGradient.apply(output, 1.0 / self.tp_size)
+                    self._whole_outputs[index] = (output, scaled)
+                return (scaled, *args[1:])
+        return None
 
     def _open(self, *_: Any) -> None:
         self._split = True
@@ -225,9 +254,10 @@ class SplitRegionParameters(PartialSumParameters):
     def _close(self, *_: Any) -> None:
         self._split = False
 
-    def _called(self, child: str, sub: nn.Module, _: nn.Module, args: tuple[Any, ...]) -> None:
+    def _called(self, child: str, sub: nn.Module, _: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        on_whole = bool(args) and any(args[0] is whole for whole in self._whole)
         split_width_norm = isinstance(getattr(sub, "forward", None), SplitWidthNorm)
-        if self._split and not split_width_norm and args and isinstance(args[0], Tensor) and args[0].dim() >= 1:
+        if self._split and not on_whole and not split_width_norm and args and isinstance(args[0], Tensor) and args[0].dim() >= 1:
             width = args[0].shape[-1]
             whole = [n for n, p in sub.named_parameters() if _vector(p) and p.numel() == width * self.tp_size]
             if whole:
@@ -243,11 +273,23 @@ class SplitRegionParameters(PartialSumParameters):
                 f"its gradient cannot be reduced correctly. Leave {self.name} replicated in the plan."
             )
         self._seen[child] = self._inside[child] = self._split
+        if self._split and on_whole:
+            self._pending = child
+            return (gradient_summed(args[0], self.mesh), *args[1:])
+        return None
+
+    def _returned(self, child: str, *hook_args: Any) -> None:
+        output = hook_args[-1]
+        if self._pending == child and isinstance(output, Tensor):
+            self._whole_outputs.append((output, None))
+        self._pending = None
+
+    def _leave(self, *_: Any) -> None:
+        self._whole, self._whole_outputs = [], []
 
 
 def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: ResolvedPlan, tp_mesh: Any) -> None:
     """Attach :class:`SplitRegionParameters` to every split region holding children with parameters."""
-    group, tp_size = tp_mesh.get_group(), tp_mesh.size()
     for name, (opening, closing) in split_regions(resolved).items():
         if name in resolved.latent:
             continue  # every replicated parameter of a latent region is a partial sum (LatentRegion tracks them)
@@ -259,7 +301,7 @@ def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: Re
         }
         if candidates:
             install_split_width_norms(region, name, candidates, tp_mesh)
-            SplitRegionParameters(group, name, tp_size).attach(
+            SplitRegionParameters(tp_mesh, name).attach(
                 region, [modules[f"{name}.{c}"] for c in opening], [modules[f"{name}.{c}"] for c in closing], candidates
             )
 
