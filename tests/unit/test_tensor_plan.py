@@ -712,3 +712,74 @@ def test_a_column_split_projection_beside_an_in_place_activation_gets_an_output_
                            "mlp": nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 4))})
     modules = dict(model.named_modules())
     assert _beside_in_place(modules, "cpb.0") and not _beside_in_place(modules, "mlp.0")
+
+
+class FusedHeadsAttention(nn.Module):
+    """Hiera's layout: one fused ``qkv`` (q | k | v blocks) and the heads' output reshaped by ``hidden_size_output``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.hidden_size_output = heads, dim // heads, dim
+        self.qkv = nn.Linear(dim, 3 * dim, dtype=torch.float64)
+        self.proj = nn.Linear(dim, dim, dtype=torch.float64)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = self.qkv(x).reshape(B, L, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = ((q @ k.transpose(-1, -2)) / self.head_dim**0.5).softmax(-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(B, L, self.hidden_size_output))
+
+
+def test_a_fused_qkv_width_attribute_is_divided():
+    # Hiera's hidden_size_output (one block of its fused qkv) was not divided: "a and b must have same reduction dim"
+    # (the coverage sweep's Hiera tp2 cell is exact with it; LocalTensorMode cannot scatter the fused weight here).
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+
+    resolved = TensorParallelConfig().resolve(FusedHeadsAttention(), warn=lambda _: None, tp_size=2)
+    assert resolved.styles == {"qkv": "fused_qkv", "proj": "rowwise"}
+    assert set(resolved.head_attributes[""]) == {"num_heads", "hidden_size_output"}
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(self, x):
+        return x + self.attention(x)
+
+
+def test_children_called_on_whole_tensors_inside_the_split_train_as_unsplit(simulated_ranks):
+    # SegFormer's sequence reduction, called on the attention's whole input after q_proj, had its gradient summed
+    # over the ranks although it was whole (2x); a gate from the input multiplied into this rank's heads left the
+    # input's gradient a partial sum.
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, apply_tensor_parallel
+    from lightning_parallel.parallelize.tensor.split_region import reduce_split_region_gradients
+    from tests.hf_models import ReducedKVAttention
+
+    torch.manual_seed(0)
+    module = AttentionBlock(ReducedKVAttention().double())
+    x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
+    reference = copy.deepcopy(module)
+    whole_x = x.detach().clone().requires_grad_()
+    expected_out, expected = _whole_run(reference, whole_x)
+    resolved = TensorParallelConfig().resolve(module, tp_size=2)
+    assert resolved.styles["attention.wq"] == "colwise"
+    assert not any(name.startswith(("attention.reduce", "attention.gate")) for name in resolved.styles)
+    with simulated_ranks():
+        apply_tensor_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), resolved)
+        out = module(x)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        assert reduce_split_region_gradients(module) > 0
+        rank0 = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t)._local_tensors[0]  # noqa: E731
+        out, x_grad = rank0(out).detach(), rank0(x.grad)
+        grads = {n: rank0(p.grad) for n, p in module.named_parameters()}
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x_grad, whole_x.grad, rtol=0, atol=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-12, msg=name)

@@ -69,9 +69,10 @@ HEAD_ATTRIBUTES: tuple[str, ...] = (
     "num_kv_heads", "split_size", "all_head_size", "n_query_groups",
 )
 #: Widths an attention module may keep under a name that elsewhere means the model width (XGLM's, MVP's,
-#: TrOCR's ``embed_dim``, which they reshape the heads' output by): divided only on the module itself, and only
-#: where the value is the whole output width of one of its column-split q/k/v projections.
-SPLIT_WIDTH_ATTRIBUTES: tuple[str, ...] = ("embed_dim",)
+#: TrOCR's ``embed_dim``, Hiera's ``hidden_size_output``, which they reshape the heads' output by): divided only on
+#: the module itself, and only where the value is the whole output width of one of its column-split q/k/v
+#: projections (for a fused q|k|v of equal blocks, of one block).
+SPLIT_WIDTH_ATTRIBUTES: tuple[str, ...] = ("embed_dim", "hidden_size_output")
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
@@ -477,9 +478,10 @@ def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str]
         config = getattr(parent, "config", None)
         if config is not None and (style == "fused_qkv" or is_attention_projection(child)):
             attrs += [f"config.{a}" for a in attributes if _is_count(getattr(config, a, None))]
-        if is_attention_projection(child) and is_projection(modules[fqn]):
+        if (style == "fused_qkv" or is_attention_projection(child)) and is_projection(modules[fqn]):
             width = features(modules[fqn])[1]
-            attrs += [a for a in SPLIT_WIDTH_ATTRIBUTES if _is_count(getattr(parent, a, None)) and getattr(parent, a) == width]
+            widths = {width, width // 3} if style == "fused_qkv" and width % 3 == 0 else {width}
+            attrs += [a for a in SPLIT_WIDTH_ATTRIBUTES if _is_count(getattr(parent, a, None)) and getattr(parent, a) in widths]
         if attrs:
             found[parent_name] = tuple(dict.fromkeys(found.get(parent_name, ()) + tuple(attrs)))
     return found
