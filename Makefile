@@ -36,6 +36,7 @@ benchmark: venv
 	$(PY) benchmarks/dp_vs_ddp.py
 	$(PY) benchmarks/tp_vs_model_parallel.py
 	$(PY) benchmarks/tp_vs_hf_tp.py
+	$(PY) benchmarks/expert_parallel.py
 	$(PY) benchmarks/pp_efficiency.py
 	$(PY) benchmarks/hybrid_layouts.py
 	$(PY) benchmarks/checkpoint_io.py
