@@ -33,15 +33,17 @@ from lightning_parallel.parallelize.expert.experts import RoutedExperts, routed_
 #: The attribute holding a routed-experts module's key (copied with the module: a meta skeleton keeps it).
 KEY_ATTRIBUTE = "_lightning_parallel_experts_key"
 
-_LIBRARY = torch.library.Library("lightning_parallel", "FRAGMENT")
-_LIBRARY.define(
+#: The library's operators (also :mod:`~lightning_parallel.parallelize.pipeline.opaque_functions`').
+LIBRARY = torch.library.Library("lightning_parallel", "FRAGMENT")
+LIBRARY.define(
     "routed_experts(Tensor hidden, Tensor index, Tensor weights, int key, str[] names, Tensor[] parameters) -> Tensor"
 )
 _LIVE: dict[int, weakref.ReferenceType[nn.Module]] = {}
 _KEYS = itertools.count()
 
 
-def _is_fake(tensor: Tensor) -> bool:
+def is_fake_tensor(tensor: Tensor) -> bool:
+    """Whether ``tensor`` only stands for a shape (meta, or torch.export's fake tensors): a kernel reports shapes then."""
     # torch._subclasses.fake_tensor is private (checked against torch 2.13): torch.export runs the module on fake
     # tensors, and the operator's autograd kernel (reached before any fake kernel) must only report the shape then.
     from torch._subclasses.fake_tensor import is_fake
@@ -50,7 +52,7 @@ def _is_fake(tensor: Tensor) -> bool:
 
 
 def _run(hidden: Tensor, index: Tensor, weights: Tensor, key: int, names: list[str], parameters: list[Tensor]) -> Tensor:
-    if _is_fake(hidden):
+    if is_fake_tensor(hidden):
         return torch.empty_like(hidden)
     reference = _LIVE.get(key)
     module = reference() if reference is not None else None
@@ -64,9 +66,9 @@ def _run(hidden: Tensor, index: Tensor, weights: Tensor, key: int, names: list[s
 
 # The autograd kernel records the module's own operations (its backward is theirs); the explicit kernel serves
 # inference mode, where autograd keys are skipped; the meta kernel gives export the output's shape.
-_LIBRARY.impl("routed_experts", _run, "Autograd")
-_LIBRARY.impl("routed_experts", _run, "CompositeExplicitAutograd")
-_LIBRARY.impl("routed_experts", lambda hidden, *_: torch.empty_like(hidden), "Meta")
+LIBRARY.impl("routed_experts", _run, "Autograd")
+LIBRARY.impl("routed_experts", _run, "CompositeExplicitAutograd")
+LIBRARY.impl("routed_experts", lambda hidden, *_: torch.empty_like(hidden), "Meta")
 
 
 def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts]:

@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from lightning_parallel.parallelize.pipeline.opaque_experts import _LIBRARY, _is_fake
+from lightning_parallel.parallelize.pipeline.opaque_experts import LIBRARY, is_fake_tensor
 
-_LIBRARY.define("autograd_function(int key, Tensor[] tensors) -> Tensor[]")
+LIBRARY.define("autograd_function(int key, Tensor[] tensors) -> Tensor[]")
 
 #: The ``apply`` every Function inherits (a classmethod of ``torch.autograd.Function``, checked against torch 2.13).
 _APPLY = torch.autograd.Function.__dict__["apply"]
@@ -79,7 +79,7 @@ def _run(key: int, tensors: list[Tensor]) -> list[Tensor]:
             "pipeline again in this process."
         )
     args, kwargs = call.arguments(tensors)
-    if any(_is_fake(t) for t in tensors):  # the trace: only the outputs' shapes and structure matter
+    if any(is_fake_tensor(t) for t in tensors):  # the trace: only the outputs' shapes and structure matter
         with torch.no_grad():
             output = _apply(call.function, args, kwargs)
         leaves, spec = tree_flatten(output)
@@ -91,9 +91,9 @@ def _run(key: int, tensors: list[Tensor]) -> list[Tensor]:
 
 # As for routed experts: the autograd kernel lets autograd record the Function's own node; the explicit kernel serves
 # inference mode; the meta kernel is the trace's.
-_LIBRARY.impl("autograd_function", _run, "Autograd")
-_LIBRARY.impl("autograd_function", _run, "CompositeExplicitAutograd")
-_LIBRARY.impl("autograd_function", _run, "Meta")
+LIBRARY.impl("autograd_function", _run, "Autograd")
+LIBRARY.impl("autograd_function", _run, "CompositeExplicitAutograd")
+LIBRARY.impl("autograd_function", _run, "Meta")
 
 
 def _opaque_apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
