@@ -273,7 +273,8 @@ class SplitRegionParameters(PartialSumParameters):
                 f"its gradient cannot be reduced correctly. Leave {self.name} replicated in the plan."
             )
         self._seen[child] = self._inside[child] = self._split
-        if self._split and on_whole:
+        # A DTensor input (sequence parallelism gathers the hidden states as one) computes as DTensor arithmetic.
+        if self._split and on_whole and not isinstance(args[0], DTensor):
             self._pending = child
             return (gradient_summed(args[0], self.mesh), *args[1:])
         return None
