@@ -238,10 +238,34 @@ class MoEStack(nn.Module):
         return x
 
 
+def trace_and_compare(model: nn.Module, traced: nn.Module, x: torch.Tensor, expected: torch.Tensor, grads: dict) -> list:
+    """Trace ``traced`` (``model`` or its meta copy) in two stages cut before ``layers.1``, run them on ``x`` with
+    ``model``'s parameters, and check the output and every parameter's gradient against ``expected`` and ``grads``."""
+    from lightning_parallel.parallelize.pipeline.build import on_meta
+
+    inputs = (x,) if traced is model else on_meta((x,))
+    pipe = _trace(traced, inputs, {}, ["layers.1"], training=True, device=torch.device("cpu"))
+    stages = [pipe.get_stage_module(s) for s in range(2)]
+    if traced is not model:  # bind the live parameters by name, as the pipeline does for a new trace
+        for stage in stages:
+            for name, _ in list(stage.named_parameters()):
+                owner, _, leaf = name.rpartition(".")
+                setattr(stage.get_submodule(owner), leaf, model.get_parameter(name))
+    boundary = stages[0](x)
+    output = stages[1](*boundary) if isinstance(boundary, tuple) else stages[1](boundary)
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
+    output.square().sum().backward()
+    for name, _ in model.named_parameters():
+        stage_param = next(p for stage in stages for n, p in stage.named_parameters() if n == name)
+        torch.testing.assert_close(stage_param.grad, grads[name], rtol=0, atol=1e-12, msg=name)
+        stage_param.grad = None
+    return stages
+
+
 def test_routed_experts_trace_as_one_operator_calling_the_live_module():
     """The experts' data-dependent loop stops torch.export; marked, each experts call is an opaque operator whose
     stages compute the module's own values and gradients (router included), also when traced from a meta copy."""
-    from lightning_parallel.parallelize.pipeline.build import meta_copy, on_meta
+    from lightning_parallel.parallelize.pipeline.build import meta_copy
     from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts
 
     torch.manual_seed(0)
@@ -254,24 +278,9 @@ def test_routed_experts_trace_as_one_operator_calling_the_live_module():
     model.zero_grad()
     assert set(mark_routed_experts(model)) == {"layers.0.experts", "layers.1.experts"}
     for traced in (model, meta_copy(model)):
-        inputs = (x,) if traced is model else on_meta((x,))
-        pipe = _trace(traced, inputs, {}, ["layers.1"], training=True, device=torch.device("cpu"))
-        stages = [pipe.get_stage_module(s) for s in range(2)]
+        stages = trace_and_compare(model, traced, x, expected, grads)
         graphs = [m.graph for m in stages[0].modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)]
         assert any("routed_experts" in str(node.target) for graph in graphs for node in graph.nodes)
-        if traced is not model:  # bind the live parameters by name, as the pipeline does for a new trace
-            for stage in stages:
-                for name, _ in list(stage.named_parameters()):
-                    owner, _, leaf = name.rpartition(".")
-                    setattr(stage.get_submodule(owner), leaf, model.get_parameter(name))
-        boundary = stages[0](x)
-        output = stages[1](*boundary) if isinstance(boundary, tuple) else stages[1](boundary)
-        torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
-        output.square().sum().backward()
-        for name, param in model.named_parameters():
-            stage_param = next(p for stage in stages for n, p in stage.named_parameters() if n == name)
-            torch.testing.assert_close(stage_param.grad, grads[name], rtol=0, atol=1e-12, msg=name)
-            stage_param.grad = None
 
 
 class StraightThrough(torch.autograd.Function):
@@ -333,7 +342,7 @@ def test_custom_autograd_functions_keep_their_backward_in_traced_stages():
     """torch.export traces through an autograd.Function (round's derivative is zero: a straight-through estimator
     would get no gradient); each call is one operator whose stage runs the Function itself, old- and new-style,
     with keyword, non-tensor and None arguments and outputs, also when traced from a meta copy."""
-    from lightning_parallel.parallelize.pipeline.build import meta_copy, on_meta
+    from lightning_parallel.parallelize.pipeline.build import meta_copy
 
     torch.manual_seed(0)
     model, x = CustomBackwardStack(), torch.randn(B, L, D, dtype=torch.float64)
@@ -343,20 +352,5 @@ def test_custom_autograd_functions_keep_their_backward_in_traced_stages():
     assert all(g.abs().sum() > 0 for g in grads.values())  # round's own derivative would make them zero
     model.zero_grad()
     for traced in (model, meta_copy(model)):
-        inputs = (x,) if traced is model else on_meta((x,))
-        pipe = _trace(traced, inputs, {}, ["layers.1"], training=True, device=torch.device("cpu"))
-        stages = [pipe.get_stage_module(s) for s in range(2)]
-        if traced is not model:  # bind the live parameters by name, as the pipeline does for a new trace
-            for stage in stages:
-                for name, _ in list(stage.named_parameters()):
-                    owner, _, leaf = name.rpartition(".")
-                    setattr(stage.get_submodule(owner), leaf, model.get_parameter(name))
-        boundary = stages[0](x)
-        output = stages[1](*boundary) if isinstance(boundary, tuple) else stages[1](boundary)
-        torch.testing.assert_close(output, expected, rtol=0, atol=1e-12)
-        output.square().sum().backward()
-        for name, param in model.named_parameters():
-            stage_param = next(p for stage in stages for n, p in stage.named_parameters() if n == name)
-            torch.testing.assert_close(stage_param.grad, grads[name], rtol=0, atol=1e-12, msg=name)
-            stage_param.grad = None
+        trace_and_compare(model, traced, x, expected, grads)
     assert torch.autograd.Function.apply.__func__ is torch.autograd.Function.__dict__["apply"].__func__
