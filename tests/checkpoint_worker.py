@@ -56,3 +56,7 @@ if __name__ == "__main__":
         results[plan.name] = run(plan, spec["devices"])
     if torch.distributed.get_rank() == 0:
         torch.save(results, spec["result"])
+    # Leave together: a rank that exits while its peer's gloo threads still run can abort ("terminate called without
+    # an active exception", seen in CI under test_periodic_sync), as tests/jobs_worker.py explains.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
