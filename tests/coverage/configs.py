@@ -59,6 +59,19 @@ _TOP_K_NAMES = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "to
 _POSITION_NAMES = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length",
                    "max_sequence_length", "original_max_position_embeddings")
 _WINDOW_NAMES = ("sliding_window", "attention_window", "local_attention", "window_size_attention")
+# Sizes a family adds under a name of its own, recognised by how the name ends (every head width, low rank,
+# feed-forward width and position table): DeepSeek-V3.2's indexer (``index_head_dim``), DeepSeek-V4's
+# ``o_lora_rank``, Whisper's ``max_target_positions``, RemBERT's ``output_embedding_size`` ... Left at their
+# defaults they outweigh the shrunk model many times over, so the sweep's tp2 share would measure a config no
+# one trains, not the split. The named rules above and below still decide the fields they know.
+_SUFFIX_SIZES: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("_head_dim", "kv_channels", "dim_head"), HIDDEN // HEADS),
+    (("_lora_rank",), 16),
+    (("intermediate_size", "intermediate_size_mlp", "feed_forward_size", "dff", "d_inner"), INTERMEDIATE),
+    (("max_source_positions", "max_target_positions"), POSITIONS),
+    (("input_embedding_size", "output_embedding_size", "output_channels"), HIDDEN),
+    (("zero_expert_num",), EXPERTS),
+)
 _MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8}
 
 
@@ -89,6 +102,15 @@ def _real(config: Any, name: str, present: dict[str, Any]) -> str | None:
     """The stored field behind ``name`` (through the class's ``attribute_map``), if the config has it."""
     name = getattr(config, "attribute_map", {}).get(name, name)
     return name if name in present else None
+
+
+def _declared(config: Any, name: str) -> bool:
+    """Whether the config class gives ``name`` a value of its own (not ``None``, to be derived from other fields)."""
+    declared = getattr(type(config), "__dataclass_fields__", {}).get(name)
+    if declared is not None:
+        return declared.default is not None
+    parameter = inspect.signature(type(config).__init__).parameters.get(name)
+    return parameter is not None and parameter.default is not None  # neither: set from other fields after init
 
 
 def _per_layer(values: list[Any], layers: int) -> list[Any]:
@@ -133,6 +155,13 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
                 fields[real] = value(present[real]) if callable(value) else value
 
     hierarchical = isinstance(present.get("depths"), list)  # Swin/ResNet-like: stage lists, derived widths
+    if not hierarchical:
+        for suffixes, size in _SUFFIX_SIZES:
+            # Only sizes wider than the tiny model itself (a small default is already a tiny family's own shape),
+            # and only those the class declares: one it derives from others (Zamba's head width from its hidden
+            # size) follows them once they are tiny.
+            names = tuple(n for n in present if n.endswith(suffixes) and _declared(config, n))
+            put(names, lambda v, size=size: size if v > HIDDEN else v)
     if hierarchical:
         fields["depths"] = [1] * len(present["depths"])
         for name in ("hidden_sizes", "embed_dims", "embed_dim", "dims", "hidden_dims"):

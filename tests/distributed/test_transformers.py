@@ -39,6 +39,9 @@ LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     "tp2×pp2": (4, 1, "hybrid", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     # Each stage's state sharded over its 2 replicas (FSDP2 inside the pipeline).
     "dp2-shard×pp2": (4, 2, "hybrid", {"data_parallel_size": 2, "data_parallel_mode": "shard", "pipeline_parallel_size": 2, **MICROBATCHES}),
+    # FSDP2 over tensor-parallel shards with sequence parallelism (a fused q|k|v and a tied head split inside FSDP).
+    "dp2-shard×tp2+sp": (4, 2, "hybrid", {"data_parallel_size": 2, "data_parallel_mode": "shard", "tensor_parallel_size": 2,
+                                         "sequence_parallel": True}),
     "dp2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     # Context parallelism (eager attention is refused: it would attend within each rank's part only).
     "cp2": (2, 1, "hybrid", {"context_parallel_size": 2, "data_parallel_size": 1}),
@@ -79,6 +82,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "tp2×pp2": (*FAMILIES, VIEW, REF),
     "dp2×tp2×pp2": ("phi3",),  # fused q|k|v and gate|up (qwen2 runs tp2×pp2 on 4 ranks): 8 ranks are slow
     "dp2-shard×pp2": ("llama", "gpt2"),
+    "dp2-shard×tp2+sp": ("gpt2",),
     "cp2": (*FAMILIES, VIEW),
     "cp2×pp2": ("llama", "phi3"),
     "dp2 ep2": (*MOE, ROUTER_LOSS),
@@ -96,10 +100,12 @@ UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceabl
                (DEMO, "tp2"): "nothing split"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
 ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2"),
-              ("mixtral", "dp2-shard ep2"), ("gpt2", "dp2-shard×pp2"), ("phi3", "cp2×pp2"), ("mixtral", "dp2 ep2×pp2")}
+              ("mixtral", "dp2-shard ep2"), ("gpt2", "dp2-shard×pp2"), ("phi3", "cp2×pp2"), ("mixtral", "dp2 ep2×pp2"),
+              ("gpt2", "dp2-shard×tp2+sp")}
 #: TP jobs that save a checkpoint (in this format), wipe the weights and validate from it (fused layers, Conv1D, GQA).
 ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded",
-              ("mixtral", "dp2 ep2"): "full", ("qwen2_moe", "dp2 ep2"): "sharded", ("llama", "dp2-shard×pp2"): "full"}
+              ("mixtral", "dp2 ep2"): "full", ("qwen2_moe", "dp2 ep2"): "sharded", ("llama", "dp2-shard×pp2"): "full",
+              ("gpt2", "dp2-shard×tp2+sp"): "sharded"}
 
 
 def model_name(family: str, layout: str = "") -> str:
@@ -201,7 +207,7 @@ SPLIT_IN_STAGES = {
 
 
 def test_four_ranks_tp_pp(tmp_path):
-    results = run_layout(("tp2×pp2", "dp2-shard×pp2", "cp2×pp2", "dp4 ep2", "dp2 ep2×tp2", "dp2 ep2×pp2", "dp2 ep2×cp2"), tmp_path)
+    results = run_layout(("tp2×pp2", "dp2-shard×pp2", "dp2-shard×tp2+sp", "cp2×pp2", "dp4 ep2", "dp2 ep2×tp2", "dp2 ep2×pp2", "dp2 ep2×cp2"), tmp_path)
     assert_round_trips_load_into_the_plain_model(results, tmp_path)
     for (family, layout), result in results.items():
         assert_matches_single_device(family, layout, result)
@@ -209,8 +215,13 @@ def test_four_ranks_tp_pp(tmp_path):
             assert_experts_divided(family, result, ranks=2, dense_sharded="tp" in layout, pipelined="pp" in layout)
         whole = reference(family, 1, 2 if (family, layout) in ACCUMULATE else 1)["grads"][0]
         for name in SPLIT_IN_STAGES.get(family, ()) if "tp" in layout else ():
-            # Fused and Conv1D layers are split inside pipeline stages too (half of each per TP rank).
-            assert result["local_numel"][name] == whole[name].numel() // 2, (family, name)
+            # Fused and Conv1D layers are split inside pipeline stages too (half of each per TP rank), and FSDP2
+            # shards each rank's half again.
+            parts = 4 if "shard" in layout else 2
+            assert result["local_numel"][name] == whole[name].numel() // parts, (family, name)
+        if (family, layout) == ("gpt2", "dp2-shard×tp2+sp"):
+            # The tied embedding and head: one tensor, split over the vocabulary by tp and sharded by FSDP2.
+            assert result["local_numel"]["net.transformer.wte.weight"] == whole["net.transformer.wte.weight"].numel() // 4
 
 
 def test_eight_ranks_dp_tp_pp(tmp_path):

@@ -49,9 +49,11 @@ def test_dry_run_counts_what_the_real_module_holds_after_a_step():
 def test_tensor_parallel_dry_run_splits_what_the_plan_splits():
     whole, split = profile().step(1), profile().step(2)
     assert split.parameter_bytes["model.blocks.0.attn.q_proj.weight"] * 2 == whole.parameter_bytes["model.blocks.0.attn.q_proj.weight"]
-    assert split.parameter_bytes["model.tok_emb.weight"] == whole.parameter_bytes["model.tok_emb.weight"]
+    # The tied embedding and head: one tensor, split over the vocabulary like any untied pair.
+    assert split.parameter_bytes["model.tok_emb.weight"] * 2 == whole.parameter_bytes["model.tok_emb.weight"]
     # Megatron's pattern: per block one all-reduce after attention and one after the MLP, each way.
-    assert split.tp_collectives == 4 * SPEC.n_layer
+    # Plus the vocabulary split: the embedding's all-reduce, the head's all-gather and its input gradient's all-reduce.
+    assert split.tp_collectives == 4 * SPEC.n_layer + 3
     assert split.activation_bytes["model.blocks.0"] < whole.activation_bytes["model.blocks.0"]
     # n_head=2 cannot be split 4 ways: refused with the reason, not profiled.
     four = _profile("gpt", SPEC.n_layer, SPEC.n_embd, SPEC.tie_weights, SPEC.batch_size, SPEC.precision, 4)

@@ -9,6 +9,7 @@ from lightning_parallel.parallelize.tensor.apply import (
     infer_plan,
     resolve_plan,
 )
+from lightning_parallel.parallelize.tensor.inference import infer_units
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 from recipes.models.gpt import GPT
 
@@ -57,6 +58,8 @@ def test_auto_plan_for_the_recipe_gpt():
         **{f"blocks.{i}.attn.out_proj": "rowwise" for i in range(2)},
         **{f"blocks.{i}.mlp.fc_in": "colwise" for i in range(2)},
         **{f"blocks.{i}.mlp.fc_out": "rowwise" for i in range(2)},
+        # Tied (one tensor): split together over the vocabulary, and tied again after sharding.
+        "tok_emb": "embedding_rowwise", "lm_head": "colwise_gather_output",
     }
     resolved = resolve_plan(tiny_gpt(), plan)
     assert resolved.head_attributes == {"blocks.0.attn": ("n_head",), "blocks.1.attn": ("n_head",)}
@@ -146,8 +149,11 @@ def test_styles_must_fit_the_module_type():
 
 def test_splitting_one_side_of_tied_weights_is_refused():
     model = tiny_gpt(tie_weights=True)
-    with pytest.raises(ValueError, match=r"tied .* splits only lm_head"):
+    with pytest.raises(ValueError, match=r"tied \(one tensor\), but the plan does not split it the same way in every module "
+                                         r"holding it \(lm_head: colwise, tok_emb: replicated\)"):
         check_plan(model, resolve_plan(model, {"lm_head": "colwise"}), 2)
+    # Both holders split by the vocabulary rows: one shard of the one tensor on every rank.
+    check_plan(model, resolve_plan(model, {"lm_head": "colwise_gather_output", "tok_emb": "embedding_rowwise"}), 2)
     untied = tiny_gpt(tie_weights=False)
     check_plan(untied, resolve_plan(untied, {"lm_head": "colwise", "tok_emb": "embedding_rowwise"}), 2)
     assert resolve_plan(untied, {"tok_emb": "vocab_parallel"}).styles == {"tok_emb": "embedding_rowwise"}
@@ -658,11 +664,16 @@ def test_sibling_mlp_with_a_norm_of_the_model_width_before_its_up_projection():
     assert infer_plan(nn.ModuleDict({"layer": layer})) == {"layer.intermediate.dense": "colwise", "layer.output.dense": "rowwise"}
 
 
-def test_an_untied_token_embedding_and_head_split_over_the_vocabulary_and_a_tied_pair_stays_whole():
+def test_a_token_embedding_and_head_split_over_the_vocabulary_tied_or_not():
     untied = nn.ModuleDict({"embed": nn.Embedding(64, 16), "head": nn.Linear(16, 64, bias=False)})
-    assert infer_plan(untied) == {"embed": "embedding_rowwise", "head": "colwise_gather_output"}
+    assert infer_units(untied) == [{"embed": "embedding_rowwise"}, {"head": "colwise_gather_output"}]
     tied = nn.ModuleDict({"embed": nn.Embedding(64, 16), "head": nn.Linear(16, 64, bias=False)})
     tied.head.weight = tied.embed.weight
+    # One tensor: one group, split together or not at all.
+    assert infer_units(tied) == [{"embed": "embedding_rowwise", "head": "colwise_gather_output"}]
+    # A third module reading the same tensor (a second head) might use it any way: all stay whole.
+    tied.other = nn.Linear(16, 64, bias=False)
+    tied.other.weight = tied.embed.weight
     assert infer_plan(tied) == {}
 
 

@@ -42,7 +42,9 @@ def test_fused_projections_are_split_by_blocks():
     assert gpt2.fused["net.transformer.h.0.attn.c_attn"] == (32, 32, 32)
     assert "net.transformer.h.0.attn.c_attn" in gpt2.conv1d
     assert gpt2.styles["net.transformer.h.0.mlp.c_fc"] == "colwise"  # Conv1D MLP recognised by shape
-    assert "net.lm_head" not in gpt2.styles  # tied to the embedding: kept whole
+    # Tied to the embedding: both split over the vocabulary (tied again after sharding).
+    assert gpt2.styles["net.lm_head"] == "colwise_gather_output"
+    assert gpt2.styles["net.transformer.wte"] == "embedding_rowwise"
     # GPT-NeoX interleaves q, k, v per head: the published plain column split is whole heads.
     neox = plan_of("gpt_neox")
     assert neox.styles["net.gpt_neox.layers.0.attention.query_key_value"] == "colwise"

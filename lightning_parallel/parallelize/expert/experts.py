@@ -59,6 +59,11 @@ def routed_experts(module: nn.Module) -> RoutedExperts | str | None:
     others = [f"{name} {list(p.shape)}" for name, p in params.items() if p.dim() == 0 or p.shape[0] != count]
     if others:
         return f"its parameters {', '.join(others)} are not one entry per expert (dim 0 = {count} experts)"
+    nested = [f"{name} {list(p.shape)}" for name, p in module.named_parameters() if name not in params]
+    if nested:
+        # Ergo's post_expert_norm: a submodule's per-expert weights, indexed by the expert ids the forward is given.
+        return (f"its submodules hold parameters ({', '.join(nested)}) that expert parallelism does not divide with "
+                f"the experts, while the dispatch hands the forward this rank's local expert ids")
     attributes = tuple(
         name for name, value in vars(module).items()
         if "expert" in name.lower() and isinstance(value, int) and not isinstance(value, bool) and value == count

@@ -71,15 +71,17 @@ LIBRARY.impl("routed_experts", _run, "CompositeExplicitAutograd")
 LIBRARY.impl("routed_experts", lambda hidden, *_: torch.empty_like(hidden), "Meta")
 
 
-def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts]:
+def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts | str]:
     """Give every routed-experts module under ``module`` a key naming it as the live module its stages call.
 
+    Also those expert parallelism cannot divide (a reason instead of a layout): the operator needs only the
+    ``experts(hidden, index, weights)`` call, and takes every parameter below the module as an input.
     Call it on the module the stages will train, before copying it (a meta skeleton keeps the keys).
     """
     marked = {}
     for name, sub in module.named_modules():
         experts = routed_experts(sub)
-        if not isinstance(experts, RoutedExperts):
+        if experts is None:
             continue
         key = getattr(sub, KEY_ATTRIBUTE, None)
         reference = _LIVE.get(key) if key is not None else None
@@ -127,6 +129,8 @@ class _OpaqueCall:
         if len(values) != 3 or not all(isinstance(v, Tensor) for v in values):
             return self.forward(*args, **kwargs)  # another convention (Llama 4 computes every expert): traced as is
         hidden, index, weights = values
-        names = [name for name, _ in self.module.named_parameters(recurse=False)]
-        parameters = [self.module._parameters[name] for name in names]
+        # Its submodules' parameters too (a per-expert norm of the outputs): each an input, so the split places it on
+        # the stage and its gradient reaches the stage's copy.
+        names = [name for name, _ in self.module.named_parameters()]
+        parameters = [self.module.get_parameter(name) for name in names]
         return torch.ops.lightning_parallel.routed_experts(hidden, index, weights, self.key, names, parameters)

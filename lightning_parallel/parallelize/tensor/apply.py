@@ -48,6 +48,7 @@ from lightning_parallel.parallelize.tensor.sequence import (
     split_trunk_sequence,
 )
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
+from lightning_parallel.parallelize.tensor.tied import check_tied_parameters, tie_again, tied_groups
 from lightning_parallel.parallelize.tensor.plan import (
     STYLE_ALIASES,
     STYLES,
@@ -322,7 +323,7 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     for fqn, style in resolved.styles.items():
         if style == "rowwise":
             _require_split_input(fqn, modules, resolved)
-    _check_tied_parameters(module, resolved)
+    check_tied_parameters(module, resolved)
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, sequence_parallel: bool = False) -> nn.Module:
@@ -358,7 +359,10 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         projections = [modules[fqn] for fqn, style in resolved.styles.items() if style in COLUMN_STYLES and fqn.rpartition(".")[0] == region]
         SharedRegionInput(tp_mesh, arrives_as).attach(modules[region], projections, region)
     layouts = _order_fused_rank_major(modules, resolved, tp_size)
+    split = {fqn for fqn, style in resolved.styles.items() if style != "replicate"}
+    tied = [holders for holders in tied_groups(module) if {fqn for fqn, _ in holders} <= split]
     parallelize_module(module, tp_mesh, torch_plan)
+    tie_again(module, tied)
     for fqn, style in resolved.styles.items():
         if style == "experts":
             experts_layouts = split_experts(fqn, modules[fqn], check_experts(fqn, modules[fqn], tp_size), tp_mesh)
@@ -516,18 +520,3 @@ def _require_divisible(fqn: str, what: str, size: int, tp_size: int) -> None:
             f"{fqn}.{what}={size} is not divisible by tensor_parallel_size={tp_size}. "
             f"Choose a tensor_parallel_size that divides {size}, or leave {fqn} replicated in the plan."
         )
-
-
-def _check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
-    owners: dict[int, list[str]] = {}
-    for fqn, sub in module.named_modules():
-        for pname, param in sub.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append(f"{fqn}.{pname}" if fqn else pname)
-    split = {fqn for fqn, style in resolved.styles.items() if style != "replicate"}
-    for names in owners.values():
-        modules_of = {name.rpartition(".")[0] for name in names}
-        if len(modules_of) > 1 and modules_of & split:
-            raise ValueError(
-                f"Parameters {', '.join(names)} are tied (one tensor), but the plan splits only "
-                f"{', '.join(sorted(modules_of & split))}. Leave all of them replicated, or untie the weights."
-            )

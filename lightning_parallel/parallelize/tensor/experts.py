@@ -121,9 +121,12 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
     if getattr(module, "has_post_expert_norm", False):
         return "it normalises each expert's output (post_expert_norm), which needs the whole sum of the split units"
     biases = tuple(name for name in (f"{up}_bias", f"{DOWN}_bias") if name in params)
-    others = sorted(set(params) - {up, DOWN, *biases})
+    # Submodules' too: a per-expert norm of each expert's output (Ergo's post_expert_norm module) needs the whole
+    # sum of the split units, which each rank's partial sum is not.
+    others = sorted({name for name, _ in module.named_parameters()} - {up, DOWN, *biases})
     if others:
-        return f"it holds parameters besides its experts' weights and biases ({', '.join(others)})"
+        return (f"it holds parameters besides its experts' weights and biases ({', '.join(others)}), which its forward "
+                f"may apply to each expert's whole output")
     intermediate = down_shape[1] if transposed else down_shape[2]
     return ExpertsLayout(up, gated, transposed, concatenated, up_shape[0], intermediate, biases)
 

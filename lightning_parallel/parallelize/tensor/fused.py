@@ -107,11 +107,16 @@ def _to_original_dtensor(value: Tensor, layout: FusedLayout) -> Tensor:
 
     if not isinstance(value, DTensor):
         return layout.to_original(value)
-    # One layer whole at a time; each rank keeps only its chunk of the module-order tensor.
-    whole = layout.to_original(value.full_tensor())
-    rank = value.device_mesh.get_local_rank()
-    local = whole.chunk(layout.tp_size, dim=layout.dim)[rank].clone()
-    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
+    # One layer whole at a time; each rank keeps only its part of the module-order tensor.
+    return _placed_like(layout.to_original(value.full_tensor()), value)
+
+
+def _placed_like(whole: Tensor, like: Tensor) -> Tensor:
+    """``whole`` (the same on every rank) as a DTensor placed like ``like``: each rank keeps its part, no
+    communication. Any mesh: the tp mesh alone, or tp inside FSDP's (dp_shard, tp) with strided shards."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
 
 
 def _to_rank_major_dtensor(value: Tensor, like: Tensor, layout: FusedLayout) -> Tensor:
@@ -120,10 +125,7 @@ def _to_rank_major_dtensor(value: Tensor, like: Tensor, layout: FusedLayout) -> 
 
     whole = value.full_tensor() if isinstance(value, DTensor) else value
     ordered = layout.to_rank_major(whole.to(like.device))
-    if not isinstance(like, DTensor):
-        return ordered
-    local = ordered.chunk(layout.tp_size, dim=layout.dim)[like.device_mesh.get_local_rank()].clone()
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False)
+    return _placed_like(ordered, like) if isinstance(like, DTensor) else ordered
 
 
 def _state_in_original_order(module: nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:

@@ -36,6 +36,7 @@ from lightning_parallel.parallelize.tensor.projections import (
 )
 from lightning_parallel.parallelize.tensor.published_plan import published_plan
 from lightning_parallel.parallelize.tensor.split_region import interleaved_groups
+from lightning_parallel.parallelize.tensor.tied import tied_groups
 
 # Attention projections by conventional names: (query, key, value, output).
 _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
@@ -86,8 +87,8 @@ def infer_plan(
       sibling modules: ``d→h, h→d`` (first column-wise, second row-wise) and gated ``d→h, d→h, h→d``;
     - projections are ``nn.Linear`` (or a subclass computing the same map) or transformers' ``Conv1D``;
     - a Hugging Face model's own published plan (its ``_tp_plan``) fills in what the above leaves out: the
-      embedding and an untied output head (tied weights stay whole); without one, the token embedding and an
-      untied head of the same ``[vocabulary, width]`` shape are found by shape;
+      embedding and an untied output head; without one, the token embedding and the head of the same
+      ``[vocabulary, width]`` shape are found by shape, tied (one tensor) or not;
     - ``nn.MultiheadAttention`` and fused projections of unknown layout stay replicated, with a warning.
 
     Args:
@@ -155,8 +156,8 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
     Found by shape: the one ``nn.Embedding`` and the one ``nn.Linear`` whose weights are both ``[vocabulary, width]``
     (nothing else of that shape, neither taken nor tied), as a language model's token embedding and head are. The
     embedding splits over the vocabulary (its output all-reduced), the head over its outputs with the logits
-    gathered whole (the model's own loss reads them). A tied pair stays whole (one tensor in two modules), as does
-    an embedding with no such head, whose weight the model may read elsewhere.
+    gathered whole (the model's own loss reads them). A tied pair (one tensor in two modules) is one group, split
+    the same way; an embedding with no such head stays whole, as the model may read its weight elsewhere.
     """
     def free(fqn: str) -> bool:
         return fqn not in taken and fqn not in tied and not any(fqn.startswith(f"{done}.") for done in taken)
@@ -171,9 +172,25 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
     units: list[Unit] = []
     for shape, found in embeddings.items():
         matching = heads.get(shape, [])
-        if len(found) == 1 and len(matching) == 1 and free(found[0]) and free(matching[0]) and shape[0] > shape[1]:
-            units += [{found[0]: "embedding_rowwise"}, {matching[0]: "colwise_gather_output"}]
+        if len(found) != 1 or len(matching) != 1 or shape[0] <= shape[1]:
+            continue
+        embedding, head = found[0], matching[0]
+        if free(embedding) and free(head):
+            units += [{embedding: "embedding_rowwise"}, {head: "colwise_gather_output"}]
+        elif _tied_pair(module, embedding, head) and not any(
+            fqn in taken or any(fqn.startswith(f"{done}.") for done in taken) for fqn in (embedding, head)
+        ):
+            # One tensor in two modules: both split its vocabulary rows (Shard(0) in either style), as one group,
+            # and apply_tensor_parallel ties the two modules to the one sharded parameter again.
+            units.append({embedding: "embedding_rowwise", head: "colwise_gather_output"})
     return units
+
+
+def _tied_pair(module: nn.Module, embedding: str, head: str) -> bool:
+    """The head's weight is the embedding's (one tensor), no third module holds it, and neither module shares any
+    other parameter: the tie a language model's ``tie_word_embeddings`` makes."""
+    involved = [sorted(holders) for holders in tied_groups(module) if any(fqn in (embedding, head) for fqn, _ in holders)]
+    return involved == [sorted([(embedding, "weight"), (head, "weight")])]
 
 
 def _scaled_embedding(module: nn.Module) -> bool:

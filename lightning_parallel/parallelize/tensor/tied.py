@@ -1,0 +1,72 @@
+"""Tied weights under tensor parallelism: one tensor held by several modules (a tied embedding and head).
+
+Such a tensor may be split only where every holder splits it the same way, by rows
+(:func:`check_tied_parameters`); after torch's ``parallelize_module`` gave each holder its own DTensor,
+:func:`tie_again` points them all at one. No Lightning here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
+
+
+#: Styles that split a module's ``weight`` along its first dimension (an embedding's vocabulary rows, a Linear's
+#: output features): one tensor tied between modules of these styles is the same shard on every holder.
+_ROW_SHARDED_WEIGHT = ("embedding_rowwise", "colwise", "colwise_gather_output", "loss_parallel")
+
+
+def tied_groups(module: nn.Module) -> list[list[tuple[str, str]]]:
+    """``(module FQN, parameter name)`` of each tensor that several modules hold (tied weights)."""
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for fqn, sub in module.named_modules(remove_duplicate=False):
+        for pname, param in sub.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((fqn, pname))
+    return [holders for holders in owners.values() if len({fqn for fqn, _ in holders}) > 1]
+
+
+def check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
+    """A tied tensor is split only where every module holding it splits it the same way (its rows)."""
+    split = {fqn for fqn, style in resolved.styles.items() if style != "replicate"}
+    for holders in tied_groups(module):
+        modules_of = {fqn for fqn, _ in holders}
+        if not modules_of & split:
+            continue
+        same_rows = modules_of <= split and all(
+            pname == "weight" and resolved.styles[fqn] in _ROW_SHARDED_WEIGHT and fqn not in resolved.conv1d
+            for fqn, pname in holders
+        )
+        if not same_rows:
+            names = ", ".join(f"{fqn}.{pname}" if fqn else pname for fqn, pname in holders)
+            styles = ", ".join(f"{fqn}: {resolved.styles.get(fqn, 'replicated')}" for fqn in sorted(modules_of))
+            raise ValueError(
+                f"Parameters {names} are tied (one tensor), but the plan does not split it the same way in every "
+                f"module holding it ({styles}). Split them all by rows (an embedding 'embedding_rowwise' with its "
+                f"head 'colwise_gather_output' or 'loss_parallel'), leave all of them replicated, or untie the weights."
+            )
+
+
+def tie_again(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Point every holder of a tied tensor at the first holder's sharded parameter.
+
+    ``parallelize_module`` distributes each module's parameters on their own, so a tied embedding and head come
+    out as two DTensors of equal values; training must update one (as on one device, where the gradient of both
+    uses adds up in the one tensor).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for holders in groups:
+        (first, first_name), *others = holders
+        shared = module.get_submodule(first).get_parameter(first_name)
+        for fqn, pname in others:
+            own = module.get_submodule(fqn).get_parameter(pname)
+            if isinstance(own, DTensor) and own.placements != shared.placements:
+                raise RuntimeError(
+                    f"{first}.{first_name} and {fqn}.{pname} are tied but were sharded as {shared.placements} and "
+                    f"{own.placements}; the plan must split every holder of a tied tensor the same way."
+                )
+            module.get_submodule(fqn).register_parameter(pname, shared)
