@@ -92,6 +92,10 @@ def test_modules_expert_parallelism_cannot_divide_say_why():
     odd = Experts()
     odd.scale = nn.Parameter(torch.ones(3))  # not one entry per expert
     assert "scale [3] are not one entry per expert" in routed_experts(odd)
+    nested = Experts()
+    nested.post_expert_norm = nn.Module()
+    nested.post_expert_norm.weight = nn.Parameter(torch.ones(4, 6))  # per expert, but in a submodule (Ergo)
+    assert "submodules hold parameters (post_expert_norm.weight [4, 6])" in routed_experts(nested)
     assert routed_experts(Experts(num_experts=1)) is None  # a shared expert in the 3-D layout stays dense
     assert routed_experts(nn.Linear(4, 4)) is None
     # Experts as an nn.ModuleList of MLPs (older checkpoints, hand-written MoE): not found; the component refuses by name.

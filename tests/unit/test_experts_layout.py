@@ -54,6 +54,10 @@ def test_experts_refused_where_the_split_would_change_the_math():
     extra = Experts(is_transposed=False, is_concatenated=True)
     extra.scale = nn.Parameter(torch.ones(4))
     assert "scale" in experts_layout(extra)
+    nested = Experts(is_transposed=False, is_concatenated=True)
+    nested.post_expert_norm = nn.Module()
+    nested.post_expert_norm.weight = nn.Parameter(torch.ones(4, 8))  # Ergo: applied to each expert's whole output
+    assert "post_expert_norm.weight" in experts_layout(nested)
     with pytest.raises(ValueError, match="6 hidden units are not divisible by tensor_parallel_size=4"):
         check_experts("moe.experts", Experts(is_transposed=False, is_concatenated=True), 4)
     with pytest.raises(TypeError, match="style 'experts' needs a module holding grouped experts"):

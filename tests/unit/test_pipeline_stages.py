@@ -215,11 +215,34 @@ class LoopingExperts(nn.Module):
         return out
 
 
-class MoEBlock(nn.Module):
+class PerExpertScale(nn.Module):
+    """One output scale per expert, indexed by the expert ids (Ergo's ``post_expert_norm``)."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(experts, D, dtype=torch.float64) + 0.5)
+
+
+class ScaledLoopingExperts(LoopingExperts):
+    """Routed experts with a parameter in a submodule, which the operator must take as an input too."""
+
     def __init__(self) -> None:
         super().__init__()
+        self.post_expert_norm = PerExpertScale()
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        scaled = torch.zeros_like(hidden)
+        for slot in range(index.shape[1]):
+            one = torch.zeros_like(weights).scatter(1, torch.full_like(index[:, :1], slot), 1.0) * weights
+            scaled = scaled + super().forward(hidden, index, one) * self.post_expert_norm.weight[index[:, slot]]
+        return scaled
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, experts: type[nn.Module] = LoopingExperts) -> None:
+        super().__init__()
         self.router = nn.Linear(D, 4, bias=False, dtype=torch.float64)
-        self.experts = LoopingExperts()
+        self.experts = experts()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, D)
@@ -228,9 +251,9 @@ class MoEBlock(nn.Module):
 
 
 class MoEStack(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, experts: type[nn.Module] = LoopingExperts) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(MoEBlock() for _ in range(2))
+        self.layers = nn.ModuleList(MoEBlock(experts) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -262,14 +285,16 @@ def trace_and_compare(model: nn.Module, traced: nn.Module, x: torch.Tensor, expe
     return stages
 
 
-def test_routed_experts_trace_as_one_operator_calling_the_live_module():
+@pytest.mark.parametrize("experts", [LoopingExperts, ScaledLoopingExperts], ids=["experts", "per_expert_submodule"])
+def test_routed_experts_trace_as_one_operator_calling_the_live_module(experts):
     """The experts' data-dependent loop stops torch.export; marked, each experts call is an opaque operator whose
-    stages compute the module's own values and gradients (router included), also when traced from a meta copy."""
+    stages compute the module's own values and gradients (router included), also when traced from a meta copy,
+    and also for a parameter in a submodule of the experts (its gradient reaches the stage's copy)."""
     from lightning_parallel.parallelize.pipeline.build import meta_copy
     from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts
 
     torch.manual_seed(0)
-    model, x = MoEStack(), torch.randn(B, L, D, dtype=torch.float64)
+    model, x = MoEStack(experts), torch.randn(B, L, D, dtype=torch.float64)
     with pytest.raises(Exception):
         _trace(model, (x,), {}, ["layers.1"], training=True)
     expected = model(x)

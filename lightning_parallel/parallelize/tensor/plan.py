@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 #: Style names a plan may use, with what they do.
 STYLES: dict[str, str] = {
     "colwise": "Linear split along output features (input replicated, output sharded)",
-    "colwise_gather_output": "Linear split along output features, output gathered whole (e.g. an untied head)",
+    "colwise_gather_output": "Linear split along output features, output gathered whole (e.g. an output head, tied or not)",
     "fused_qkv": "fused q|k|v projection: each block split by whole heads (k/v may have fewer heads: GQA)",
     "fused_gate_up": "fused gate|up projection: each half split along output features",
     "rowwise": "Linear split along input features (input sharded, output all-reduced)",

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 #: Styles that split a module's ``weight`` along its first dimension (an embedding's vocabulary rows, a Linear's
 #: output features): one tensor tied between modules of these styles is the same shard on every holder.
-_ROW_SHARDED_WEIGHT = ("embedding_rowwise", "colwise", "colwise_gather_output", "loss_parallel")
+#: ``loss_parallel`` would too, but hands training_step sharded logits; with a tied head it is untested: refused.
+_ROW_SHARDED_WEIGHT = ("embedding_rowwise", "colwise", "colwise_gather_output")
 
 
 def tied_groups(module: nn.Module) -> list[list[tuple[str, str]]]:
@@ -46,7 +47,7 @@ def check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
             raise ValueError(
                 f"Parameters {names} are tied (one tensor), but the plan does not split it the same way in every "
                 f"module holding it ({styles}). Split them all by rows (an embedding 'embedding_rowwise' with its "
-                f"head 'colwise_gather_output' or 'loss_parallel'), leave all of them replicated, or untie the weights."
+                f"head 'colwise_gather_output'), leave all of them replicated, or untie the weights."
             )
 
 
