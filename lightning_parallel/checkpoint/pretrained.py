@@ -2,7 +2,9 @@
 
 Three sources: a full checkpoint file (memory-mapped: only the slices a rank copies are read), a sharded
 checkpoint directory of this library (DCP's planner reads what each rank's shards cover) and a Hugging
-Face model directory (``safetensors``' ``get_slice``; one file or sharded with an index). Names are
+Face model directory (``safetensors``' ``get_slice``; one file or sharded with an index; Mixture-of-Experts
+layers stored one module per expert are read as the fused experts the model holds, each rank reading only
+its own experts: :mod:`~lightning_parallel.checkpoint.expert_conversion`). Names are
 matched first — the source's names may lack a prefix of the module's (a Hugging Face model held as
 ``self.model`` in a LightningModule) — and checked: missing, unexpected and mis-shaped tensors are listed
 before anything is read. Values are converted to the dtype of the tensor they go into.
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_parallel.checkpoint.expert_conversion import PerExpertSource, stored_per_expert
 from lightning_parallel.checkpoint.sharded import (
     MODEL_KEY,
     load_states,
@@ -79,6 +82,11 @@ def load_pretrained(
     else:
         source = _open_sliced(path)
         found = source.shapes()
+        if stored_per_expert(found) and any(_FUSED_EXPERTS.search(name) for name in whole_shapes):
+            # Experts stored one module each (the Hub's layout), held fused: read through transformers' own mapping.
+            converted = PerExpertSource.for_directory(path, source)
+            if converted is not None:
+                source, found = converted, converted.shapes()
     prefix = _prefix(found, whole_shapes)
     expected = {k[len(prefix):]: v for k, v in whole_shapes.items() if k.startswith(prefix)}
     stored_alias = {k[len(prefix):]: v[len(prefix):] for k, v in aliases.items() if k.startswith(prefix) and v.startswith(prefix)}
@@ -119,10 +127,11 @@ def _fix_for(expected: Mapping[str, tuple[int, ...]], present: Mapping[str, tupl
     if fused and per_expert:
         return (
             "The source stores each expert as a module of its own, as Hugging Face checkpoints of Mixture-of-Experts "
-            "models do, and the model holds them fused (transformers converts them in from_pretrained); weights_from "
-            "reads tensors under the model's own names and does not convert them. Build the model with "
-            "from_pretrained(path) instead (every rank then reads the whole checkpoint), or pass a checkpoint this "
-            "library saved."
+            "models do, and the model holds them fused (transformers converts them in from_pretrained). weights_from "
+            "converts them through transformers' conversion mapping for the model type in the directory's config.json, "
+            "and this directory has none it can read (no config.json, or a mapping with operations other than stacking "
+            "the experts and joining gate and up). Build the model with from_pretrained(path) instead (every rank then "
+            "reads the whole checkpoint), or pass a checkpoint this library saved."
         )
     return "Build the model from the same configuration the weights were saved with."
 

@@ -41,6 +41,10 @@ def saved_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.save({"state_dict": llama.state_dict()}, folder / "llama.ckpt")
     llama.net.save_pretrained(folder / "llama_hf_sharded", max_shard_size="20KB")  # several files + index
     llama.net.save_pretrained(folder / "llama_hf")  # one model.safetensors
+    # transformers saves a Mixtral's fused experts one module per expert, under the Hub's names (block_sparse_moe).
+    mixtral = make_model(JobSpec(model="hf_mixtral"))
+    torch.save({"state_dict": mixtral.state_dict()}, folder / "mixtral.ckpt")
+    mixtral.net.save_pretrained(folder / "mixtral_hf")
     assert (folder / "llama_hf_sharded" / "model.safetensors.index.json").is_file()
     return {p.name.removesuffix(".ckpt"): p for p in folder.iterdir()}
 
@@ -106,6 +110,12 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
         # A Mixture-of-Experts model built on meta, its experts divided over ep=2 (each rank materialises its half).
         "moe_dp2_ep2": (JobSpec(model="gpt_moe", strategy="hybrid", devices=2, batch_size=2, steps=STEPS, empty_init=True,
                                 strategy_kwargs={"data_parallel_size": 2, "expert_parallel_size": 2}), {"model": "gpt_moe"}),
+        # ... loading a Hugging Face directory whose experts are stored one module each: each rank reads its own.
+        "mixtral_dp2_ep2_from_per_expert_safetensors": (
+            JobSpec(model="hf_mixtral", strategy="hybrid", devices=2, batch_size=2, steps=STEPS, empty_init=True,
+                    strategy_kwargs={"data_parallel_size": 2, "expert_parallel_size": 2, "weights_from": w["mixtral_hf"]}),
+            {"model": "hf_mixtral", "initial_weights": w["mixtral"]},
+        ),
         # Built on meta and first cut by Lightning's sanity check (validation batches of 8), then trained on 4.
         "llama_pp2_first_batch_a_validation_one": (
             JobSpec(model="hf_llama", strategy="pipeline", devices=2, steps=STEPS, empty_init=True, validate=True, val_batch_size=8,

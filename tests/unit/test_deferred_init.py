@@ -288,13 +288,57 @@ def test_weights_from_tells_what_it_cannot_read(tmp_path):
         load_pretrained(tmp_path / "notes.txt", local_targets(module), None, whole_shapes=shapes)
 
 
-def test_weights_from_a_per_expert_hugging_face_checkpoint_says_how_to_load_it(tmp_path):
-    """transformers 5 builds Mixtral's experts fused (3-D) but saves them one module per expert, as the Hub keeps them."""
+def _tiny_moe(transformers, family: str, seed: int):
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    config = (transformers.MixtralConfig(**sizes, num_local_experts=4) if family == "mixtral" else
+              transformers.Qwen2MoeConfig(**sizes, num_experts=4, moe_intermediate_size=6,
+                                          shared_expert_intermediate_size=10))
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_weights_from_a_per_expert_hugging_face_checkpoint_reads_the_fused_experts(tmp_path, family):
+    """transformers 5 builds the experts fused (3-D) but saves them one module per expert, as the Hub keeps them
+    (Mixtral also under another module name): weights_from converts through transformers' own mapping."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.MixtralConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    saved = _tiny_moe(transformers, family, seed=0)
+    saved.save_pretrained(tmp_path)
+    model = _tiny_moe(transformers, family, seed=1)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    written = load_pretrained(tmp_path, local_targets(model), None, whole_shapes=shapes)
+    assert sorted(written) == sorted(shapes)
+    for name, value in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_ranks_slice_of_fused_experts_reads_only_its_experts_files(tmp_path):
+    """Under expert parallelism a rank's experts are a dim-0 slice: only those experts' stored tensors are read."""
+    transformers = pytest.importorskip("transformers")
+    from lightning_parallel.checkpoint.expert_conversion import PerExpertSource
+    from lightning_parallel.checkpoint.pretrained import _open_sliced
+
+    saved = _tiny_moe(transformers, "mixtral", seed=0)
+    saved.save_pretrained(tmp_path)
+    stored = _open_sliced(tmp_path)
+    read: list[str] = []
+    original = stored.read
+    stored.read = lambda name, index: read.append(name) or original(name, index)
+    source = PerExpertSource.for_directory(tmp_path, stored)
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert source.shapes()[name] == (4, 32, 8)
+    part = source.read(name, (slice(2, 4), slice(0, 32), slice(0, 8)))
+    assert torch.equal(part, saved.state_dict()[name][2:4])
+    assert sorted(read) == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in (2, 3) for w in ("w1", "w3")]
+
+
+def test_weights_from_a_per_expert_checkpoint_without_its_config_says_how_to_load_it(tmp_path):
+    """Without config.json the model type, and so transformers' mapping, is unknown: refused with the fix."""
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_moe(transformers, "mixtral", seed=0)
     model.save_pretrained(tmp_path)
+    (tmp_path / "config.json").unlink()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     with pytest.raises(RuntimeError, match="stores each expert as a module of its own.*from_pretrained") as raised:
         load_pretrained(tmp_path, local_targets(model), None, whole_shapes=shapes)

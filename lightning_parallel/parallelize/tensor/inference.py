@@ -154,13 +154,16 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
     """The input embedding and the untied output head, where the model publishes no plan for them.
 
     Found by shape: the one ``nn.Embedding`` and the one ``nn.Linear`` whose weights are both ``[vocabulary, width]``
-    (nothing else of that shape, neither taken nor tied), as a language model's token embedding and head are. The
+    (nothing else of that shape that no other group split), as a language model's token embedding and head are. The
     embedding splits over the vocabulary (its output all-reduced), the head over its outputs with the logits
     gathered whole (the model's own loss reads them). A tied pair (one tensor in two modules) is one group, split
     the same way; an embedding with no such head stays whole, as the model may read its weight elsewhere.
     """
+    def untaken(fqn: str) -> bool:
+        return fqn not in taken and not any(fqn.startswith(f"{done}.") for done in taken)
+
     def free(fqn: str) -> bool:
-        return fqn not in taken and fqn not in tied and not any(fqn.startswith(f"{done}.") for done in taken)
+        return fqn not in tied and untaken(fqn)
 
     embeddings: dict[tuple[int, ...], list[str]] = {}
     heads: dict[tuple[int, ...], list[str]] = {}
@@ -171,15 +174,14 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
             heads.setdefault(tuple(sub.weight.shape), []).append(fqn)
     units: list[Unit] = []
     for shape, found in embeddings.items():
-        matching = heads.get(shape, [])
+        # Projections already split (an MLP whose width happens to equal the vocabulary) are not head candidates.
+        matching = [fqn for fqn in heads.get(shape, []) if untaken(fqn)]
         if len(found) != 1 or len(matching) != 1 or shape[0] <= shape[1]:
             continue
         embedding, head = found[0], matching[0]
         if free(embedding) and free(head):
             units += [{embedding: "embedding_rowwise"}, {head: "colwise_gather_output"}]
-        elif _tied_pair(module, embedding, head) and not any(
-            fqn in taken or any(fqn.startswith(f"{done}.") for done in taken) for fqn in (embedding, head)
-        ):
+        elif _tied_pair(module, embedding, head) and untaken(embedding) and untaken(head):
             # One tensor in two modules: both split its vocabulary rows (Shard(0) in either style), as one group,
             # and apply_tensor_parallel ties the two modules to the one sharded parameter again.
             units.append({embedding: "embedding_rowwise", head: "colwise_gather_output"})
