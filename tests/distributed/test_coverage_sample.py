@@ -1,7 +1,7 @@
 """A fixed sample of the coverage sweep, run for real through the sweep's own runner (one 2-rank world).
 
-One family of each kind: a Llama-like decoder (OLMo2: its q/k norms span every head), a fused-q|k|v one, a mixture of experts with latent attention, an encoder masked
-LM, a ViT and a CNN, each under dp2, tp2, pp2 and cp2 against single-device training. A cell may be
+One family of each kind: a Llama-like decoder (OLMo2: its q/k norms span every head), a fused-q|k|v one, a mixture of experts with latent attention, a tied
+scaled embedding (Gemma 2), experts with a per-expert norm module (Ergo), an encoder masked LM, a ViT and a CNN, each under dp2, tp2, pp2 and cp2 against single-device training. A cell may be
 `exact` or `refused` (a clear error at setup or first batch); `wrong` or `crash` fails the test.
 """
 
@@ -18,6 +18,8 @@ SAMPLE = [
     ("causal_lm", "olmo2"),  # separate q/k/v/o, SwiGLU, q/k norms over every head together (summed under tp)
     ("causal_lm", "phi3"),  # fused qkv_proj (GQA) and gate_up_proj
     ("causal_lm", "deepseek_v3"),  # mixture of experts (grouped routing, shared experts), multi-head latent attention
+    ("causal_lm", "gemma2"),  # tied head and an embedding that scales its rows: split together over the vocabulary
+    ("causal_lm", "ergo"),  # experts holding a per-expert norm in a submodule (kept whole by tp, refused by ep)
     ("masked_lm", "bert"),  # bidirectional encoder, attention output in a sibling module
     ("image_classification", "vit"),  # patch convolution, CLS token
     ("image_classification", "resnet"),  # CNN with BatchNorm stages

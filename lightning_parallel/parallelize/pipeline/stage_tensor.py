@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map
 import lightning_parallel.parallelize.tensor.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
 from lightning_parallel.parallelize.pipeline.stage_views import contiguous_before_views
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
+from lightning_parallel.parallelize.tensor.vocabulary import replicate_partials
 
 #: Placement of each parameter of a module, by style; anything not listed is replicated. Fused projections
 #: are split along their output features in the module's own order: in the global view DTensor slices
@@ -150,18 +151,8 @@ def _reduce_after_embeddings(stage_module: nn.Module) -> None:
         lookups = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
         for lookup in lookups:
             with graph.inserting_after(lookup):
-                reduced = graph.call_function(_replicate_partials, (lookup,))
+                reduced = graph.call_function(replicate_partials, (lookup,))
             lookup.replace_all_uses_with(reduced, delete_user_cb=lambda user, reduced=reduced: user is not reduced)
             reduced.meta = dict(lookup.meta)
         if lookups:
             submodule.finalize()
-
-
-def _replicate_partials(value: Tensor) -> Tensor:
-    if isinstance(value, DTensor) and any(p.is_partial() for p in value.placements):
-        placements = [Replicate() if p.is_partial() else p for p in value.placements]
-        whole = value.redistribute(placements=placements).to_local()
-        # A fresh DTensor: the gradient that comes back (often a partial sum) is reduced by from_local's
-        # backward, and reaches the masked reduction as the replicated gradient it expects.
-        return DTensor.from_local(whole, value.device_mesh, placements, run_check=False)
-    return value

@@ -49,6 +49,7 @@ from lightning_parallel.parallelize.tensor.sequence import (
 )
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
 from lightning_parallel.parallelize.tensor.tied import check_tied_parameters, tie_again, tied_groups
+from lightning_parallel.parallelize.tensor.vocabulary import reduce_lookups_in
 from lightning_parallel.parallelize.tensor.plan import (
     STYLE_ALIASES,
     STYLES,
@@ -363,6 +364,9 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     tied = [holders for holders in tied_groups(module) if {fqn for fqn, _ in holders} <= split]
     parallelize_module(module, tp_mesh, torch_plan)
     tie_again(module, tied)
+    for fqn, style in resolved.styles.items():
+        if style == "embedding_rowwise":
+            reduce_lookups_in(modules[fqn])  # an embedding that scales its rows (Gemma) loses the lookup's mask
     for fqn, style in resolved.styles.items():
         if style == "experts":
             experts_layouts = split_experts(fqn, modules[fqn], check_experts(fqn, modules[fqn], tp_size), tp_mesh)
