@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,12 @@ import torch
 from torch import Tensor
 
 
+@dataclass(frozen=True)
 class _Fused:
     """One fused tensor: for each expert, the stored names whose rows are concatenated (gate then up)."""
 
-    def __init__(self, experts: list[list[str]], shape: tuple[int, ...]) -> None:
-        self.experts, self.shape = experts, shape
+    experts: list[list[str]]
+    shape: tuple[int, ...]
 
 
 class PerExpertSource:
