@@ -67,7 +67,8 @@ def run_rank(rank: int, overrides: Sequence[str], config_dir: Path, config_name:
         command = [sys.executable, "-m", "lightning_parallel.dry_run", "--rank", str(rank), "--config-dir", str(config_dir),
                    "--config-name", config_name, "--json", str(out), *overrides]
         env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
-        env.setdefault("OMP_NUM_THREADS", "1")
+        # Ranks are simulated one at a time: each may use every core (its step's matmuls are most of its time).
+        env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
         started = time.perf_counter()
         proc = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:

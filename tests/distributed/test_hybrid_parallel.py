@@ -25,8 +25,8 @@ STEPS = 5
 LAYERS = 4
 GLOBAL_BATCH = 8
 #: The recipe GPT's automatic plan: q/k/v and fc_in split by output (weight and bias), out_proj and
-#: fc_out by input (weight only; their bias stays whole).
-SPLIT_BY_TP = (".q_proj.", ".k_proj.", ".v_proj.", ".fc_in.", ".out_proj.weight", ".fc_out.weight")
+#: fc_out by input (weight only; their bias stays whole), the tied embedding and head by vocabulary rows.
+SPLIT_BY_TP = (".q_proj.", ".k_proj.", ".v_proj.", ".fc_in.", ".out_proj.weight", ".fc_out.weight", ".tok_emb.")
 
 
 @cache
