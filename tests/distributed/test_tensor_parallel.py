@@ -32,10 +32,11 @@ def test_auto_plan_matches_single_device(accumulate, clip, tmp_path):
     # The planner's dry run on a fake process group predicts each rank's shards and DTensor's traffic.
     assert_planner_predicts_state(spec, result)
     assert_planner_predicts_communication(spec, result, ("tp",))
-    # Split layers hold 1/TP of their weights per rank (row-wise biases stay whole); the rest stays whole.
+    # Split layers hold 1/TP of their weights per rank (row-wise biases stay whole), the tied embedding and head its
+    # vocabulary rows; the rest stays whole.
     full_numel = {name: value.numel() for name, value in reference["grads"][0].items()}
     for name, local in result["local_numel"].items():
-        split = any(f".{layer}." in name for layer in ("q_proj", "k_proj", "v_proj", "fc_in")) or (
+        split = any(f".{layer}." in name for layer in ("q_proj", "k_proj", "v_proj", "fc_in", "tok_emb")) or (
             name.endswith(("out_proj.weight", "fc_out.weight"))
         )
         assert local == (full_numel[name] // 2 if split else full_numel[name]), name
