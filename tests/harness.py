@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -446,7 +447,7 @@ def run_distributed(spec: JobSpec, tmp_path: Path, timeout: float = 240, torchru
     """Run ``spec`` as ``python -m tests.worker`` (or under torchrun); returns rank 0's result."""
     proc = launch_worker(spec, tmp_path, timeout, torchrun)
     if proc.returncode != 0:
-        raise AssertionError(f"job failed with exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"job failed with exit code {proc.returncode}:\n{failure_report(proc)}")
     return torch.load(tmp_path / "result.pt", weights_only=False)
 
 
@@ -464,7 +465,7 @@ def run_distributed_jobs(specs: dict[str, JobSpec], tmp_path: Path, timeout: flo
     plan_file.write_text(json.dumps(plan))
     proc = launch_module(["tests.jobs_worker", str(plan_file)], timeout, nproc=devices)
     if proc.returncode != 0:
-        raise AssertionError(f"jobs failed with exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"jobs failed with exit code {proc.returncode}:\n{failure_report(proc)}")
     return {name: torch.load(tmp_path / name / "result.pt", weights_only=False) for name in specs}
 
 
@@ -480,9 +481,26 @@ def launch_worker(spec: JobSpec, tmp_path: Path, timeout: float, torchrun: bool 
     return launch_module(arguments, timeout, nproc=spec.devices if torchrun else None)
 
 
+#: Lines of a failed launch's stderr worth showing even when the tail is full of the other ranks' teardown.
+_FIRST_FAILURE = re.compile(r"terminate called|Fatal Python error|Segmentation fault|Abort|what\(\)|Error:|Exception:")
+
+
+def failure_report(proc: subprocess.CompletedProcess) -> str:
+    """A failed launch's output: the first lines that say why any rank failed (a rank killed by a signal leaves
+    them far above the tail, under the survivors' tracebacks), then the tails of stdout and stderr."""
+    first = []
+    for line in proc.stderr.splitlines():
+        if _FIRST_FAILURE.search(line) and line not in first:
+            first.append(line)
+        if len(first) == 20:
+            break
+    return "\n".join(["first error lines:", *first, "stdout tail:", proc.stdout[-4000:], "stderr tail:", proc.stderr[-8000:]])
+
+
 def launch_module(arguments: list[str], timeout: float, nproc: int | None = None) -> subprocess.CompletedProcess:
     """``python -m <arguments>`` (under torchrun with ``nproc`` processes) in its own session, killed whole on timeout."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # One inductor compile worker per rank: eight ranks on two cores each forking a compile pool only adds processes.
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
     for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED"):
         env.pop(var, None)
     command = [sys.executable, "-m", *arguments]

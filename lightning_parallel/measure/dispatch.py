@@ -1,58 +1,185 @@
-"""DTensor's per-operator host cost: how many operators a step dispatches on DTensors, and what one costs here.
+"""What a step costs besides its matmuls: operators dispatched on the host, and memory moved by the others.
 
-Every aten operator called on a DTensor goes through DTensor's dispatcher on the host — sharding propagation,
-unwrapping, wrapping the result — before (and besides) the kernel. On a GPU that overlaps the kernels; on a CPU it
-is time the step spends, and for the small matmuls of a tensor-parallel rank it can exceed the FLOPs. The planner
-counts the operators in its dry run (:class:`DTensorDispatches`) and multiplies by the cost one takes on this
-machine (:func:`dtensor_op_seconds`, measured with the hardware figures): a micro-benchmark, not a fit to the
-layouts the planner is judged on. No Lightning here.
+A CPU step is not its FLOPs alone. Every aten operator costs host time before its kernel (dispatch; for a DTensor
+also sharding propagation, unwrapping and wrapping the result), and the operators that are not matmuls (norms,
+softmax, activations, residual adds, the optimizer) are bound by memory bandwidth, not by the matmul peak. On a GPU
+the host work overlaps the kernels; on a CPU it is time the step spends, and for the small matmuls of a
+tensor-parallel rank it can exceed the FLOPs.
+
+The planner counts them in its dry run (:class:`StepOperators`: operators, DTensor operators, bytes the
+non-matmul operators read and write) and multiplies by what one costs on this machine (:func:`op_seconds`,
+:func:`dtensor_op_seconds`, :func:`memory_bytes_per_second`, measured with the hardware figures): micro-benchmarks,
+not a fit to the layouts the planner is judged on. No Lightning here.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import flop_registry
 
 
-class DTensorDispatches(TorchDispatchMode):
-    """While active, counts the aten operators called with a DTensor argument (:attr:`count`); the operators
-    DTensor runs on their local tensors are not counted again."""
+#: Matmul sizes whose throughput is measured: a matmul runs at the rate measured for the first size at least its
+#: smallest dimension (the one that limits its efficiency), the largest past them.
+MATMUL_SIZES = (32, 64, 128, 256, 512)
 
-    def __init__(self) -> None:
+
+def matmul_kind(func: Any, smallest_dimension: int) -> str:
+    """The measured kind an operator with a FLOP formula runs at: ``attention/<head size>`` for fused attention
+    kernels (far from the matmul peak on a CPU), else ``matmul/<size>`` by its smallest dimension."""
+    size = next((s for s in MATMUL_SIZES if smallest_dimension <= s), MATMUL_SIZES[-1])
+    return f"{'attention' if 'attention' in func.overloadpacket.__name__ else 'matmul'}/{size}"
+
+
+class StepOperators(TorchDispatchMode):
+    """While active, counts the aten operators called (:attr:`ops`), those called with a DTensor argument
+    (:attr:`dtensor_ops`; the operators DTensor runs on their local tensors are not counted again), the bytes
+    the operators without a FLOP formula read and write (:attr:`memory_bytes`, this rank's local tensors; views
+    move nothing) by the segment ``segment()`` names when each runs, and the FLOPs of the others by the size they
+    run at (:attr:`matmul_flops`, see :func:`matmul_kind`)."""
+
+    def __init__(self, segment: Callable[[], str] = lambda: "") -> None:
         super().__init__()
-        self.count = 0
+        self.segment = segment
+        self.ops = 0
+        self.dtensor_ops = 0
+        self.memory_bytes: dict[str, float] = {}
+        self.matmul_flops: dict[str, float] = {}
+
+    @property
+    def count(self) -> int:
+        """DTensor operators (the name the planner's dry run reads)."""
+        return self.dtensor_ops
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs or {}))[0]):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        tensors = [t for t in tree_flatten((args, kwargs or {}, out))[0] if isinstance(t, torch.Tensor)]
+        if any(isinstance(t, DTensor) for t in tensors):
+            self.dtensor_ops += 1
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            local_args, local_kwargs, local_out = tree_map_only(DTensor, lambda t: t._local_tensor, (args, kwargs or {}, out))
+            flops = formula(*local_args, **local_kwargs, out_val=local_out)
+            operands = [t for t in tree_flatten(local_args)[0] if isinstance(t, torch.Tensor) and t.dim() >= 2][:2]
+            smallest = min((d for t in operands for d in t.shape[-2:]), default=MATMUL_SIZES[-1])
+            kind = matmul_kind(func, smallest)
+            self.matmul_flops[kind] = self.matmul_flops.get(kind, 0.0) + flops
+        elif not getattr(func, "is_view", False):
+            local = (t._local_tensor if isinstance(t, DTensor) else t for t in tensors)
+            moved = sum(t.numel() * t.element_size() for t in local)
+            segment = self.segment()
+            self.memory_bytes[segment] = self.memory_bytes.get(segment, 0.0) + moved
+        return out
 
 
-def dtensor_op_seconds(mesh: Any, repeats: int = 300) -> float:
-    """Host seconds one DTensor operator costs beyond the same operator on plain tensors (median of a mix: an
-    elementwise product, a sum, and a matmul of a column-split weight, as a tensor-parallel step runs them)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+# ---------------------------------------------------------------------------------------------- micro-benchmarks
 
-    plain_x, plain_w = torch.randn(8, 16), torch.randn(16, 16)
-    x = distribute_tensor(plain_x, mesh, [Replicate()])
-    w = distribute_tensor(plain_w, mesh, [Shard(1)])
-    local_w = w.to_local()
 
-    def run(a: torch.Tensor, b: torch.Tensor) -> None:
-        (a * a).sum()
-        a @ b
+def matmul_efficiency(seconds: float = 0.1) -> dict[str, float]:
+    """Throughput of each kind :func:`matmul_kind` names, relative to a ``(16·512 × 512) @ (512 × 512)`` matmul (the
+    peak's size): a ``(16·s × s) @ (s × s)`` matmul for ``matmul/<s>``, and forward and backward of causal
+    attention over 64 positions with heads of ``s`` for ``attention/<s>``, as FlopCounterMode counts their FLOPs."""
+    from torch.nn.functional import scaled_dot_product_attention
 
-    timings = []
-    for args in ((x, w), (plain_x, local_w)):
-        run(*args)  # warm-up (sharding propagation caches)
+    def rate(run: Callable[[], Any], flops: float) -> float:
+        run()  # warm-up
+        best = 0.0
+        for _ in range(3):
+            repeats, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds / 3:
+                run()
+                repeats += 1
+            best = max(best, flops * repeats / (time.perf_counter() - start))
+        return best
+
+    rates = {}
+    for size in MATMUL_SIZES:
+        a, b = torch.randn(16 * size, size), torch.randn(size, size)
+        rates[f"matmul/{size}"] = rate(lambda a=a, b=b: a @ b, 2 * 16 * size**3)
+        q = torch.randn(8, 4, 64, size, requires_grad=True)
+        counted = 3 * 4 * q.shape[0] * q.shape[1] * q.shape[2] ** 2 * size  # forward 4·B·H·S²·D, backward twice that
+        rates[f"attention/{size}"] = rate(lambda q=q: scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), counted)
+    peak = rates[f"matmul/{MATMUL_SIZES[-1]}"]
+    return {kind: min(1.0, value / peak) for kind, value in rates.items()}
+
+
+def op_seconds(repeats: int = 3000) -> float:
+    """Host seconds of one aten operator on a tiny tensor (dispatch, not work): an add of one-element tensors."""
+    a, b = torch.ones(1), torch.ones(1)
+    torch.add(a, b)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.add(a, b)
+    return (time.perf_counter() - start) / repeats
+
+
+def memory_bytes_per_second(elements: int = 2**19, repeats: int = 20) -> float:
+    """Bytes per second the non-matmul operators of a training step move with this process's threads: a mix of a
+    residual add, an activation, a softmax and a layer norm on activations of 2 MiB (float32), counted as
+    :class:`StepOperators` counts them (inputs and outputs)."""
+    x = torch.randn(elements // 128, 128)
+    y = torch.randn_like(x)
+    weight, bias = torch.ones(128), torch.zeros(128)
+    step = [
+        (lambda: torch.add(x, y), 3),
+        (lambda: nn.functional.gelu(x), 2),
+        (lambda: torch.softmax(x, dim=-1), 2),
+        (lambda: nn.functional.layer_norm(x, (128,), weight, bias), 2),
+    ]
+    for run, _ in step:
+        run()  # warm-up
+    best = float("inf")
+    for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
-            run(*args)
-        timings.append((time.perf_counter() - start) / (3 * repeats))
-    return max(timings[0] - timings[1], 0.0)
+            for run, _ in step:
+                run()
+        best = min(best, time.perf_counter() - start)
+    moved = repeats * sum(tensors * x.numel() * x.element_size() for _, tensors in step)
+    return moved / best
+
+
+def dtensor_op_seconds(mesh: Any, repeats: int = 20) -> float:
+    """Host seconds one DTensor operator costs beyond the same work on plain tensors, in forward and backward of a
+    column- then row-split MLP (as a tensor-parallel step runs them: autograd, views, redistributions).
+
+    Measure it on a one-rank mesh: its collectives are no-ops, so what remains is DTensor's own host work, and the
+    time of collectives is the latency's to model."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def blocks() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4)])
+
+    plain, split = blocks(), blocks()
+    for block in split:
+        parallelize_module(block, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(8, 32)
+
+    def step(model: nn.Module) -> None:
+        model(x).sum().backward()
+
+    timings = []
+    for model in (split, plain):
+        for _ in range(3):
+            step(model)  # warm-up (sharding propagation caches)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                step(model)
+            best = min(best, (time.perf_counter() - start) / repeats)
+        timings.append(best)
+    counter = StepOperators()
+    with counter:
+        step(split)
+    return max(timings[0] - timings[1], 0.0) / max(counter.dtensor_ops, 1)

@@ -1,10 +1,15 @@
 """This machine's compute and collective figures, measured once and cached (what ``measured: true`` profiles use).
 
 Compute: a dense matmul with every core (what one process alone trains on) and with one thread (a process's share
-when several share the cores: Lightning gives each ``cores // processes`` threads, at least one), per dtype.
+when several share the cores: Lightning gives each ``cores // processes`` threads, at least one), per dtype; alike
+the memory bandwidth of the operators that are not matmuls, and the host time of one operator
+(:mod:`lightning_parallel.measure.dispatch`).
 Collectives: two processes of the backend in use (gloo on CPU) time an all-reduce of 4 KiB (latency) and of 8 MiB
 (bandwidth, wire bytes per rank per second), and on the same two ranks one DTensor operator's host overhead
-(:mod:`lightning_parallel.measure.dispatch`). Memory: the host's RAM.
+(on a one-rank mesh: no communication in it). Crowded collectives: where a node may run more processes than it has
+cores (``CROWDED_PROCESSES``), that many processes time back-to-back small all-reduces. A blocked rank waits until
+every peer has been scheduled again, so one collective then costs milliseconds, not microseconds: the figure tensor
+parallelism pays per collective when its ranks outnumber the cores. Memory: the host's RAM.
 
 The figures are cached per machine in ``$XDG_CACHE_HOME/lightning_parallel/hardware/`` (default ``~/.cache``),
 keyed by host name, core count and torch version; ``LIGHTNING_PARALLEL_MEASURE_HARDWARE=1`` (or
@@ -29,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_parallel.measure.dispatch import dtensor_op_seconds
+from lightning_parallel.measure.dispatch import dtensor_op_seconds, matmul_efficiency, memory_bytes_per_second, op_seconds
 from lightning_parallel.measure.peak import measured_matmul_tflops
 
 #: Set to 1 to measure again instead of reading the cache.
@@ -37,6 +42,9 @@ REMEASURE_ENV = "LIGHTNING_PARALLEL_MEASURE_HARDWARE"
 #: Dtypes whose matmul peak is measured (the recipes train in fp32, the exactness tests in fp64).
 MEASURED_DTYPES = ("fp32", "fp64")
 SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
+#: Process counts whose crowded collective latency is measured, where they outnumber the cores (the planner's
+#: local layouts use up to 8 processes per node).
+CROWDED_PROCESSES = (4, 8)
 _BACKEND = "gloo"  # the CPU processes' backend; GPU profiles stay datasheet-based
 
 
@@ -55,13 +63,26 @@ class LocalMeasurements:
     collective_latency_us: float  # one small all-reduce between 2 processes
     memory_gib: float  # host RAM
     dtensor_op_us: float  # host time one DTensor operator costs beyond the plain one (measure.dispatch)
+    op_us: float  # host time of one plain operator (dispatch)
+    alone_memory_gbps: float  # bytes the non-matmul operators move per second, one process on every core
+    per_thread_memory_gbps: float  # the same on one thread
+    # one process per core at once, one thread each, summed: what the node's processes get together (shared caches,
+    # memory bus and SMT siblings make it less than cores × one thread alone)
+    shared_tflops: dict[str, float]
+    shared_memory_gbps: float
+    matmul_efficiency: dict[str, float]  # matmul/attention kind -> throughput relative to the peak (one thread)
+    # processes on the node (more than its cores) -> one small all-reduce among all of them, microseconds; no
+    # default: a cache written before it was measured is measured again
+    crowded_latency_us: dict[str, float]
 
     def describe(self) -> str:
         return (
             f"measured on {self.host} ({self.cores} cores, torch {self.torch_version}) at {self.measured_at}: matmul "
             f"{self.alone_tflops['fp32']:.3g} TFLOP/s fp32 for one process, {self.per_thread_tflops['fp32']:.3g} per thread; "
             f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency; "
-            f"{self.dtensor_op_us:.0f} µs per DTensor operator"
+            f"{self.dtensor_op_us:.0f} µs per DTensor operator, {self.op_us:.1f} µs per operator; non-matmul operators "
+            f"{self.alone_memory_gbps:.3g} GB/s for one process, {self.per_thread_memory_gbps:.3g} per thread"
+            + "".join(f"; {us / 1e3:.1f} ms per all-reduce among {n} processes" for n, us in self.crowded_latency_us.items())
         )
 
 
@@ -89,7 +110,7 @@ def local_measurements(remeasure: bool | None = None) -> LocalMeasurements:
         cached = None if remeasure else _read(path)
         if cached is not None:
             return cached
-        print(f"lightning_parallel: measuring this machine's compute and {_BACKEND} once (about 20 s; cached in {path})",
+        print(f"lightning_parallel: measuring this machine's compute and {_BACKEND} once (about 30 s; cached in {path})",
               file=sys.stderr, flush=True)
         measured = measure_here()
         # Written whole then renamed: a reader never sees half a file.
@@ -119,9 +140,16 @@ def measure_here() -> LocalMeasurements:
             alone[dtype] = _fresh_matmul_tflops(dtype)
             torch.set_num_threads(1)
             per_thread[dtype] = _fresh_matmul_tflops(dtype)
+        op_s = op_seconds()
+        per_thread_memory = memory_bytes_per_second()
+        efficiency = matmul_efficiency()
+        torch.set_num_threads(cores)
+        alone_memory = memory_bytes_per_second()
     finally:
         torch.set_num_threads(threads)
     latency_s, large_s, dtensor_op_s = _all_reduce_seconds()
+    crowded = {str(n): _crowded_all_reduce_seconds(n) * 1e6 for n in CROWDED_PROCESSES if n > cores}
+    shared = _shared_rates(cores)
     return LocalMeasurements(
         host=socket.gethostname(),
         cores=cores,
@@ -135,6 +163,13 @@ def measure_here() -> LocalMeasurements:
         collective_latency_us=latency_s * 1e6,
         memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,  # POSIX, as fcntl
         dtensor_op_us=dtensor_op_s * 1e6,
+        op_us=op_s * 1e6,
+        alone_memory_gbps=alone_memory / 1e9,
+        per_thread_memory_gbps=per_thread_memory / 1e9,
+        shared_tflops={dtype: sum(rates[dtype] for rates in shared) for dtype in MEASURED_DTYPES},
+        shared_memory_gbps=sum(rates["memory_gbps"] for rates in shared),
+        matmul_efficiency=efficiency,
+        crowded_latency_us=crowded,
     )
 
 
@@ -173,12 +208,53 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
                 dist.all_reduce(tensor)
                 seconds.append(time.perf_counter() - start)
             timings[name] = statistics.median(seconds)
-        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.device_mesh import DeviceMesh
 
+        # Each rank times DTensor on a mesh of its own: the operators' host work without their communication.
+        own = [dist.new_group([r]) for r in range(world_size)][rank]
         dist.barrier()
-        timings["dtensor_op_s"] = dtensor_op_seconds(init_device_mesh("cpu", (world_size,)))
+        timings["dtensor_op_s"] = dtensor_op_seconds(DeviceMesh.from_group(own, "cpu"))
         if rank == 0:
             Path(out).write_text(json.dumps(timings))
+    finally:
+        dist.destroy_process_group()
+
+
+def _shared_rates(processes: int) -> list[dict[str, float]]:
+    """Matmul TFLOP/s per dtype and non-matmul GB/s of each of ``processes`` one-thread processes running at once."""
+    with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
+        mp.start_processes(_shared_worker, args=(scratch,), nprocs=processes, start_method="spawn")
+        return [json.loads(path.read_text()) for path in sorted(Path(scratch).glob("rates-*.json"))]
+
+
+def _shared_worker(rank: int, scratch: str) -> None:
+    torch.set_num_threads(1)
+    rates: dict[str, float] = {dtype: measured_matmul_tflops(dtype) for dtype in MEASURED_DTYPES}
+    rates["memory_gbps"] = memory_bytes_per_second() / 1e9
+    Path(scratch, f"rates-{rank}.json").write_text(json.dumps(rates))
+
+
+def _crowded_all_reduce_seconds(world_size: int, repeats: int = 40) -> float:
+    """Seconds of one small all-reduce among ``world_size`` gloo processes (more than the cores), back to back."""
+    with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
+        init, out = Path(scratch) / "store", Path(scratch) / "result.json"
+        mp.start_processes(_crowded_worker, args=(world_size, str(init), str(out), repeats), nprocs=world_size, start_method="spawn")
+        return json.loads(out.read_text())["seconds"]
+
+
+def _crowded_worker(rank: int, world_size: int, init: str, out: str, repeats: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(_BACKEND, init_method=f"file://{init}", rank=rank, world_size=world_size)
+    try:
+        small = torch.zeros(SMALL_BYTES // 4)
+        for _ in range(3):  # warm-up (connections, buffers)
+            dist.all_reduce(small)
+        # No barrier between calls: as in a training step, each rank enters when it gets there.
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(small)
+        if rank == 0:
+            Path(out).write_text(json.dumps({"seconds": (time.perf_counter() - start) / repeats}))
     finally:
         dist.destroy_process_group()
 
@@ -187,8 +263,8 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
     """A hardware profile's figures from this machine's measurements (``measured: true`` in a profile).
 
     One process alone trains on every core (``peak_tflops``; fewer if ``OMP_NUM_THREADS`` says); processes sharing the
-    node get ``cores // processes`` threads each (Lightning's launchers), so together they reach ``cores ×`` one
-    thread's figure (``node_tflops``).
+    node get ``cores // processes`` threads each (Lightning's launchers), so together they reach what one-thread
+    processes on every core measured at once (``node_tflops``, ``node_memory_gbps``).
     """
     found = local_measurements(remeasure)
     # OMP_NUM_THREADS (set by Lightning's launchers for several processes, or by the user) caps a lone process too.
@@ -197,17 +273,29 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
     def alone(dtype: str) -> float:
         return found.alone_tflops[dtype] if threads == found.cores else min(found.alone_tflops[dtype], found.per_thread_tflops[dtype] * threads)
 
+    def alone_memory() -> float:
+        if threads == found.cores:
+            return found.alone_memory_gbps
+        return min(found.alone_memory_gbps, found.per_thread_memory_gbps * threads)
+
     return {
         "peak_tflops": alone("fp32"),
         "peak_dtype": "fp32",
         "peak_tflops_by_dtype": {"fp64": alone("fp64")},
-        "node_tflops": found.per_thread_tflops["fp32"] * found.cores,
+        "node_tflops": found.shared_tflops["fp32"],
         "intra_node_gbps": found.collective_gbps,
         "inter_node_gbps": found.collective_gbps,
         "intra_node_latency_us": found.collective_latency_us,
         "inter_node_latency_us": found.collective_latency_us,
         "device_memory_gib": found.memory_gib / devices_per_node,
         "dtensor_op_us": found.dtensor_op_us,
+        "op_us": found.op_us,
+        "memory_gbps": alone_memory(),
+        # Matmuls at the measured peak: the roofline counts the rest (memory-bound operators, host time).
+        "achievable_fraction": 1.0,
+        "node_memory_gbps": found.shared_memory_gbps,
+        "matmul_efficiency": found.matmul_efficiency,
+        "crowded_latency_us": {int(n): us for n, us in found.crowded_latency_us.items()},
         "host_cores": found.cores,
         "description": found.describe() + f" (cached in {cache_path()})",
     }

@@ -185,8 +185,9 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         )
     step = profile.step(layout.tp)
     micro = batch / layout.microbatches
+    # Processes outnumbering the cores make each message of a collective wait for its receiver to be scheduled again.
+    hardware = hardware.sharing_node(min(workload.devices_per_node, world))
     rank_stages = _stages_by_pipeline_rank(profile, layout)
-    flops_per_s = hardware.flops_per_device(min(workload.devices_per_node, workload.world_size))
     shards = _shard_ranks(layout)
     # Context parallelism: each rank runs 1/cp of every sample's tokens (compute, activations, TP traffic).
     tokens = 1.0 / layout.cp
@@ -210,9 +211,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
-        # DTensor's host work per operator (tensor parallelism): per micro-batch, whatever its size.
-        dispatch = step.dtensor_ops * share * hardware.dtensor_op_seconds(min(workload.devices_per_node, world))
-        seconds = flops * micro * tokens / flops_per_s + dispatch
+        seconds = _compute_seconds(hardware, step, segments, flops, micro * tokens, share, min(workload.devices_per_node, world))
         if layout.pp > 1 and step.tp_bytes_by_segment:  # each stage's own traffic (embeddings, head included)
             tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
         else:
@@ -257,7 +256,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     dp_wire += _ring_factor(expert_replicas, "all_reduce") * expert_dp_bytes
     step_seconds = workload.accumulate * batch_seconds + dp_seconds
     ring_payload, ring_received = (batches * b for b in _ring_bytes(profile, layout, micro, shares[0]))
-    single = workload.global_batch * sum(profile.step(1).flops.values()) / hardware.flops_per_device(1)
+    whole = profile.step(1)
+    single = _compute_seconds(hardware, whole, list(profile.segments), sum(whole.flops.values()), workload.global_batch, 1.0, 1)
     notes = _notes(layout, workload, hardware)
     return Prediction(
         layout=layout,
@@ -296,6 +296,26 @@ def dp_payload_rank0(layout: Layout, gradient_bytes: float, workload: Workload) 
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+
+
+def _compute_seconds(
+    hardware: HardwareProfile, step: StepProfile, segments: list[str], flops: float, samples: float, share: float, processes: int,
+) -> float:
+    """One rank's compute for ``samples`` on ``segments`` (``flops`` per sample; ``share``: its part of the trunk).
+
+    With a measured host (``hardware.memory_gbps``), a roofline of measured figures: matmul FLOPs at the peak their
+    sizes reach, the
+    bytes the other operators move at the memory bandwidth, and the host time of every operator the step dispatches
+    (per micro-batch, whatever its size; DTensor's dearer). Otherwise FLOPs at the achievable fraction of the peak,
+    plus DTensor's host time where measured.
+    """
+    dtensor = step.dtensor_ops * share * hardware.dtensor_op_seconds(processes)
+    if hardware.memory_gbps is None:
+        return flops * samples / hardware.flops_per_device(processes) + dtensor
+    moved = sum(step.memory_bytes.get(s, 0.0) for s in segments)
+    host = step.ops * share * hardware.op_seconds(processes)
+    matmuls = flops * samples * hardware.matmul_slowdown(step.matmul_flops_by_kind) / hardware.matmul_flops_per_device(processes)
+    return matmuls + moved * samples / hardware.memory_bytes_per_second(processes) + host + dtensor
 
 
 def _stages_by_pipeline_rank(profile: ModelProfile, layout: Layout) -> list[list[list[str]]]:
@@ -384,12 +404,13 @@ def _ring_factor(ranks: int, kind: str) -> float:
 def _collective_seconds(hardware: HardwareProfile, ranks: int, payload: float, calls: float, crosses: bool, kind: str) -> float:
     if ranks <= 1 or payload <= 0:
         return 0.0
-    bandwidth, latency = hardware.link(crosses)
+    # Ring messages one after another: an all-reduce passes 2(n − 1), an all-gather or reduce-scatter n − 1.
+    bandwidth, latency = hardware.link(crosses, messages=(2 if kind == "all_reduce" else 1) * (ranks - 1))
     return calls * latency + _ring_factor(ranks, kind) * payload / bandwidth
 
 
 def _transfer_seconds(hardware: HardwareProfile, payload: float, crosses: bool) -> float:
-    bandwidth, latency = hardware.link(crosses)
+    bandwidth, latency = hardware.link(crosses, messages=1)
     return 2 * latency + payload / bandwidth
 
 
@@ -433,7 +454,7 @@ def _all_to_all_seconds(hardware: HardwareProfile, layout: Layout, payload: floa
     exchange and a token exchange) per MoE layer call."""
     if layout.ep == 1:
         return 0.0
-    bandwidth, latency = hardware.link(crosses)
+    bandwidth, latency = hardware.link(crosses, messages=layout.ep - 1)
     return 8 * moe_calls * latency + payload * (layout.ep - 1) / layout.ep / bandwidth
 
 
@@ -477,7 +498,7 @@ def _ring_seconds(
     if layout.cp == 1:
         return 0.0
     calls = (3 if layout.activation_checkpointing else 2) + layout.cp
-    bandwidth, latency = hardware.link(layout.cp * layout.tp > workload.devices_per_node)
+    bandwidth, latency = hardware.link(layout.cp * layout.tp > workload.devices_per_node, messages=1)
     return len(profile.trunk_layers) * share * calls * latency + _ring_bytes(profile, layout, micro, share)[1] / bandwidth
 
 

@@ -7,9 +7,11 @@ No torch here (a ``measured: true`` profile imports the measuring code when it i
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from itertools import pairwise
 from typing import Any
 
 GIB = 2**30
@@ -43,6 +45,19 @@ class HardwareProfile:
             microseconds: added per operator a tensor-parallel step dispatches. Measured on CPUs (``measured: true``);
             0 where not measured (a GPU's host work overlaps its kernels).
         host_cores: Cores that the node's processes share for that host work (0: one per process).
+        op_us: Host time of one plain operator (dispatch), microseconds; 0 where not measured.
+        memory_gbps: Bytes per second (GB/s) the operators that are not matmuls move for one process alone. Given
+            (measured on CPUs), the step time is a roofline: matmul FLOPs at the peak, the other operators' bytes at
+            this bandwidth, and every operator's host time (``achievable_fraction`` then stays 1). ``None``: FLOPs
+            at ``achievable_fraction`` of the peak (datasheet profiles).
+        node_memory_gbps: That bandwidth for the whole node, shared by its processes like ``node_tflops``.
+        matmul_efficiency: Kind of FLOP-counted operator (``matmul/<size>``, ``attention/<head size>``, see
+            :func:`lightning_parallel.measure.dispatch.matmul_kind`) -> throughput relative to the peak (measured with
+            ``memory_gbps``).
+        sharing_processes: Processes the node runs (set by :meth:`sharing_node` for one layout's prediction).
+        crowded_latency_us: Processes on the node (more than ``host_cores``) -> fixed cost of one collective among
+            them, microseconds: a rank blocked in a collective waits until every peer has been scheduled again.
+            Measured on CPUs (``measured: true``); empty where every process has a core of its own.
         description: Free text (where the numbers come from).
     """
 
@@ -63,6 +78,12 @@ class HardwareProfile:
     measured: bool = False
     dtensor_op_us: float = 0.0
     host_cores: int = 0
+    crowded_latency_us: Mapping[int, float] | None = None
+    op_us: float = 0.0
+    memory_gbps: float | None = None
+    node_memory_gbps: float | None = None
+    matmul_efficiency: Mapping[str, float] | None = None
+    sharing_processes: int = 1
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -77,6 +98,10 @@ class HardwareProfile:
             raise ValueError(f"hardware.devices_per_node={self.devices_per_node!r} must be a positive int.")
         if not 0 <= self.memory_reserve_fraction < 1:
             raise ValueError(f"hardware.memory_reserve_fraction={self.memory_reserve_fraction} must be in [0, 1).")
+        for name in ("memory_gbps", "node_memory_gbps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"hardware.{name}={value!r} must be a positive number (or null).")
         if self.node_tflops is not None and self.node_tflops <= 0:
             raise ValueError(f"hardware.node_tflops={self.node_tflops} must be positive (or null for independent devices).")
 
@@ -110,11 +135,39 @@ class HardwareProfile:
             peak = min(peak, self.node_tflops / processes_on_node)
         return peak * 1e12 * self.achievable_fraction
 
+    def matmul_flops_per_device(self, processes_on_node: int) -> float:
+        """Matmul FLOP/s of one process when ``processes_on_node`` share a node: the peak (no achievable fraction:
+        with ``memory_gbps`` the step's other costs are counted, not folded into a fraction)."""
+        return self.flops_per_device(processes_on_node) / self.achievable_fraction
+
+    def matmul_slowdown(self, flops_by_kind: Mapping[str, float]) -> float:
+        """How much longer a step's FLOP-counted operators take than at the peak: their FLOPs by kind over the
+        measured efficiency of each kind (1 where none was measured)."""
+        total = sum(flops_by_kind.values())
+        if not self.matmul_efficiency or total <= 0:
+            return 1.0
+        return sum(flops / self.matmul_efficiency.get(kind, 1.0) for kind, flops in flops_by_kind.items()) / total
+
+    def memory_bytes_per_second(self, processes_on_node: int) -> float:
+        """Bytes per second the non-matmul operators of one process move when ``processes_on_node`` share a node."""
+        if self.memory_gbps is None:
+            raise ValueError(f"hardware {self.name!r} has no memory_gbps (a datasheet profile: FLOPs only).")
+        bandwidth = self.memory_gbps
+        if self.node_memory_gbps is not None and processes_on_node > 1:
+            bandwidth = min(bandwidth, self.node_memory_gbps / processes_on_node)
+        return bandwidth * 1e9
+
+    def _crowding(self, processes_on_node: int) -> float:
+        return max(1.0, processes_on_node / self.host_cores) if self.host_cores else 1.0
+
+    def op_seconds(self, processes_on_node: int) -> float:
+        """Host seconds of one plain operator for one of ``processes_on_node`` processes."""
+        return self.op_us * 1e-6 * self._crowding(processes_on_node)
+
     def dtensor_op_seconds(self, processes_on_node: int) -> float:
         """Host seconds of one DTensor operator for one of ``processes_on_node`` processes (slower when they
         outnumber the cores they share)."""
-        crowding = processes_on_node / self.host_cores if self.host_cores else 1.0
-        return self.dtensor_op_us * 1e-6 * max(1.0, crowding)
+        return self.dtensor_op_us * 1e-6 * self._crowding(processes_on_node)
 
     def peak_flops(self, dtype: str, processes_on_node: int) -> float:
         """Dense peak FLOP/s of one process in ``dtype`` when ``processes_on_node`` share a node (what MFU divides by).
@@ -141,11 +194,36 @@ class HardwareProfile:
             peak = min(peak, self.node_tflops * peak / self.peak_tflops / max(1, processes_on_node))
         return peak * 1e12
 
-    def link(self, crosses_nodes: bool) -> tuple[float, float]:
-        """(bytes per second, seconds of latency) of the links a group uses."""
+    def link(self, crosses_nodes: bool, messages: int | None = None) -> tuple[float, float]:
+        """(bytes per second, seconds of latency) of the links a group uses, for a collective that passes ``messages``
+        one after another (a ring all-reduce over n ranks: 2(n − 1); a send: 1). They count only where the node's
+        processes outnumber its cores (:meth:`sharing_node`): each message then waits for its receiver to be
+        scheduled again."""
         if crosses_nodes:
             return self.inter_node_gbps * 1e9, self.inter_node_latency_us * 1e-6
-        return self.intra_node_gbps * 1e9, self.intra_node_latency_us * 1e-6
+        latency = self.intra_node_latency_us
+        if messages and self.host_cores and self.sharing_processes > self.host_cores and self.crowded_latency_us:
+            latency = max(latency, messages * self.crowded_message_us(self.sharing_processes))
+        return self.intra_node_gbps * 1e9, latency * 1e-6
+
+    def sharing_node(self, processes_on_node: int) -> HardwareProfile:
+        """This profile as ``processes_on_node`` processes sharing one node see it (their collectives' latency)."""
+        return replace(self, sharing_processes=processes_on_node)
+
+    def crowded_message_us(self, processes: int) -> float:
+        """One message of a collective when ``processes`` (more than the cores) share the node: the measured
+        all-reduce among all of them over its 2(n − 1) ring messages, interpolated between the counts measured (the
+        cores' count at the uncrowded latency), extrapolated past the last on the power law of the last two."""
+        points = sorted({self.host_cores: self.intra_node_latency_us, **{int(n): us for n, us in (self.crowded_latency_us or {}).items()}}.items())
+        per_message = [(n, us / max(2 * (n - 1), 1)) for n, us in points]
+        if len(per_message) == 1:
+            return per_message[0][1]
+        for (n0, us0), (n1, us1) in pairwise(per_message):
+            if processes <= n1:
+                return us0 + (us1 - us0) * (processes - n0) / (n1 - n0)
+        (n0, us0), (n1, us1) = per_message[-2], per_message[-1]
+        exponent = math.log(max(us1, 1e-9) / max(us0, 1e-9)) / math.log(n1 / n0)
+        return us1 * (processes / n1) ** max(exponent, 0.0)
 
 
 #: Dtype names a peak is given for.

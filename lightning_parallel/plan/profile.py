@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.measure.collectives import DTensorCollectives
-from lightning_parallel.measure.dispatch import DTensorDispatches
+from lightning_parallel.measure.dispatch import StepOperators
 from lightning_parallel.measure.memory import local_bytes
 from lightning_parallel.parallelize.common.model_call import capture_model_call
 from lightning_parallel.parallelize.pipeline.split import (
@@ -76,6 +76,12 @@ class StepProfile:
     expert_calls: int = 0
     expert_counts: tuple[int, ...] = ()  # routed experts per MoE layer (distinct counts)
     dtensor_ops: int = 0  # aten operators dispatched on DTensors per forward + backward (of any batch size)
+    ops: int = 0  # aten operators dispatched per forward + backward (of any batch size), DTensor ones included
+    # segment -> bytes per sample the operators without FLOPs (norms, activations, adds) read and write on this rank
+    # (forward + backward; backward shared out as forward is)
+    memory_bytes: dict[str, float] = field(default_factory=dict)
+    # kind of FLOP-counted operator (measure.dispatch.matmul_kind) -> this rank's FLOPs of it per forward + backward
+    matmul_flops_by_kind: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -215,7 +221,7 @@ def _dry_run(
     names = _canonical_names(module)
     tracker = _SegmentTracker(module, batch)
     collectives = DTensorCollectives()
-    dispatches = DTensorDispatches()
+    dispatches = StepOperators(lambda: tracker.current)
     parallel_loss: Any = nullcontext()
     if loss_parallel:
         from torch.distributed.tensor.parallel import (
@@ -230,7 +236,9 @@ def _dry_run(
         forward = tracker.forward_flops(counter.get_flop_counts(), counter.get_total_flops())
         tracker._switch(tracker.current)  # close the forward's last segment
         tracker.collectives = None
+        forward_memory = dict(dispatches.memory_bytes)
         loss.backward()
+    memory = _shared_out(forward_memory, sum(dispatches.memory_bytes.values()), tracker.segments)
     backward_factor = counter.get_total_flops() / max(sum(forward.values()), 1)
     parameter_bytes = {names[id(p)]: local_bytes(p) for p in module.parameters()}
     if whole is not None:
@@ -251,7 +259,10 @@ def _dry_run(
         activation_bytes={k: v / rows for k, v in tracker.saved_bytes.items()},
         tp_bytes=collectives.tally.bytes / rows,
         tp_collectives=collectives.tally.calls,
-        dtensor_ops=dispatches.count,
+        dtensor_ops=dispatches.dtensor_ops,
+        ops=dispatches.ops,
+        memory_bytes={k: v / rows for k, v in memory.items()},
+        matmul_flops_by_kind=dict(dispatches.matmul_flops),
         tp_bytes_by_segment={k: v / rows for k, v in tracker.tp_bytes_by_segment(collectives.tally.bytes).items()},
         segment_parameters=tracker.segment_parameters(names),
         frozen=frozenset(names[id(p)] for p in module.parameters() if not p.requires_grad),
@@ -420,6 +431,14 @@ def _optimizer_bytes(module: LightningModule, names: dict[int, str]) -> dict[str
             result[names[id(param)]] += sum(local_bytes(v) for v in state.values() if isinstance(v, Tensor))
     module.zero_grad(set_to_none=True)
     return result
+
+
+def _shared_out(forward: Mapping[str, float], total: float, segments: tuple[str, ...]) -> dict[str, float]:
+    """``total`` (forward and backward) over the segments as ``forward`` is (backward mirrors forward's work)."""
+    forward_total = sum(forward.get(s, 0.0) for s in segments)
+    if forward_total <= 0:
+        return {s: total / len(segments) for s in segments}
+    return {s: total * forward.get(s, 0.0) / forward_total for s in segments}
 
 
 def _local_share(segment: str, whole: StepProfile, local_parameter_bytes: dict[str, int]) -> float:

@@ -10,7 +10,9 @@ from lightning_parallel.plan.hardware import HardwareProfile
 FIGURES = hardware.LocalMeasurements(
     host="here", cores=4, torch_version="x", backend="gloo", measured_at="now",
     alone_tflops={"fp32": 0.2, "fp64": 0.1}, per_thread_tflops={"fp32": 0.06, "fp64": 0.03},
-    collective_gbps=0.8, collective_latency_us=1500.0, memory_gib=32.0, dtensor_op_us=120.0,
+    collective_gbps=0.8, collective_latency_us=1500.0, memory_gib=32.0, dtensor_op_us=120.0, op_us=2.0,
+    alone_memory_gbps=20.0, per_thread_memory_gbps=8.0, shared_tflops={"fp32": 0.2, "fp64": 0.1}, shared_memory_gbps=24.0,
+    matmul_efficiency={"matmul/32": 0.5, "attention/32": 0.25, "matmul/512": 1.0}, crowded_latency_us={"8": 6000.0},
 )
 
 
@@ -39,18 +41,45 @@ def test_measured_once_then_read_from_the_cache_until_asked_again(measured, monk
 
 def test_a_measured_profile_takes_this_machines_figures_and_keeps_what_it_writes(measured, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    profile = HardwareProfile.from_config({"name": "local", "measured": True, "achievable_fraction": 0.5, "devices_per_node": 8,
+    profile = HardwareProfile.from_config({"name": "local", "measured": True, "devices_per_node": 8,
                                            "memory_reserve_fraction": 0.2, "inter_node_gbps": 0.1})
-    assert profile.peak_tflops == 0.2 and profile.node_tflops == pytest.approx(0.24)
+    # The node's figure is what one-thread processes on every core reached at once (not 4 × one thread alone).
+    assert profile.peak_tflops == 0.2 and profile.node_tflops == pytest.approx(0.2) and profile.achievable_fraction == 1.0
     assert profile.peak_tflops_by_dtype == {"fp64": 0.1}
     assert profile.intra_node_gbps == 0.8 and profile.inter_node_gbps == 0.1  # written in the profile: kept
     assert profile.device_memory_gib == 4.0 and "measured on here" in profile.description
     # Alone a process has the whole node; two share it (each cores // 2 threads); eight share one thread's worth.
-    assert profile.flops_per_device(1) == pytest.approx(0.2e12 * 0.5)
-    assert profile.flops_per_device(2) == pytest.approx(0.12e12 * 0.5)
-    assert profile.flops_per_device(8) == pytest.approx(0.03e12 * 0.5)
+    assert profile.flops_per_device(1) == pytest.approx(0.2e12)
+    assert profile.flops_per_device(2) == pytest.approx(0.1e12)
+    assert profile.flops_per_device(8) == pytest.approx(0.025e12)
+    # The roofline's other figures: memory bandwidth alone and shared, operator host time, matmul efficiency.
+    assert profile.memory_bytes_per_second(1) == pytest.approx(20e9) and profile.memory_bytes_per_second(4) == pytest.approx(6e9)
+    assert profile.op_seconds(2) == pytest.approx(2e-6) and profile.op_seconds(8) == pytest.approx(4e-6)
+    assert profile.matmul_slowdown({"matmul/512": 1.0, "attention/32": 1.0}) == pytest.approx(2.5)  # (1 + 4) / 2
     # DTensor's host work per operator: measured alone, slower once the processes outnumber the 4 cores.
     assert profile.dtensor_op_seconds(2) == pytest.approx(120e-6) and profile.dtensor_op_seconds(8) == pytest.approx(240e-6)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a lone process on one thread gets one thread's peak
-    one_thread = HardwareProfile.from_config({"name": "local", "measured": True, "achievable_fraction": 0.5, "devices_per_node": 8})
-    assert one_thread.peak_tflops == pytest.approx(0.06)
+    one_thread = HardwareProfile.from_config({"name": "local", "measured": True, "devices_per_node": 8})
+    assert one_thread.peak_tflops == pytest.approx(0.06) and one_thread.memory_gbps == pytest.approx(8.0)
+    # Eight processes on the 4 cores: each message of a collective waits for its receiver to be scheduled again.
+    assert profile.crowded_latency_us == {8: 6000.0}
+    assert profile.sharing_node(4).link(False, messages=14) == (0.8e9, pytest.approx(1500e-6))
+    assert profile.sharing_node(8).link(False, messages=14) == (0.8e9, pytest.approx(6000e-6))  # all 8 ranks: as measured
+
+
+def test_crowded_collective_latency_by_messages_between_and_past_the_measured_process_counts():
+    profile = HardwareProfile(name="x", device_memory_gib=8, peak_tflops=0.1, achievable_fraction=0.5, devices_per_node=32,
+                              intra_node_gbps=1, inter_node_gbps=1, intra_node_latency_us=500, host_cores=2,
+                              crowded_latency_us={4: 6000.0, 8: 28000.0})
+    # Per message: 2 cores' 500 µs over 2 ring messages, 4 processes' 6 ms over 6, 8 processes' 28 ms over 14.
+    assert profile.crowded_message_us(2) == 250 and profile.crowded_message_us(4) == 1000 and profile.crowded_message_us(8) == 2000
+    assert profile.crowded_message_us(3) == pytest.approx(625)  # between measured counts, linearly
+    assert profile.crowded_message_us(16) == pytest.approx(4000)  # past 8: the 4 -> 8 power law goes on
+    crowded = profile.sharing_node(8)
+    assert crowded.link(False, messages=2) == (1e9, pytest.approx(4e-3))  # a 2-rank all-reduce among 8 processes
+    assert crowded.link(False, messages=1) == (1e9, pytest.approx(2e-3))  # a pipeline send
+    assert crowded.link(True, messages=2) == (1e9, pytest.approx(20e-6))  # across nodes: the network's own
+    assert profile.sharing_node(2).link(False, messages=2) == (1e9, pytest.approx(500e-6))  # a core each: uncrowded
+    uncrowded = HardwareProfile(name="gpu", device_memory_gib=80, peak_tflops=900, achievable_fraction=0.4, devices_per_node=8,
+                                intra_node_gbps=400, inter_node_gbps=50)
+    assert uncrowded.sharing_node(8).link(False, messages=14) == uncrowded.link(False)

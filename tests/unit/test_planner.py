@@ -274,3 +274,22 @@ def test_dtensor_operators_are_counted_and_cost_their_measured_host_time():
     assert timed.compute_s == pytest.approx(without.compute_s + ops * 100e-6 * 2)  # 2 processes on 1 core
     assert predict(prof, Layout(2, 1, 1), workload, replace(hardware, dtensor_op_us=100.0)).compute_s == pytest.approx(
         predict(prof, Layout(2, 1, 1), workload, hardware).compute_s)
+
+
+def test_a_measured_host_predicts_a_roofline_of_matmuls_memory_traffic_and_operators():
+    """With a measured host (memory bandwidth, operator host time, matmul efficiency by kind) a rank's compute is
+    its matmul FLOPs at the peak their kinds reach, plus the bytes its other operators move at the bandwidth, plus
+    every operator's host time: each term from the dry run's counts, on this rank's local tensors."""
+    prof = profile()
+    whole, split = prof.step(1), prof.step(2)
+    assert whole.ops > whole.dtensor_ops == 0 and split.dtensor_ops > 0
+    assert sum(whole.memory_bytes.values()) > 0 and set(whole.memory_bytes) == set(prof.segments)
+    assert sum(split.memory_bytes.values()) < sum(whole.memory_bytes.values())  # the split layers' activations are local
+    assert all(kind.startswith(("matmul/", "attention/")) for kind in whole.matmul_flops_by_kind)
+    workload = Workload(1, 1, 8)
+    flops_only = predict(prof, Layout(1, 1, 1), workload, replace(ANY_HARDWARE, node_tflops=None))
+    roofline = replace(ANY_HARDWARE, node_tflops=None, achievable_fraction=1.0, memory_gbps=10.0, op_us=5.0,
+                       matmul_efficiency=dict.fromkeys(whole.matmul_flops_by_kind, 0.5))
+    expected = (2 * flops_only.compute_s * ANY_HARDWARE.achievable_fraction  # the FLOPs, at half the peak
+                + sum(whole.memory_bytes.values()) * 8 / 10e9 + whole.ops * 5e-6)
+    assert predict(prof, Layout(1, 1, 1), workload, roofline).compute_s == pytest.approx(expected)
