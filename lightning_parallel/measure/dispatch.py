@@ -20,9 +20,64 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+
+_aten = torch.ops.aten
+
+
+# FlopCounterMode counts the CUDA attention kernels but not the CPU's (torch 2.13): the same formulas (full, not
+# causal, attention), so a CPU step's FLOPs and the planner's dry run agree.
+if _aten._scaled_dot_product_flash_attention_for_cpu not in flop_registry:
+
+    @register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu)
+    def _cpu_flash_flop(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    @register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _cpu_flash_backward_flop(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                                 out_shape: Any = None, **kwargs: Any) -> int:
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+class CpuAttentionKernel(TorchFunctionMode):
+    """While active, ``scaled_dot_product_attention`` on meta tensors runs the fused kernel a CPU picks for the same
+    inputs, not the math decomposition meta falls back to (a softmax over every score, batched matmuls): the dry
+    run then counts the operators, bytes and FLOPs a CPU step runs. Inputs a CPU would run by the math path stay."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is nn.functional.scaled_dot_product_attention:
+            fused = _cpu_flash_attention(*args, **kwargs)
+            if fused is not None:
+                return fused
+        return func(*args, **kwargs)
+
+
+def _cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                         dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                         enable_gqa: bool = False) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+    from torch.nn.attention import SDPBackend
+
+    local = query._local_tensor if isinstance(query, DTensor) else query
+    if not local.is_meta or query.dim() != 4:
+        return None
+    # What a CPU picks for these dtypes, head counts and mask: tiny CPU stand-ins (shapes do not decide it).
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(1, t.shape[1], 1, t.shape[-1], dtype=t.dtype, requires_grad=t.requires_grad)
+
+    mask = None if attn_mask is None else torch.zeros(1, 1, dtype=attn_mask.dtype)
+    choice = torch._fused_sdp_choice(stand_in(query), stand_in(key), stand_in(value), mask, dropout_p, is_causal, scale=scale,
+                                     enable_gqa=enable_gqa)
+    if choice != SDPBackend.FLASH_ATTENTION.value:
+        return None
+    if enable_gqa and key.shape[1] != query.shape[1]:
+        repeats = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    return _aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 #: Matmul sizes whose throughput is measured: a matmul runs at the rate measured for the first size at least its

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.measure.collectives import DTensorCollectives
-from lightning_parallel.measure.dispatch import StepOperators
+from lightning_parallel.measure.dispatch import CpuAttentionKernel, StepOperators
 from lightning_parallel.measure.memory import local_bytes
 from lightning_parallel.parallelize.common.model_call import capture_model_call
 from lightning_parallel.parallelize.pipeline.split import (
@@ -229,7 +229,7 @@ def _dry_run(
         )
 
         parallel_loss = parallel_loss_context()
-    with _quiet(), FlopCounterMode(display=False) as counter, collectives.active(), parallel_loss, dispatches:
+    with _quiet(), CpuAttentionKernel(), FlopCounterMode(display=False) as counter, collectives.active(), parallel_loss, dispatches:
         tracker.flop_counter, tracker.collectives = counter, collectives
         with tracker.tracking():
             loss = _loss(module.training_step(batch, 0))
