@@ -282,9 +282,8 @@ def test_a_measured_host_predicts_a_roofline_of_matmuls_memory_traffic_and_opera
     every operator's host time: each term from the dry run's counts, on this rank's local tensors."""
     prof = profile()
     whole, split = prof.step(1), prof.step(2)
-    assert whole.ops > whole.dtensor_ops == 0 and split.dtensor_ops > 0
+    assert whole.ops > whole.dtensor_ops == 0 and split.ops > split.dtensor_ops > 0
     assert sum(whole.memory_bytes.values()) > 0 and set(whole.memory_bytes) == set(prof.segments)
-    assert sum(split.memory_bytes.values()) < sum(whole.memory_bytes.values())  # the split layers' activations are local
     assert all(kind.startswith(("matmul/", "attention/")) for kind in whole.matmul_flops_by_kind)
     workload = Workload(1, 1, 8)
     flops_only = predict(prof, Layout(1, 1, 1), workload, replace(ANY_HARDWARE, node_tflops=None))
