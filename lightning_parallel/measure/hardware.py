@@ -45,6 +45,9 @@ SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
 #: Process counts whose crowded collective latency is measured, where they outnumber the cores (the planner's
 #: local layouts use up to 8 processes per node).
 CROWDED_PROCESSES = (4, 8)
+#: At most this many one-thread processes measure the node's shared figures together; on a bigger host their sum is
+#: scaled to every core (each process imports torch: hundreds of MiB apiece).
+SHARED_PROCESSES_MAX = 16
 _BACKEND = "gloo"  # the CPU processes' backend; GPU profiles stay datasheet-based
 
 
@@ -149,7 +152,9 @@ def measure_here() -> LocalMeasurements:
         torch.set_num_threads(threads)
     latency_s, large_s, dtensor_op_s = _all_reduce_seconds()
     crowded = {str(n): _crowded_all_reduce_seconds(n) * 1e6 for n in CROWDED_PROCESSES if n > cores}
-    shared = _shared_rates(cores)
+    sharing = min(cores, SHARED_PROCESSES_MAX)
+    shared = _shared_rates(sharing)
+    scale = cores / sharing
     return LocalMeasurements(
         host=socket.gethostname(),
         cores=cores,
@@ -166,8 +171,8 @@ def measure_here() -> LocalMeasurements:
         op_us=op_s * 1e6,
         alone_memory_gbps=alone_memory / 1e9,
         per_thread_memory_gbps=per_thread_memory / 1e9,
-        shared_tflops={dtype: sum(rates[dtype] for rates in shared) for dtype in MEASURED_DTYPES},
-        shared_memory_gbps=sum(rates["memory_gbps"] for rates in shared),
+        shared_tflops={dtype: scale * sum(rates[dtype] for rates in shared) for dtype in MEASURED_DTYPES},
+        shared_memory_gbps=scale * sum(rates["memory_gbps"] for rates in shared),
         matmul_efficiency=efficiency,
         crowded_latency_us=crowded,
     )
