@@ -304,10 +304,9 @@ def _compute_seconds(
     """One rank's compute for ``samples`` on ``segments`` (``flops`` per sample; ``share``: its part of the trunk).
 
     With a measured host (``hardware.memory_gbps``), a roofline of measured figures: matmul FLOPs at the peak their
-    sizes reach, the
-    bytes the other operators move at the memory bandwidth, and the host time of every operator the step dispatches
-    (per micro-batch, whatever its size; DTensor's dearer). Otherwise FLOPs at the achievable fraction of the peak,
-    plus DTensor's host time where measured.
+    kinds reach, the bytes the other operators move at the memory bandwidth, and the host time of every operator the
+    step dispatches (per micro-batch, whatever its size; DTensor's dearer). Otherwise FLOPs at the achievable
+    fraction of the peak, plus DTensor's host time where measured.
     """
     dtensor = step.dtensor_ops * share * hardware.dtensor_op_seconds(processes)
     if hardware.memory_gbps is None:
