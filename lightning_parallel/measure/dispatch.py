@@ -23,13 +23,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_flop_count
 
 _aten = torch.ops.aten
 
 
-# FlopCounterMode counts the CUDA attention kernels but not the CPU's (torch 2.13): the same formulas (full, not
-# causal, attention), so a CPU step's FLOPs and the planner's dry run agree.
+# FlopCounterMode counts the CUDA attention kernels but not the CPU's (torch 2.13). Counted as the model's FLOPs
+# (full, not causal, attention; backward twice forward, without the kernel's recomputation of the scores), as the
+# math path counts them: model FLOPs never include recomputation (MFU), and the attention throughput measured in
+# `matmul_efficiency` is per FLOP counted the same way.
 if _aten._scaled_dot_product_flash_attention_for_cpu not in flop_registry:
 
     @register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu)
@@ -39,7 +41,7 @@ if _aten._scaled_dot_product_flash_attention_for_cpu not in flop_registry:
     @register_flop_formula(_aten._scaled_dot_product_flash_attention_for_cpu_backward)
     def _cpu_flash_backward_flop(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
                                  out_shape: Any = None, **kwargs: Any) -> int:
-        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+        return 2 * sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 class CpuAttentionKernel(TorchFunctionMode):
