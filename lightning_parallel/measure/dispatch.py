@@ -109,11 +109,6 @@ class StepOperators(TorchDispatchMode):
         self.memory_bytes: dict[str, float] = {}
         self.matmul_flops: dict[str, float] = {}
 
-    @property
-    def count(self) -> int:
-        """DTensor operators (the name the planner's dry run reads)."""
-        return self.dtensor_ops
-
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         from torch.distributed.tensor import DTensor
 
