@@ -136,68 +136,144 @@ class StepOperators(TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------- micro-benchmarks
 
 
+#: Bytes of distinct operands the micro-benchmarks cycle through: more than a core's private caches hold, as a
+#: training step's weights and activations are, so each operator reads its operands from farther away, as in a step.
+#: (One operand set reused would stay in cache and run faster than any step does.)
+WORKING_SET_BYTES = 64 * 2**20
+
+
+def _rotating(make: Callable[[], Any], bytes_each: int) -> Callable[[], Any]:
+    """A callable returning one of enough ``make()`` operand sets to fill :data:`WORKING_SET_BYTES`, in turn."""
+    sets = [make() for _ in range(max(1, WORKING_SET_BYTES // max(bytes_each, 1)))]
+    position = [0]
+
+    def next_set() -> Any:
+        position[0] = (position[0] + 1) % len(sets)
+        return sets[position[0]]
+
+    return next_set
+
+
+def _best_rate(run: Callable[[], Any], work: float, seconds: float) -> float:
+    """The best of three ``work``-per-second rates of ``run``, each over ``seconds / 3``."""
+    run()  # warm-up
+    best = 0.0
+    for _ in range(3):
+        repeats, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 3:
+            run()
+            repeats += 1
+        best = max(best, work * repeats / (time.perf_counter() - start))
+    return best
+
+
 def matmul_efficiency(seconds: float = 0.1) -> dict[str, float]:
-    """Throughput of each kind :func:`matmul_kind` names, relative to a ``(16·512 × 512) @ (512 × 512)`` matmul (the
-    peak's size): a ``(16·s × s) @ (s × s)`` matmul for ``matmul/<s>``, and forward and backward of causal
-    attention over 64 positions with heads of ``s`` for ``attention/<s>``, as FlopCounterMode counts their FLOPs."""
+    """Throughput of each kind :func:`matmul_kind` names, relative to the peak (a ``(16·512 × 512) @ (512 × 512)``
+    matmul on operands in cache, as a peak is quoted).
+
+    ``matmul/<s>``: the three products of a ``s × s`` linear layer's training on ``16·s`` rows (forward, input
+    gradient, weight gradient: each a different memory layout); ``attention/<s>``: forward and backward of causal
+    attention over 64 positions with heads of ``s``, with its FLOPs counted as FlopCounterMode counts them. Both on
+    operands cycling through :data:`WORKING_SET_BYTES`, as a step's are."""
     from torch.nn.functional import scaled_dot_product_attention
 
-    def rate(run: Callable[[], Any], flops: float) -> float:
-        run()  # warm-up
-        best = 0.0
-        for _ in range(3):
-            repeats, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds / 3:
-                run()
-                repeats += 1
-            best = max(best, flops * repeats / (time.perf_counter() - start))
-        return best
-
+    a, b = torch.randn(16 * 512, 512), torch.randn(512, 512)
+    peak = _best_rate(lambda: a @ b, 2 * 16 * 512**3, seconds)
     rates = {}
     for size in MATMUL_SIZES:
-        a, b = torch.randn(16 * size, size), torch.randn(size, size)
-        rates[f"matmul/{size}"] = rate(lambda a=a, b=b: a @ b, 2 * 16 * size**3)
-        q = torch.randn(8, 4, 64, size, requires_grad=True)
-        counted = 3 * 4 * q.shape[0] * q.shape[1] * q.shape[2] ** 2 * size  # forward 4·B·H·S²·D, backward twice that
-        rates[f"attention/{size}"] = rate(lambda q=q: scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward(), counted)
-    peak = rates[f"matmul/{MATMUL_SIZES[-1]}"]
+        linear = _rotating(lambda s=size: (torch.randn(16 * s, s), torch.randn(s, s), torch.randn(16 * s, s)), 4 * (32 * size**2 + size**2))
+
+        def linear_step(linear: Callable[[], Any] = linear) -> None:
+            x, w, grad = linear()
+            x @ w.t()
+            grad @ w
+            grad.t() @ x
+
+        rates[f"matmul/{size}"] = _best_rate(linear_step, 3 * 2 * 16 * size**3, seconds)
+        heads = _rotating(lambda s=size: torch.randn(8, 4, 64, s, requires_grad=True), 4 * 8 * 4 * 64 * size)
+        counted = 3 * 4 * 8 * 4 * 64**2 * size  # forward 4·B·H·S²·D, backward twice that
+        rates[f"attention/{size}"] = _best_rate(
+            lambda heads=heads: (lambda q: scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward())(heads()), counted, seconds
+        )
     return {kind: min(1.0, value / peak) for kind, value in rates.items()}
 
 
-def op_seconds(repeats: int = 3000) -> float:
-    """Host seconds of one aten operator on a tiny tensor (dispatch, not work): an add of one-element tensors."""
-    a, b = torch.ones(1), torch.ones(1)
-    torch.add(a, b)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        torch.add(a, b)
-    return (time.perf_counter() - start) / repeats
+def op_seconds(repeats: int = 40, length: int = 50) -> float:
+    """Host seconds of one aten operator of a training step on a tiny tensor (dispatch, not work): forward and
+    backward of a chain of small elementwise operators under autograd (recording the graph, running its nodes),
+    per operator :class:`StepOperators` counts in it."""
+    x = torch.ones(4, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(length):
+            y = nn.functional.gelu(y * 1.01 + 0.1)
+        y.sum().backward()
+
+    counter = StepOperators()
+    with counter:
+        chain()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            chain()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best / counter.ops
 
 
 def memory_bytes_per_second(elements: int = 2**19, repeats: int = 20) -> float:
     """Bytes per second the non-matmul operators of a training step move with this process's threads: a mix of a
-    residual add, an activation, a softmax and a layer norm on activations of 2 MiB (float32), counted as
-    :class:`StepOperators` counts them (inputs and outputs)."""
-    x = torch.randn(elements // 128, 128)
-    y = torch.randn_like(x)
+    residual add, an activation, a softmax and a layer norm on activations of 2 MiB (float32) cycling through
+    :data:`WORKING_SET_BYTES`, counted as :class:`StepOperators` counts them (inputs and outputs)."""
+    operands = _rotating(lambda: (torch.randn(elements // 128, 128), torch.randn(elements // 128, 128)), 8 * elements)
     weight, bias = torch.ones(128), torch.zeros(128)
     step = [
-        (lambda: torch.add(x, y), 3),
-        (lambda: nn.functional.gelu(x), 2),
-        (lambda: torch.softmax(x, dim=-1), 2),
-        (lambda: nn.functional.layer_norm(x, (128,), weight, bias), 2),
+        (lambda x, y: torch.add(x, y), 3),
+        (lambda x, y: nn.functional.gelu(x), 2),
+        (lambda x, y: torch.softmax(x, dim=-1), 2),
+        (lambda x, y: nn.functional.layer_norm(x, (128,), weight, bias), 2),
     ]
     for run, _ in step:
-        run()  # warm-up
+        run(*operands())  # warm-up
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
             for run, _ in step:
-                run()
+                run(*operands())
         best = min(best, time.perf_counter() - start)
-    moved = repeats * sum(tensors * x.numel() * x.element_size() for _, tensors in step)
+    moved = repeats * sum(tensors * elements * 4 for _, tensors in step)
     return moved / best
+
+
+def optimizer_op_seconds(mesh: Any = None, tensors: int = 16, repeats: int = 20) -> float:
+    """Host seconds of one operator of an optimizer step (no autograd; tiny tensors, so dispatch, not work): AdamW,
+    the common choice, over ``tensors`` parameters of 16 elements, per operator :class:`StepOperators` counts.
+
+    With ``mesh`` (a one-rank mesh: no communication), the parameters are DTensors, as tensor parallelism and
+    sharded data parallelism leave them, and each operator pays DTensor's dispatch."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    def parameter() -> nn.Parameter:
+        value = torch.randn(16)
+        return nn.Parameter(value if mesh is None else distribute_tensor(value, mesh, [Replicate()]))
+
+    parameters = [parameter() for _ in range(tensors)]
+    for p in parameters:
+        p.grad = torch.ones_like(p)
+    optimizer = torch.optim.AdamW(parameters, lr=1e-3)
+    optimizer.step()  # state, sharding propagation caches
+    counter = StepOperators()
+    with counter:
+        optimizer.step()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            optimizer.step()
+        best = min(best, (time.perf_counter() - start) / repeats)
+    return best / max(counter.ops, 1)
 
 
 def dtensor_op_seconds(mesh: Any, repeats: int = 20) -> float:

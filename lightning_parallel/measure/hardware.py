@@ -34,7 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_parallel.measure.dispatch import dtensor_op_seconds, matmul_efficiency, memory_bytes_per_second, op_seconds
+from lightning_parallel.measure.dispatch import (
+    dtensor_op_seconds,
+    matmul_efficiency,
+    memory_bytes_per_second,
+    op_seconds,
+    optimizer_op_seconds,
+)
 from lightning_parallel.measure.peak import measured_matmul_tflops
 
 #: Set to 1 to measure again instead of reading the cache.
@@ -66,7 +72,7 @@ class LocalMeasurements:
     collective_latency_us: float  # one small all-reduce between 2 processes
     memory_gib: float  # host RAM
     dtensor_op_us: float  # host time one DTensor operator costs beyond the plain one (measure.dispatch)
-    op_us: float  # host time of one plain operator (dispatch)
+    op_us: float  # host time of one plain operator of forward or backward (dispatch and autograd)
     alone_memory_gbps: float  # bytes the non-matmul operators move per second, one process on every core
     per_thread_memory_gbps: float  # the same on one thread
     # one process per core at once, one thread each, summed: what the node's processes get together (shared caches,
@@ -77,13 +83,17 @@ class LocalMeasurements:
     # processes on the node (more than its cores) -> one small all-reduce among all of them, microseconds; no
     # default: a cache written before it was measured is measured again
     crowded_latency_us: dict[str, float]
+    # host time of one operator of an optimizer step (AdamW; no autograd), on plain tensors and on DTensors
+    optimizer_op_us: float
+    optimizer_dtensor_op_us: float
 
     def describe(self) -> str:
         return (
             f"measured on {self.host} ({self.cores} cores, torch {self.torch_version}) at {self.measured_at}: matmul "
             f"{self.alone_tflops['fp32']:.3g} TFLOP/s fp32 for one process, {self.per_thread_tflops['fp32']:.3g} per thread; "
             f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency; "
-            f"{self.dtensor_op_us:.0f} µs per DTensor operator, {self.op_us:.1f} µs per operator; non-matmul operators "
+            f"{self.dtensor_op_us:.0f} µs per DTensor operator, {self.op_us:.1f} µs per operator (optimizer: "
+            f"{self.optimizer_dtensor_op_us:.0f} and {self.optimizer_op_us:.1f} µs); non-matmul operators "
             f"{self.alone_memory_gbps:.3g} GB/s for one process, {self.per_thread_memory_gbps:.3g} per thread"
             + "".join(f"; {us / 1e3:.1f} ms per all-reduce among {n} processes" for n, us in self.crowded_latency_us.items())
         )
@@ -144,13 +154,14 @@ def measure_here() -> LocalMeasurements:
             torch.set_num_threads(1)
             per_thread[dtype] = _fresh_matmul_tflops(dtype)
         op_s = op_seconds()
+        optimizer_op_s = optimizer_op_seconds()
         per_thread_memory = memory_bytes_per_second()
         efficiency = matmul_efficiency()
         torch.set_num_threads(cores)
         alone_memory = memory_bytes_per_second()
     finally:
         torch.set_num_threads(threads)
-    latency_s, large_s, dtensor_op_s = _all_reduce_seconds()
+    latency_s, large_s, dtensor_op_s, optimizer_dtensor_op_s = _all_reduce_seconds()
     crowded = {str(n): _crowded_all_reduce_seconds(n) * 1e6 for n in CROWDED_PROCESSES if n > cores}
     sharing = min(cores, SHARED_PROCESSES_MAX)
     shared = _shared_rates(sharing)
@@ -175,6 +186,8 @@ def measure_here() -> LocalMeasurements:
         shared_memory_gbps=scale * sum(rates["memory_gbps"] for rates in shared),
         matmul_efficiency=efficiency,
         crowded_latency_us=crowded,
+        optimizer_op_us=optimizer_op_s * 1e6,
+        optimizer_dtensor_op_us=optimizer_dtensor_op_s * 1e6,
     )
 
 
@@ -186,15 +199,15 @@ def _fresh_matmul_tflops(dtype: str) -> float:
         measured_matmul_tflops.cache_clear()
 
 
-def _all_reduce_seconds(world_size: int = 2) -> tuple[float, float, float]:
-    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (medians), and one
-    DTensor operator's host overhead on their mesh."""
+def _all_reduce_seconds(world_size: int = 2) -> tuple[float, float, float, float]:
+    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (medians), and on
+    their meshes one DTensor operator's host overhead and one DTensor optimizer operator's host time."""
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
         init = Path(scratch) / "store"
         out = Path(scratch) / "result.json"
         mp.start_processes(_all_reduce_worker, args=(world_size, str(init), str(out)), nprocs=world_size, start_method="spawn")
         result = json.loads(out.read_text())
-    return result["small_s"], result["large_s"], result["dtensor_op_s"]
+    return result["small_s"], result["large_s"], result["dtensor_op_s"], result["optimizer_dtensor_op_s"]
 
 
 def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
@@ -219,6 +232,7 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
         own = [dist.new_group([r]) for r in range(world_size)][rank]
         dist.barrier()
         timings["dtensor_op_s"] = dtensor_op_seconds(DeviceMesh.from_group(own, "cpu"))
+        timings["optimizer_dtensor_op_s"] = optimizer_op_seconds(DeviceMesh.from_group(own, "cpu"))
         if rank == 0:
             Path(out).write_text(json.dumps(timings))
     finally:
@@ -295,6 +309,8 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
         "device_memory_gib": found.memory_gib / devices_per_node,
         "dtensor_op_us": found.dtensor_op_us,
         "op_us": found.op_us,
+        "optimizer_op_us": found.optimizer_op_us,
+        "optimizer_dtensor_op_us": found.optimizer_dtensor_op_us,
         "memory_gbps": alone_memory(),
         # Matmuls at the measured peak: the roofline counts the rest (memory-bound operators, host time).
         "achievable_fraction": 1.0,

@@ -194,7 +194,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
 
     memory, micro_times, compute, tp_bytes, tp_seconds, p2p_bytes, p2p_seconds, grad_bytes = [], [], [], [], [], [], [], []
     shares: list[float] = []  # each pipeline rank's part of the trunk's layers
-    ep_bytes, ep_seconds, expert_grad_bytes = [], [], []
+    ep_bytes, ep_seconds, expert_grad_bytes, optimizer_seconds = [], [], [], []
     for pp_rank, stages in enumerate(rank_stages):
         segments = [segment for stage in stages for segment in stage]
         names = _parameters_of(step, segments)
@@ -211,7 +211,11 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
-        seconds = _compute_seconds(hardware, step, segments, flops, micro * tokens, share, min(workload.devices_per_node, world))
+        processes = min(workload.devices_per_node, world)
+        seconds = _compute_seconds(hardware, step, segments, flops, micro * tokens, share, processes)
+        # Sharded parameters are DTensors (FSDP2); divided experts are plain local tensors.
+        optimizer_seconds.append(_optimizer_seconds(hardware, step, dense - step.frozen, shards, processes, sharded=shards > 1)
+                                 + _optimizer_seconds(hardware, step, experts - step.frozen, layout.ep, processes, sharded=False))
         if layout.pp > 1 and step.tp_bytes_by_segment:  # each stage's own traffic (embeddings, head included)
             tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
         else:
@@ -254,10 +258,12 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     expert_dp_bytes = expert_grad_bytes[0] if expert_replicas > 1 else 0.0
     dp_seconds += _collective_seconds(hardware, expert_replicas, max(expert_grad_bytes), 1, _dp_crosses(layout, workload), "all_reduce")
     dp_wire += _ring_factor(expert_replicas, "all_reduce") * expert_dp_bytes
-    step_seconds = workload.accumulate * batch_seconds + dp_seconds
+    # Every rank steps its optimizer after the last batch; the step ends with the slowest.
+    step_seconds = workload.accumulate * batch_seconds + dp_seconds + max(optimizer_seconds)
     ring_payload, ring_received = (batches * b for b in _ring_bytes(profile, layout, micro, shares[0]))
     whole = profile.step(1)
     single = _compute_seconds(hardware, whole, list(profile.segments), sum(whole.flops.values()), workload.global_batch, 1.0, 1)
+    single += _optimizer_seconds(hardware, whole, set(whole.parameter_bytes) - whole.frozen, 1, 1, sharded=False)
     notes = _notes(layout, workload, hardware)
     return Prediction(
         layout=layout,
@@ -269,7 +275,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches,
                     "cp": ring_received, "pp": p2p_bytes[0] * batches,
                     "ep": ep_bytes[0] * batches * (layout.ep - 1) / layout.ep},
-        compute_s=batches * compute[slowest],
+        compute_s=batches * compute[slowest] + max(optimizer_seconds),
         tp_s=batches * tp_seconds[slowest],
         p2p_s=batches * p2p_seconds[slowest],
         dp_s=dp_seconds,
@@ -315,6 +321,21 @@ def _compute_seconds(
     host = step.ops * share * hardware.op_seconds(processes)
     matmuls = flops * samples * hardware.matmul_slowdown(step.matmul_flops_by_kind) / hardware.matmul_flops_per_device(processes)
     return matmuls + moved * samples / hardware.memory_bytes_per_second(processes) + host + dtensor
+
+
+def _optimizer_seconds(
+    hardware: HardwareProfile, step: StepProfile, names: set[str], parts: int, processes: int, sharded: bool
+) -> float:
+    """One rank's optimizer step over the parameters ``names``, each held as 1/``parts`` (sharded, or divided
+    experts): the operators per tensor it dispatches (on DTensors where the parameters are, or are ``sharded``) and
+    the bytes they move. 0 without a measured host (on a GPU the step is a few kernels beside the batches)."""
+    if hardware.memory_gbps is None or not names:
+        return 0.0
+    dtensors = sum(1 for n in names if sharded or n in step.dtensor_parameters)
+    ops = step.optimizer_ops_per_tensor
+    host = ops * (dtensors * hardware.optimizer_op_seconds(processes, True) + (len(names) - dtensors) * hardware.optimizer_op_seconds(processes, False))
+    moved = step.optimizer_moved_per_byte * sum(step.parameter_bytes[n] for n in names) / parts
+    return host + moved / hardware.memory_bytes_per_second(processes)
 
 
 def _stages_by_pipeline_rank(profile: ModelProfile, layout: Layout) -> list[list[list[str]]]:

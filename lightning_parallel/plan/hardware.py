@@ -45,7 +45,11 @@ class HardwareProfile:
             microseconds: added per operator a tensor-parallel step dispatches. Measured on CPUs (``measured: true``);
             0 where not measured (a GPU's host work overlaps its kernels).
         host_cores: Cores that the node's processes share for that host work (0: one per process).
-        op_us: Host time of one plain operator (dispatch), microseconds; 0 where not measured.
+        op_us: Host time of one plain operator of forward or backward (dispatch and autograd), microseconds; 0
+            where not measured.
+        optimizer_op_us: Host time of one operator of the optimizer step on plain tensors (no autograd),
+            microseconds; 0 where not measured.
+        optimizer_dtensor_op_us: The same on DTensor parameters (tensor parallelism, sharded data parallelism).
         memory_gbps: Bytes per second (GB/s) the operators that are not matmuls move for one process alone. Given
             (measured on CPUs), the step time is a roofline: matmul FLOPs at the peak, the other operators' bytes at
             this bandwidth, and every operator's host time (``achievable_fraction`` then stays 1). ``None``: FLOPs
@@ -84,6 +88,8 @@ class HardwareProfile:
     node_memory_gbps: float | None = None
     matmul_efficiency: Mapping[str, float] | None = None
     sharing_processes: int = 1
+    optimizer_op_us: float = 0.0
+    optimizer_dtensor_op_us: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -168,6 +174,11 @@ class HardwareProfile:
         """Host seconds of one DTensor operator for one of ``processes_on_node`` processes (slower when they
         outnumber the cores they share)."""
         return self.dtensor_op_us * 1e-6 * self._crowding(processes_on_node)
+
+    def optimizer_op_seconds(self, processes_on_node: int, dtensor: bool) -> float:
+        """Host seconds of one optimizer operator (on a DTensor parameter if ``dtensor``) for one of
+        ``processes_on_node`` processes."""
+        return (self.optimizer_dtensor_op_us if dtensor else self.optimizer_op_us) * 1e-6 * self._crowding(processes_on_node)
 
     def peak_flops(self, dtype: str, processes_on_node: int) -> float:
         """Dense peak FLOP/s of one process in ``dtype`` when ``processes_on_node`` share a node (what MFU divides by).

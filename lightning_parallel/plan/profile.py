@@ -82,6 +82,12 @@ class StepProfile:
     memory_bytes: dict[str, float] = field(default_factory=dict)
     # kind of FLOP-counted operator (measure.dispatch.matmul_kind) -> this rank's FLOPs of it per forward + backward
     matmul_flops_by_kind: dict[str, float] = field(default_factory=dict)
+    # The optimizer step (once per optimizer step, on each rank's own parameters): operators per parameter tensor it
+    # steps, bytes its operators read and write per parameter byte, and the parameters that are DTensors here
+    # (their operators pay DTensor's dispatch)
+    optimizer_ops_per_tensor: float = 0.0
+    optimizer_moved_per_byte: float = 0.0
+    dtensor_parameters: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -249,7 +255,11 @@ def _dry_run(
         backward_factor = sum(whole.flops.values()) / max(sum(whole.forward_flops.values()), 1e-30)
     # Backward shares out as forward does (about twice each segment's forward).
     flops = {segment: value * backward_factor for segment, value in forward.items()}
-    optimizer_bytes = _optimizer_bytes(module, names) if whole is None else _scaled_optimizer_bytes(whole, parameter_bytes)
+    if whole is None:
+        optimizer_bytes, optimizer_ops, optimizer_moved = _optimizer_step(module, names)
+    else:
+        optimizer_bytes = _scaled_optimizer_bytes(whole, parameter_bytes)
+        optimizer_ops, optimizer_moved = whole.optimizer_ops_per_tensor, whole.optimizer_moved_per_byte
     return StepProfile(
         tp=tp,
         parameter_bytes=parameter_bytes,
@@ -266,6 +276,9 @@ def _dry_run(
         tp_bytes_by_segment={k: v / rows for k, v in tracker.tp_bytes_by_segment(collectives.tally.bytes).items()},
         segment_parameters=tracker.segment_parameters(names),
         frozen=frozenset(names[id(p)] for p in module.parameters() if not p.requires_grad),
+        optimizer_ops_per_tensor=optimizer_ops,
+        optimizer_moved_per_byte=optimizer_moved,
+        dtensor_parameters=frozenset(names[id(p)] for p in module.parameters() if isinstance(p, DTensor)),
     )
 
 
@@ -416,21 +429,29 @@ def _trunk_of(module: nn.Module) -> tuple[str, nn.Module] | None:
         return None
 
 
-def _optimizer_bytes(module: LightningModule, names: dict[int, str]) -> dict[str, int]:
-    """Optimizer-state bytes per parameter after one step of the optimizer(s) the module configures, on meta."""
+def _optimizer_step(module: LightningModule, names: dict[int, str]) -> tuple[dict[str, int], float, float]:
+    """One step of the optimizer(s) the module configures, on meta: optimizer-state bytes per parameter, and the
+    operators per stepped parameter tensor and bytes moved per stepped parameter byte (its cost, see
+    :class:`StepProfile`)."""
     optimizers = _optimizers(module.configure_optimizers())
     for param in module.parameters():
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
     with _quiet():
         for optimizer in optimizers:
-            optimizer.step()
+            optimizer.step()  # the first step creates the state: the second is what every later step costs
+        counter = StepOperators()
+        with counter:
+            for optimizer in optimizers:
+                optimizer.step()
     result = dict.fromkeys(names.values(), 0)
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
             result[names[id(param)]] += sum(local_bytes(v) for v in state.values() if isinstance(v, Tensor))
+    stepped = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
     module.zero_grad(set_to_none=True)
-    return result
+    stepped_bytes = sum(local_bytes(p) for p in stepped.values())
+    return result, counter.ops / max(len(stepped), 1), sum(counter.memory_bytes.values()) / max(stepped_bytes, 1)
 
 
 def _shared_out(forward: Mapping[str, float], total: float, segments: tuple[str, ...]) -> dict[str, float]:

@@ -13,6 +13,7 @@ FIGURES = hardware.LocalMeasurements(
     collective_gbps=0.8, collective_latency_us=1500.0, memory_gib=32.0, dtensor_op_us=120.0, op_us=2.0,
     alone_memory_gbps=20.0, per_thread_memory_gbps=8.0, shared_tflops={"fp32": 0.2, "fp64": 0.1}, shared_memory_gbps=24.0,
     matmul_efficiency={"matmul/32": 0.5, "attention/32": 0.25, "matmul/512": 1.0}, crowded_latency_us={"8": 6000.0},
+    optimizer_op_us=3.0, optimizer_dtensor_op_us=15.0,
 )
 
 
@@ -58,6 +59,9 @@ def test_a_measured_profile_takes_this_machines_figures_and_keeps_what_it_writes
     assert profile.matmul_slowdown({"matmul/512": 1.0, "attention/32": 1.0}) == pytest.approx(2.5)  # (1 + 4) / 2
     # DTensor's host work per operator: measured alone, slower once the processes outnumber the 4 cores.
     assert profile.dtensor_op_seconds(2) == pytest.approx(120e-6) and profile.dtensor_op_seconds(8) == pytest.approx(240e-6)
+    # The optimizer step's operators: no autograd, on plain tensors or DTensors, crowded alike.
+    assert profile.optimizer_op_seconds(2, dtensor=False) == pytest.approx(3e-6)
+    assert profile.optimizer_op_seconds(8, dtensor=True) == pytest.approx(30e-6)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a lone process on one thread gets one thread's peak
     one_thread = HardwareProfile.from_config({"name": "local", "measured": True, "devices_per_node": 8})
     assert one_thread.peak_tflops == pytest.approx(0.06) and one_thread.memory_gbps == pytest.approx(8.0)

@@ -279,7 +279,8 @@ def test_dtensor_operators_are_counted_and_cost_their_measured_host_time():
 def test_a_measured_host_predicts_a_roofline_of_matmuls_memory_traffic_and_operators():
     """With a measured host (memory bandwidth, operator host time, matmul efficiency by kind) a rank's compute is
     its matmul FLOPs at the peak their kinds reach, plus the bytes its other operators move at the bandwidth, plus
-    every operator's host time: each term from the dry run's counts, on this rank's local tensors."""
+    every operator's host time, plus its optimizer step (operators per parameter tensor, bytes per parameter byte;
+    DTensor parameters at DTensor's cost): each term from the dry run's counts, on this rank's local tensors."""
     prof = profile()
     whole, split = prof.step(1), prof.step(2)
     assert whole.ops > whole.dtensor_ops == 0 and split.ops > split.dtensor_ops > 0
@@ -288,7 +289,12 @@ def test_a_measured_host_predicts_a_roofline_of_matmuls_memory_traffic_and_opera
     workload = Workload(1, 1, 8)
     flops_only = predict(prof, Layout(1, 1, 1), workload, replace(ANY_HARDWARE, node_tflops=None))
     roofline = replace(ANY_HARDWARE, node_tflops=None, achievable_fraction=1.0, memory_gbps=10.0, op_us=5.0,
-                       matmul_efficiency=dict.fromkeys(whole.matmul_flops_by_kind, 0.5))
+                       optimizer_op_us=2.0, optimizer_dtensor_op_us=20.0, matmul_efficiency=dict.fromkeys(whole.matmul_flops_by_kind, 0.5))
+    # AdamW: several operators per parameter tensor, each reading and writing more than the parameter.
+    assert whole.optimizer_ops_per_tensor >= 5 and whole.optimizer_moved_per_byte >= 5
+    assert not whole.dtensor_parameters and split.dtensor_parameters
+    optimizer = (len(whole.parameter_bytes) * whole.optimizer_ops_per_tensor * 2e-6
+                 + whole.optimizer_moved_per_byte * sum(whole.parameter_bytes.values()) / 10e9)
     expected = (2 * flops_only.compute_s * ANY_HARDWARE.achievable_fraction  # the FLOPs, at half the peak
-                + sum(whole.memory_bytes.values()) * 8 / 10e9 + whole.ops * 5e-6)
+                + sum(whole.memory_bytes.values()) * 8 / 10e9 + whole.ops * 5e-6 + optimizer)
     assert predict(prof, Layout(1, 1, 1), workload, roofline).compute_s == pytest.approx(expected)
