@@ -9,6 +9,12 @@ checkpointing off and on. Each variant runs in a fresh process (so its peak memo
 model FLOPs (the planner's dry run: forward + backward, recomputation not counted) × samples per second /
 the device's dense bf16 peak (a table by device name; ``--peak-tflops`` overrides it). Never run by CI on
 a GPU; ``--smoke`` keeps it from rotting.
+
+It also calibrates the planner: the datasheet profile of this GPU (``conf/hardware/<profile>.yaml``, by device name)
+is written again as ``conf/hardware/<profile>_calibrated.yaml`` with ``achievable_fraction`` set to the MFU our
+eager ``DataParallelStrategy`` measured (the planner's GPU step time is FLOPs at that fraction of the peak), so that
+``hardware=<profile>_calibrated`` predicts from this machine's own figure. ``--smoke`` writes the calibrated
+profile beside its report instead (from ``cpu_local``'s layout), to keep the path tested.
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ VARIANTS: dict[str, tuple[str, bool, bool]] = {
 SMOKE_VARIANTS = ("Lightning SingleDeviceStrategy", "ours DataParallelStrategy", "ours + compile + activation checkpointing")
 #: Dense peaks (TFLOP/s) by a substring of the CUDA device name: bf16, fp32 (no TF32).
 GPU_PEAKS = {"H200": (989.0, 67.0), "H100": (989.0, 67.0), "A100": (312.0, 19.5), "L40S": (362.0, 91.6)}
+#: The datasheet profile (conf/hardware/<name>.yaml) by a substring of the CUDA device name.
+GPU_PROFILES = {"H200": "h100_ib", "H100": "h100_ib", "A100": "a100_ib", "L40S": "l40s_ethernet"}
+#: The variant whose MFU calibrates the planner (eager, no recomputation: what the planner's step time counts).
+CALIBRATING_VARIANT = "ours DataParallelStrategy"
+HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 FULL = {"model": {"vocab_size": 128, "block_size": 2048, "n_layer": 24, "n_head": 16, "n_embd": 2048}, "batch": 4,
         "steps": 12, "warmup": 3, "precision": "bf16-mixed"}
 SMOKE = {"model": {"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}, "batch": 2,
@@ -174,6 +185,28 @@ def write_report(results: dict[str, dict[str, Any]], smoke: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def calibrated_profile(results: dict[str, dict[str, Any]], smoke: bool) -> tuple[str, str] | None:
+    """``(file name, YAML text)`` of this GPU's datasheet profile with ``achievable_fraction`` measured, or ``None``
+    where the calibrating variant failed or the device has no profile here."""
+    import yaml
+
+    measured = results.get(CALIBRATING_VARIANT, {})
+    if "mfu" not in measured:
+        return None
+    base = "cpu_local" if smoke else next((p for key, p in GPU_PROFILES.items() if key in measured["device"]), None)
+    if base is None:
+        return None
+    profile = yaml.safe_load((HARDWARE_DIR / f"{base}.yaml").read_text())
+    fraction = min(1.0, measured["mfu"])
+    stamp = time.strftime("%Y-%m-%d", time.gmtime())
+    profile.update(name=f"{base}_calibrated", achievable_fraction=round(fraction, 4),
+                   description=f"{profile.get('description', base)}; achievable_fraction measured by benchmarks/gpu_check.py "
+                               f"on {measured['device']} ({stamp}): MFU of the recipe's gpt_1b under our eager DataParallelStrategy")
+    header = (f"# Written by benchmarks/gpu_check.py: conf/hardware/{base}.yaml with achievable_fraction measured on this GPU\n"
+              f"# (was {yaml.safe_load((HARDWARE_DIR / f'{base}.yaml').read_text()).get('achievable_fraction')}). Use: hardware={base}_calibrated\n")
+    return f"{base}_calibrated.yaml", header + yaml.safe_dump(profile, sort_keys=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 steps per variant")
@@ -195,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / f"{name}.md").write_text(report)
     (out_dir / f"{name}.json").write_text(json.dumps(results, indent=2))
     print(report)
+    calibrated = calibrated_profile(results, args.smoke)
+    if calibrated is not None:
+        filename, text = calibrated
+        target = (out_dir if args.smoke else HARDWARE_DIR) / filename
+        target.write_text(text)
+        print(f"calibrated hardware profile: {target}")
     return 1 if any("error" in r for r in results.values()) else 0
 
 

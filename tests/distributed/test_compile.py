@@ -10,6 +10,7 @@ import json
 from functools import cache
 
 import pytest
+import yaml
 
 from lightning_parallel.observe.utilization import check_mfu
 from tests.distributed.test_data_parallel import assert_same_training
@@ -65,3 +66,7 @@ def test_gpu_check_runs_on_the_cpu_as_a_smoke_test(tmp_path):
         check_mfu(result["mfu"], variant)
         assert result["mfu"] > 0, variant
     assert "| ours + compile + activation checkpointing |" in (tmp_path / "gpu_check_smoke.md").read_text()
+    # The planner's calibration: the profile again, with the measured MFU as its achievable fraction.
+    calibrated = yaml.safe_load((tmp_path / "cpu_local_calibrated.yaml").read_text())
+    assert calibrated["name"] == "cpu_local_calibrated" and calibrated["measured"] is True
+    assert calibrated["achievable_fraction"] == pytest.approx(results["ours DataParallelStrategy"]["mfu"], abs=1e-4)

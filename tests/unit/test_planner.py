@@ -298,3 +298,15 @@ def test_a_measured_host_predicts_a_roofline_of_matmuls_memory_traffic_and_opera
     expected = (2 * flops_only.compute_s * ANY_HARDWARE.achievable_fraction  # the FLOPs, at half the peak
                 + sum(whole.memory_bytes.values()) * 8 / 10e9 + whole.ops * 5e-6 + optimizer)
     assert predict(prof, Layout(1, 1, 1), workload, roofline).compute_s == pytest.approx(expected)
+
+
+def test_gpu_check_calibrates_the_datasheet_profile_of_the_gpu_it_ran_on():
+    """benchmarks/gpu_check.py writes the GPU's profile again with its measured MFU as the achievable fraction."""
+    from benchmarks.gpu_check import CALIBRATING_VARIANT, calibrated_profile
+
+    name, text = calibrated_profile({CALIBRATING_VARIANT: {"mfu": 0.52, "device": "NVIDIA H100 80GB HBM3"}}, smoke=False)
+    assert name == "h100_ib_calibrated.yaml" and "hardware=h100_ib_calibrated" in text
+    profile = HardwareProfile.from_config(yaml.safe_load(text))
+    assert profile.name == "h100_ib_calibrated" and profile.achievable_fraction == 0.52 and profile.peak_tflops == 989
+    assert calibrated_profile({CALIBRATING_VARIANT: {"error": "out of memory"}}, smoke=False) is None
+    assert calibrated_profile({CALIBRATING_VARIANT: {"mfu": 0.5, "device": "Some Other GPU"}}, smoke=False) is None
