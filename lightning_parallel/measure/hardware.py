@@ -5,7 +5,8 @@ when several share the cores: Lightning gives each ``cores // processes`` thread
 the memory bandwidth of the operators that are not matmuls, and the host time of one operator
 (:mod:`lightning_parallel.measure.dispatch`).
 Collectives: two processes of the backend in use (gloo on CPU) time an all-reduce of 4 KiB (latency) and of 8 MiB
-(bandwidth, wire bytes per rank per second), and on the same two ranks one DTensor operator's host overhead
+(bandwidth, wire bytes per rank per second), each after a little compute and without a barrier, as a step meets
+them, and on the same two ranks one DTensor operator's host overhead
 (on a one-rank mesh: no communication in it). Crowded collectives: where a node may run more processes than it has
 cores (``CROWDED_PROCESSES``), that many processes time back-to-back small all-reduces. A blocked rank waits until
 every peer has been scheduled again, so one collective then costs milliseconds, not microseconds: the figure tensor
@@ -200,8 +201,9 @@ def _fresh_matmul_tflops(dtype: str) -> float:
 
 
 def _all_reduce_seconds(world_size: int = 2) -> tuple[float, float, float, float]:
-    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (medians), and on
-    their meshes one DTensor operator's host overhead and one DTensor optimizer operator's host time."""
+    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (means, each after a
+    little compute), and on their meshes one DTensor operator's host overhead and one DTensor optimizer operator's
+    host time."""
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
         init = Path(scratch) / "store"
         out = Path(scratch) / "result.json"
@@ -217,15 +219,22 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
         small = torch.zeros(SMALL_BYTES // 4)
         large = torch.zeros(LARGE_BYTES // 4)
         timings = {}
-        for name, tensor, repeats in (("small_s", small, 30), ("large_s", large, 6)):
+        # As a training step meets them: each all-reduce after a few milliseconds of compute, with no barrier, so
+        # that its ranks arrive as far apart as their compute leaves them and its threads wake from sleep (a
+        # barrier before each would time the wire alone: 3-4× less for small messages here). The mean, as a step
+        # pays every one.
+        a, b = torch.randn(256, 512), torch.randn(512, 512)
+        for name, tensor, repeats in (("small_s", small, 30), ("large_s", large, 8)):
             dist.all_reduce(tensor)  # warm-up (connections, buffers)
+            dist.barrier()
             seconds = []
             for _ in range(repeats):
-                dist.barrier()
+                for _ in range(3):
+                    a @ b
                 start = time.perf_counter()
                 dist.all_reduce(tensor)
                 seconds.append(time.perf_counter() - start)
-            timings[name] = statistics.median(seconds)
+            timings[name] = statistics.mean(seconds)
         from torch.distributed.device_mesh import DeviceMesh
 
         # Each rank times DTensor on a mesh of its own: the operators' host work without their communication.
