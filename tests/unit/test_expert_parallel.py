@@ -13,7 +13,12 @@ from torch import nn
 import lightning_parallel
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.expert.dispatch import dispatch_and_combine
-from lightning_parallel.parallelize.expert.experts import check_divisible, find_routed_experts, routed_experts
+from lightning_parallel.parallelize.expert.experts import (
+    check_divisible,
+    expert_module_lists,
+    find_routed_experts,
+    routed_experts,
+)
 
 
 class Experts(nn.Module):
@@ -98,8 +103,13 @@ def test_modules_expert_parallelism_cannot_divide_say_why():
     assert "submodules hold parameters (post_expert_norm.weight [4, 6])" in routed_experts(nested)
     assert routed_experts(Experts(num_experts=1)) is None  # a shared expert in the 3-D layout stays dense
     assert routed_experts(nn.Linear(4, 4)) is None
-    # Experts as an nn.ModuleList of MLPs (older checkpoints, hand-written MoE): not found; the component refuses by name.
-    assert find_routed_experts(nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(4)])) == {}
+    # Experts as an nn.ModuleList of MLPs (older checkpoints, hand-written MoE): not found; the component refuses
+    # naming the lists, so that the user learns why and what to change.
+    block = nn.ModuleDict({"gate": nn.Linear(4, 4), "experts": nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(4)])})
+    model = nn.ModuleDict({"layers": nn.ModuleList([block, nn.ModuleDict({"mlp": nn.Linear(4, 4)})])})
+    assert find_routed_experts(model) == {}
+    assert expert_module_lists(model) == ["layers.0.experts"]
+    assert expert_module_lists(nn.ModuleDict({"experts": nn.ModuleList([nn.Linear(4, 4)])})) == []  # one: not routed
 
 
 # --- dispatch and combine -----------------------------------------------------------------------------------

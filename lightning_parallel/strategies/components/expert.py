@@ -22,6 +22,7 @@ from lightning_parallel.layout import ParallelLayout, expert_meshes, replica_mes
 from lightning_parallel.parallelize.expert.experts import (
     RoutedExperts,
     check_divisible,
+    expert_module_lists,
     find_routed_experts,
     shard_experts,
 )
@@ -90,10 +91,18 @@ class ExpertParallelComponent(Component):
         ep = engine.layout.expert_parallel_size
         found = find_routed_experts(module)
         if not found:
+            lists = expert_module_lists(module)
+            listed = (
+                f" Its experts {', '.join(lists[:3])}{' ...' if len(lists) > 3 else ''} are an nn.ModuleList of modules, "
+                f"called one by one from the block's own forward: expert parallelism cannot send their tokens to other "
+                f"ranks. Keep each MoE block's experts as one module called experts(hidden_states, top_k_index, "
+                f"top_k_weights) with 3-D weights (transformers 5's layout), or split them with tensor_parallel_size "
+                f"(each expert as an MLP)."
+            ) if lists else ""
             raise ValueError(
                 f"expert_parallel_size={ep}, but {type(module).__name__} holds no routed experts (a module with 3-D "
                 f"gate_up_proj or up_proj and down_proj parameters, one entry per expert, as transformers' "
-                f"Mixture-of-Experts models keep them). Set expert_parallel_size=1."
+                f"Mixture-of-Experts models keep them).{listed} Set expert_parallel_size=1."
             )
         refused = {fqn: reason for fqn, reason in found.items() if isinstance(reason, str)}
         if refused:
