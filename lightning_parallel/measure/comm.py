@@ -51,6 +51,12 @@ class CommStats:
         self.rounds += 1
         self.exposed_seconds += seconds
 
+    def record_transfer(self, nbytes: int) -> None:
+        """Account for one collective of sharded data parallelism (an all-gather of parameters or a reduce-scatter
+        of gradients), without closing a round."""
+        self.bucket_calls += 1
+        self.bytes += nbytes
+
     def reset(self) -> None:
         """Zero all counters (e.g. after a warm-up)."""
         self.bucket_calls = self.rounds = self.bytes = 0

@@ -68,7 +68,8 @@ class Prediction:
 
     ``comm_bytes`` are payload bytes handed to collectives by pipeline rank 0 (what the monitor counts):
     ``dp`` the gradients synchronized, ``tp`` DTensor's collectives, ``pp`` activations and gradients sent
-    between stages. ``wire_bytes`` is what the ring algorithm moves for the same.
+    between stages; ``comm_bytes_by_pp_rank`` the same for every pipeline rank. ``wire_bytes`` is what the ring
+    algorithm moves for pipeline rank 0's.
     """
 
     layout: Layout
@@ -89,6 +90,7 @@ class Prediction:
     notes: list[str] = field(default_factory=list)
     cp_s: float = 0.0  # ring attention's key/value traffic (none of it counted as overlapped)
     ep_s: float = 0.0  # expert parallelism's token all-to-alls (none of it counted as overlapped)
+    comm_bytes_by_pp_rank: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def peak_memory(self) -> float:
@@ -133,6 +135,7 @@ class Prediction:
             "usable_memory_bytes": self.usable_memory,
             "memory_by_pipeline_rank": [m.as_dict() for m in self.memory],
             "comm_bytes": self.comm_bytes,
+            "comm_bytes_by_pipeline_rank": self.comm_bytes_by_pp_rank,
             "wire_bytes": self.wire_bytes,
             "seconds": {"compute": self.compute_s, "tp": self.tp_s, "cp": self.cp_s, "ep": self.ep_s, "p2p": self.p2p_s, "dp": self.dp_s,
                         "bubble": self.bubble_s, "step": self.step_s, "single_device": self.single_device_step_s},
@@ -260,7 +263,13 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     dp_wire += _ring_factor(expert_replicas, "all_reduce") * expert_dp_bytes
     # Every rank steps its optimizer after the last batch; the step ends with the slowest.
     step_seconds = workload.accumulate * batch_seconds + dp_seconds + max(optimizer_seconds)
-    ring_payload, ring_received = (batches * b for b in _ring_bytes(profile, layout, micro, shares[0]))
+    ring_received = batches * _ring_bytes(profile, layout, micro, shares[0])[1]
+    comm_by_rank = [
+        {"dp": dp_payload_rank0(layout, grad_bytes[r], workload) + (expert_grad_bytes[r] if expert_replicas > 1 else 0.0),
+         "tp": tp_bytes[r] * batches, "cp": batches * _ring_bytes(profile, layout, micro, shares[r])[0],
+         "pp": p2p_bytes[r] * batches, "ep": ep_bytes[r] * batches}
+        for r in range(len(rank_stages))
+    ]
     whole = profile.step(1)
     single = _compute_seconds(hardware, whole, list(profile.segments), sum(whole.flops.values()), workload.global_batch, 1.0, 1)
     single += _optimizer_seconds(hardware, whole, set(whole.parameter_bytes) - whole.frozen, 1, 1, sharded=False)
@@ -270,8 +279,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         batch_size=batch,
         memory=memory,
         usable_memory=hardware.usable_memory_bytes,
-        comm_bytes={"dp": dp_payload_rank0(layout, grad_bytes[0], workload) + expert_dp_bytes, "tp": tp_bytes[0] * batches,
-                    "cp": ring_payload, "pp": p2p_bytes[0] * batches, "ep": ep_bytes[0] * batches},
+        comm_bytes=comm_by_rank[0],
+        comm_bytes_by_pp_rank=comm_by_rank,
         wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches,
                     "cp": ring_received, "pp": p2p_bytes[0] * batches,
                     "ep": ep_bytes[0] * batches * (layout.ep - 1) / layout.ep},

@@ -27,8 +27,8 @@ from lightning_parallel.plan.cost import Prediction
 
 #: predicted / simulated outside this band is a disagreement (a bug in the cost model or in the strategy).
 AGREEMENT = (0.9, 1.1)
-#: Bytes compared per rank: state held, and what the step hands to collectives (pipeline rank 0 only: the
-#: cost model predicts communication as that rank sees it).
+#: Bytes compared per rank: state held, and what the step hands to collectives (as the cost model predicts them
+#: for the rank's pipeline position).
 STATE = ("parameters", "gradients", "optimizer")
 COMM = ("dp", "tp", "pp")
 
@@ -83,12 +83,12 @@ def compare(figures: Mapping[str, Any], prediction: Prediction) -> dict[str, tup
     pp = figures["coordinates"]["pp"]
     memory = prediction.memory[pp]
     pairs = {name: (float(getattr(memory, name)), float(figures["state_bytes"][name])) for name in STATE}
-    if pp == 0:
-        for axis in COMM:
-            simulated = float(figures["comm_bytes"][axis])
-            if axis == "dp" and simulated == 0 and prediction.layout.dp > 1:
-                continue  # FSDP2 reduces through c10d directly, which the monitor does not count (DDP and pipelines it does)
-            pairs[f"{axis} comm"] = (float(prediction.comm_bytes.get(axis, 0.0)), simulated)
+    predicted_comm = prediction.comm_bytes_by_pp_rank[pp] if prediction.comm_bytes_by_pp_rank else prediction.comm_bytes
+    for axis in COMM:
+        simulated = float(figures["comm_bytes"][axis])
+        if axis == "dp" and simulated == 0 and prediction.layout.dp > 1:
+            continue  # HSDP's all-reduce between replicas goes through c10d directly: not counted (FSDP2's own collectives are)
+        pairs[f"{axis} comm"] = (float(predicted_comm.get(axis, 0.0)), simulated)
     return pairs
 
 
@@ -117,7 +117,7 @@ def print_simulation(results: Sequence[Mapping[str, Any]], prediction: Predictio
         cells = []
         for name in (*STATE, *(f"{a} comm" for a in COMM)):
             if name not in pairs:
-                cells.append("—" if not name.startswith("dp") or figures["coordinates"]["pp"] else "not counted")
+                cells.append("not counted")  # only HSDP's all-reduce between replicas (see compare)
                 continue
             predicted, simulated = pairs[name]
             ratio = f"{predicted / simulated:.2f}" if simulated else ("1.00" if predicted == 0 else "∞")
@@ -128,7 +128,7 @@ def print_simulation(results: Sequence[Mapping[str, Any]], prediction: Predictio
                       _bytes(figures["peak_rss_bytes"]))
     console.print(table)
     console.print("bytes as simulated (the rank's real shards; what it handed to collectives in one step), and "
-                  "predicted / simulated in brackets; communication is predicted for pipeline rank 0 only.")
+                  "predicted / simulated in brackets (each rank against its own pipeline position's prediction).")
     if bad:
         console.print(f"[red]{bad} figure(s) disagree with the planner by more than 10%[/red] (red): a bug in the cost model or in the strategy.")
     return bad

@@ -42,7 +42,8 @@ def test_a_thousand_ranks_simulate_as_predicted(tmp_path):
     assert ranks[-1]["coordinates"]["dp_replicate"] == 127
     for figures in ranks:
         pairs = figures["predicted_vs_simulated"]
-        assert {"parameters", "gradients", "optimizer"} <= set(pairs)
+        # Every pipeline position against its own prediction: state, gradients reduced, stage transfers.
+        assert {"parameters", "gradients", "optimizer", "dp comm", "pp comm"} <= set(pairs)
         for name, (predicted, simulated) in pairs.items():
             assert predicted == pytest.approx(simulated, rel=0.10), (figures["rank"], name)
         # Only this rank's stage is held: about an eighth of the model's state.
@@ -51,6 +52,9 @@ def test_a_thousand_ranks_simulate_as_predicted(tmp_path):
     # The first stage sends each micro-batch's activations on and received their gradients: real transfers.
     assert ranks[0]["pipeline"]["sends"] >= 8 and ranks[0]["comm_bytes"]["pp"] > 0
     assert ranks[0]["comm_bytes"]["dp"] == pytest.approx(ranks[0]["state_bytes"]["gradients"], rel=0.01)
+    # A middle stage sends both ways (activations on, gradients back): twice the first and the last stage's bytes.
+    assert ranks[1]["comm_bytes"]["pp"] == pytest.approx(2 * ranks[0]["comm_bytes"]["pp"], rel=0.01)
+    assert ranks[2]["comm_bytes"]["pp"] == pytest.approx(ranks[0]["comm_bytes"]["pp"], rel=0.01)
 
 
 def test_a_rank_outside_the_layout_is_refused_before_anything_runs(tmp_path):
@@ -70,3 +74,16 @@ def test_tensor_parallel_stages_hand_collectives_what_the_planner_predicts(tmp_p
     assert "tp comm" in pairs
     for name, (predicted, simulated) in pairs.items():
         assert predicted == pytest.approx(simulated, rel=0.10), name
+
+
+def test_sharded_data_parallel_collectives_are_counted_as_predicted(tmp_path):
+    """FSDP2's all-gathers and reduce-scatters are counted (through its hooks for custom collectives): two gathers of
+    the parameters and one reduce-scatter of the gradients per step, as the planner predicts."""
+    out = tmp_path / "simulation.json"
+    layout = ["strategy=hybrid", "trainer.devices=4", "strategy.data_parallel_mode=shard"]
+    proc = simulate(tmp_path, "--simulate-ranks", "0", "--json", str(out), layout=layout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (figures,) = json.loads(out.read_text())["ranks"]
+    predicted, simulated = figures["predicted_vs_simulated"]["dp comm"]
+    assert simulated == pytest.approx(predicted, rel=0.10)
+    assert simulated == pytest.approx(3 * 4 * figures["state_bytes"]["parameters"], rel=0.05)  # 3 × the whole model

@@ -17,7 +17,7 @@ import torch
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
 from tests.harness import JobSpec, run_distributed, run_distributed_jobs, run_job
-from tests.planner_check import assert_planner_predicts_state
+from tests.planner_check import assert_planner_predicts_communication, assert_planner_predicts_state
 
 pytestmark = pytest.mark.distributed
 
@@ -320,10 +320,14 @@ def test_sharded_data_parallel_matches_single_device(name, request, tmp_path):
     if devices == 4:
         result = request.getfixturevalue("four_rank_results")[name]
     else:
-        result = run_distributed(hybrid_job(devices, accumulate=2, **strategy), tmp_path, timeout=300)
+        result = run_distributed(replace(hybrid_job(devices, accumulate=2, **strategy), monitor=True), tmp_path, timeout=300)
     assert_same_training(ref, result)
     assert_state_fraction(result, expected_parameter_bytes(ref["states"][0], dp_shards=shards))
     assert_planner_predicts_state(hybrid_job(devices, accumulate=2, **strategy), result)
+    if devices == 2:
+        # FSDP2's all-gathers (forward and backward of each accumulated batch) and reduce-scatter (after the last),
+        # counted through its hooks for custom collectives, as the planner predicts them.
+        assert_planner_predicts_communication(replace(hybrid_job(devices, accumulate=2, **strategy), monitor=True), result, ("dp",))
 
 
 PRECISION_CASES = [

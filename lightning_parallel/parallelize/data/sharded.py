@@ -9,10 +9,18 @@ Lightning here.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+# FSDP2's default collectives, which FSDPModule.set_custom_all_gather / set_custom_reduce_scatter accept subclasses
+# of (private in torch 2.13, checked: FSDP2 keeps its fast paths for subclasses of the defaults).
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+from lightning_parallel.measure.comm import CommStats
 
 
 def shard_over_data_parallel(
@@ -57,6 +65,37 @@ def shard_over_data_parallel(
         fully_shard(child, **options)
         units.append(child)
     return units
+
+
+def count_communication(units: list[nn.Module], stats: CommStats) -> None:
+    """Count every all-gather (the gathered parameters) and reduce-scatter (the whole gradients) of the FSDP2
+    ``units`` in ``stats``, through FSDP2's own hooks for custom collectives: the default collectives, counted."""
+    for unit in units:
+        if isinstance(unit, FSDPModule):
+            unit.set_custom_all_gather(_CountedAllGather(stats))
+            unit.set_custom_reduce_scatter(_CountedReduceScatter(stats))
+
+
+class _CountedAllGather(DefaultAllGather):
+    def __init__(self, stats: CommStats) -> None:
+        super().__init__()
+        self.stats = stats
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
+        if dist.get_world_size(group) > 1:  # shards of one rank (HSDP's replicas of tensor-parallel modules) gather nothing
+            self.stats.record_transfer(output_tensor.numel() * output_tensor.element_size())
+        return super().__call__(output_tensor, input_tensor, group, async_op)
+
+
+class _CountedReduceScatter(DefaultReduceScatter):
+    def __init__(self, stats: CommStats) -> None:
+        super().__init__()
+        self.stats = stats
+
+    def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any, async_op: bool = False) -> Any:
+        if dist.get_world_size(group) > 1:
+            self.stats.record_transfer(input_tensor.numel() * input_tensor.element_size())
+        return super().__call__(output_tensor, input_tensor, group, op, async_op)
 
 
 def set_gradient_sync(units: list[nn.Module], enabled: bool) -> None:

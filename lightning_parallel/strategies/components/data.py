@@ -35,6 +35,7 @@ from lightning_parallel.parallelize.data.replicated import DataParallelConfig, a
 from lightning_parallel.parallelize.data.grad_sync import average_gradients
 from lightning_parallel.parallelize.data.periodic_sync import PeriodicSync, SyncConfig
 from lightning_parallel.parallelize.data.sharded import (
+    count_communication,
     set_gradient_sync,
     shard_over_data_parallel,
 )
@@ -160,6 +161,8 @@ class DataParallelComponent(Component):
                     mp_policy=fsdp_mixed_precision(engine.precision_plugin),
                     ignored_params=set(engine.expert_parallel.held_parameters),
                 )
+                if engine.comm_stats is not None:
+                    count_communication(self.sharded_units, engine.comm_stats)
             engine.placement.place()  # after sharding: only this rank's shards are allocated
             return
         if self.sync.is_periodic:
