@@ -27,6 +27,15 @@ STEPS = 3
 BATCH = 8  # global rows per training batch (4 micro-batches of 2 under pp2; 4 rows per replica under dp2)
 VAL_BATCH = 4  # global rows per validation batch: not the training batch size
 TOL = 1e-6
+#: A cell is exact within ``min(MAX_TOLERANCE, max(TOL, FLOOR_MARGIN * floor))``, ``floor`` being how far
+#: single-device training moves when only the order of its sums changes (the same batches, accumulated as two halves).
+#: float64 models' floor is ~1e-13, so TOL decides for them. Models that compute parts in float32 by design (Gemma 4's
+#: norms and attention: ``x.float()``) have a floor of ~1e-9, which a few steps of a sensitive tiny model amplify by
+#: orders of magnitude, differently for every reordering: Gemma 4 under dp2 differs by 3.7e-6 after 3 steps against
+#: a floor of 5.6e-9, and by 7e-12 with its float32 casts removed (exact). A bug (a wrong average, a missing sum)
+#: differs by 1e-2 or more, which MAX_TOLERANCE still catches.
+FLOOR_MARGIN = 1000.0
+MAX_TOLERANCE = 1e-4
 SHARE = 0.6  # TP: the largest rank's parameter bytes / the whole model's
 TIMEOUT = 60  # seconds a collective may wait: a hang becomes an error, and the world goes on
 SEED = 1234
@@ -45,12 +54,14 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
 EXPERT_LAYOUTS = ("ep2",)
 
 
-def build(task: str, model_type: str, layout: str | None) -> tuple[CoverageModule, CoverageData, L.Trainer, Recorder]:
-    """Module, data and Trainer for one cell (``layout=None``: the single-device reference)."""
+def build(task: str, model_type: str, layout: str | None, accumulate: int = 1) -> tuple[CoverageModule, CoverageData, L.Trainer, Recorder]:
+    """Module, data and Trainer for one cell (``layout=None``: the single-device reference; ``accumulate``: each
+    training batch fed as that many accumulated parts, the same rows in the same order)."""
     L.seed_everything(SEED, workers=True)
     model = CoverageModule(task, model_type, experts=EAGER_EXPERTS)
     replicas = 1 if layout is None else LAYOUTS[layout][0]
-    data = CoverageData(task, BATCH // replicas, VAL_BATCH // replicas, channels=channels_of(model), image=image_size_of(model))
+    data = CoverageData(task, BATCH // replicas // accumulate, VAL_BATCH // replicas, channels=channels_of(model),
+                        image=image_size_of(model))
     model.cell_settings = settings(model, layout)
     if layout is None:
         strategy: Any = "auto"
@@ -62,7 +73,7 @@ def build(task: str, model_type: str, layout: str | None) -> tuple[CoverageModul
     recorder = Recorder()
     trainer = L.Trainer(
         accelerator="cpu", devices=1 if layout is None else 2, strategy=strategy, precision="64-true",
-        max_steps=STEPS, limit_val_batches=2, num_sanity_val_steps=0, val_check_interval=None,
+        max_steps=STEPS, accumulate_grad_batches=accumulate, limit_val_batches=2, num_sanity_val_steps=0, val_check_interval=None,
         check_val_every_n_epoch=None, callbacks=[recorder], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
@@ -94,6 +105,8 @@ def train(model: CoverageModule, data: CoverageData, trainer: L.Trainer, recorde
     result["local_bytes"] = _local_bytes(model)
     result["model_class"] = type(model.net).__name__
     result["settings"] = dict(getattr(model, "cell_settings", {}))
+    # Running statistics of each replica's slice (I-BERT's activation ranges): the strategy warned, naming them.
+    result["divergent_buffers"] = list(getattr(getattr(trainer.strategy, "data_parallel", None), "divergent_buffers", []))
     return result
 
 
@@ -104,16 +117,32 @@ def _local_bytes(model: torch.nn.Module) -> int:
 
 
 def reference(task: str, model_type: str) -> dict[str, Any]:
-    """Single-device training (what every layout must reproduce)."""
+    """Single-device training (what every layout must reproduce), and its noise ``floor``: how far the same training
+    moves when each batch is accumulated as two halves (only the order of the sums changes)."""
     built = build(task, model_type, None)
     experts = bool(find_routed_experts(built[0]))  # what the expert-parallel layouts apply to
     result = train(*built)
     keep = ("step_losses", "states", "grads", "validation", "local_bytes", "model_class")
-    return {**{k: result[k] for k in keep}, "experts": experts}
+    expected = {**{k: result[k] for k in keep}, "experts": experts}
+    reordered = train(*build(task, model_type, None, accumulate=2))
+    # Buffers are left out: batch statistics (BatchNorm's, I-BERT's ranges) differ by design between the halves.
+    expected["floor"] = compare(expected, reordered, buffers=False)[0]
+    return expected
 
 
-def compare(expected: dict[str, Any], actual: dict[str, Any]) -> tuple[float, float, str]:
-    """(max absolute difference, max relative difference, what differs first) over losses, gradients, parameters."""
+def tolerance(expected: dict[str, Any]) -> float:
+    """How far a cell may differ from its reference and still be exact (see :data:`FLOOR_MARGIN`)."""
+    return min(MAX_TOLERANCE, max(TOL, FLOOR_MARGIN * expected.get("floor", 0.0)))
+
+
+def compare(expected: dict[str, Any], actual: dict[str, Any], buffers: bool = True) -> tuple[float, float, str]:
+    """(max absolute difference, max relative difference, what differs first) over losses, gradients, parameters
+    and (with ``buffers``) buffers, except the buffers the strategy warned differ between replicas
+    (``divergent_buffers``)."""
+    warned = set(actual.get("divergent_buffers", ()))
+    if not buffers:  # everything in the states that is not a trained parameter
+        trained = set().union(*(step.keys() for step in expected["grads"]))
+        warned |= set().union(*(step.keys() for step in expected["states"])) - trained
     worst_abs, worst_rel, first = 0.0, 0.0, ""
 
     def see(what: str, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -140,7 +169,8 @@ def compare(expected: dict[str, Any], actual: dict[str, Any]) -> tuple[float, fl
                 missing = sorted(set(want) ^ set(got))[:3]
                 return float("inf"), float("inf"), f"{kind} after step {step + 1}: names differ {missing}"
             for name in want:
-                see(f"{kind[:-1]} {name} after step {step + 1}", got[name], want[name])
+                if not (kind == "states" and name in warned):
+                    see(f"{kind[:-1]} {name} after step {step + 1}", got[name], want[name])
     for key, value in expected["validation"].items():
         see(f"validation {key}", torch.tensor(actual["validation"].get(key, float("nan"))), torch.tensor(value))
     return worst_abs, worst_rel, first
@@ -189,12 +219,17 @@ def judge(layout: str, expected: dict[str, Any], result: dict[str, Any], largest
     """The cell's verdict from rank 0's findings and the largest rank's parameter bytes."""
     worst_abs, worst_rel, first = compare(expected, result)
     record: dict[str, Any] = {"max_abs_diff": worst_abs, "max_rel_diff": worst_rel}
+    allowed = tolerance(expected)
+    if allowed > TOL:  # the family computes in float32 somewhere: judged against its measured floor
+        record["tolerance"] = allowed
     if result.get("settings"):
         record["settings"] = result["settings"]
+    if result.get("divergent_buffers"):  # not compared: named by the strategy's warning, not silently different
+        record["divergent_buffers_warned"] = result["divergent_buffers"]
     if layout in ("dp2", "ep2") and result.get("replica_spread", 0.0) > 1e-9:
         worst_abs = max(worst_abs, result["replica_spread"])
         first = first or f"replicas differ by {result['replica_spread']:.2e}"
-    if worst_abs > TOL:
+    if worst_abs > allowed:
         return {**record, "status": "wrong", "first_difference": first}
     record["status"] = "exact"
     if layout.startswith("ep"):  # what dividing the experts saves (no goal: dense parameters stay whole)

@@ -52,8 +52,12 @@ def _cell_text(cell: dict[str, Any] | None) -> str:
         message = cell.get("message", "").replace("|", "\\|")
         return f"{status}: {cell.get('error', '')}: {message[:80]}"
     # What the cell ran beyond its layout's defaults (tests.coverage.cells.settings), so the table says it.
-    extra = ", ".join(f"{k}={v}" for k, v in cell.get("settings", {}).items())
-    return f"{status} ({extra})" if extra else status
+    notes = [f"{k}={v}" for k, v in cell.get("settings", {}).items()]
+    if cell.get("divergent_buffers_warned"):  # running statistics per replica, named in the strategy's warning
+        notes.append(f"warned: {len(cell['divergent_buffers_warned'])} running-statistics buffers differ")
+    if cell.get("tolerance"):  # the family computes in float32: judged against its measured floor
+        notes.append(f"float32 inside: within {cell['tolerance']:.0e}")
+    return f"{status} ({', '.join(notes)})" if notes else status
 
 
 def summary(results: dict[str, Any]) -> str:

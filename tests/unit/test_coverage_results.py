@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.coverage.cells import LAYOUTS  # noqa: E402
+from tests.coverage.cells import LAYOUTS, MAX_TOLERANCE  # noqa: E402
 from tests.coverage.configs import TASKS  # noqa: E402
 from tests.coverage.report import BEGIN, END, PAGE, PAGE_BEGIN, PAGE_END, README, block, render, summary  # noqa: E402
 from tests.coverage.sweep import RESULTS  # noqa: E402
@@ -42,7 +42,9 @@ def test_every_record_is_well_formed():
             if status == "wrong":
                 assert cell["max_rel_diff"] > 0 and cell["first_difference"], (name, layout)
             if status.startswith("exact"):
-                assert cell["max_abs_diff"] <= 1e-6, (name, layout)
+                # Within 1e-6, or within the family's recorded tolerance (float32 inside: see cells.FLOOR_MARGIN).
+                assert cell["max_abs_diff"] <= cell.get("tolerance", 1e-6), (name, layout)
+                assert cell.get("tolerance", 1e-6) <= MAX_TOLERANCE, (name, layout)
             if layout.startswith("tp") and status.startswith("exact"):
                 assert (cell["share"] <= 0.6) == (status == "exact"), (name, layout)
 
@@ -67,3 +69,36 @@ def test_readme_shows_the_counts_and_not_every_family():
     readme = block(README.read_text(), BEGIN, END)
     assert "| family | task |" not in readme
     assert any(f"`{record['model_class']}`" in PAGE.read_text() for record in results()["families"].values())
+
+
+def _run(grad: float, buffer: float, divergent: tuple[str, ...] = ()) -> dict:
+    """A one-step finding: one parameter's gradient and one buffer's value."""
+    import torch
+
+    return {
+        "step_losses": torch.tensor([1.0]), "grads": [{"w": torch.tensor([grad])}],
+        "states": [{"w": torch.tensor([0.0]), "stat": torch.tensor([buffer])}], "validation": {},
+        "local_bytes": 8, "divergent_buffers": list(divergent),
+    }
+
+
+def test_judge_allows_a_float32_floor_but_not_a_bug():
+    from tests.coverage.cells import MAX_TOLERANCE, TOL, judge, tolerance
+
+    float64 = {**_run(1.0, 0.0), "floor": 1e-13}
+    float32 = {**_run(1.0, 0.0), "floor": 5e-9}
+    assert tolerance(float64) == TOL and tolerance(float32) == pytest.approx(5e-6)
+    assert judge("dp2", float64, _run(1.0 + 3e-6, 0.0), 8)["status"] == "wrong"
+    assert judge("dp2", float32, _run(1.0 + 3e-6, 0.0), 8)["status"] == "exact"
+    assert tolerance({**float32, "floor": 1.0}) == MAX_TOLERANCE  # a floor that large would hide a bug: capped
+    assert judge("dp2", {**float32, "floor": 1.0}, _run(1.1, 0.0), 8)["status"] == "wrong"
+
+
+def test_judge_skips_only_the_buffers_the_strategy_warned_about():
+    from tests.coverage.cells import judge
+
+    expected = {**_run(1.0, 0.0), "floor": 0.0}
+    assert judge("dp2", expected, _run(1.0, 0.5), 8)["status"] == "wrong"  # a silent difference in a buffer
+    warned = judge("dp2", expected, _run(1.0, 0.5, divergent=("stat",)), 8)
+    assert warned["status"] == "exact" and warned["divergent_buffers_warned"] == ["stat"]
+    assert judge("dp2", expected, _run(1.5, 0.5, divergent=("stat",)), 8)["status"] == "wrong"  # parameters still count

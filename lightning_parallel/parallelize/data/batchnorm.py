@@ -237,7 +237,7 @@ def running_statistics_warning(divergent: list[str], module_name: str, replicas:
     one device's (the parameters and the loss need not: these buffers may not feed the forward at all).
 
     Args:
-        divergent: What :func:`replica_divergent_buffers` found after the first training step.
+        divergent: What :func:`replica_divergent_buffers` found after one of the first training steps (not named before).
         module_name: The module's class name, for the message.
         replicas: Data-parallel replicas.
     """
@@ -245,7 +245,7 @@ def running_statistics_warning(divergent: list[str], module_name: str, replicas:
         return None
     named = _first_names(divergent)
     return (
-        f"{module_name} has {len(divergent)} buffers ({named}) that differ between data-parallel replicas after the first "
+        f"{module_name} has {len(divergent)} buffers ({named}) that differ between data-parallel replicas after a "
         f"training step: running statistics of the batch each one sees. Each of the {replicas} replicas updates them "
         f"from its own slice of the global batch "
         f"(replicas start every step from rank 0's under DDP), so they differ from one device training on the whole "

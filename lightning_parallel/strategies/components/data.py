@@ -70,7 +70,9 @@ class DataParallelComponent(Component):
         self.periodic_sync: PeriodicSync | None = None
         self.sharded_units: list[nn.Module] = []
         self._batchnorm_converted = False
-        self._buffers_checked = False
+        self._buffer_checks = 0
+        #: Buffers found to differ between replicas after one of the first training steps (named in a warning).
+        self.divergent_buffers: list[str] = []
         self._balancing_modules: list[ModuleType] | None = None
 
     @property
@@ -202,18 +204,27 @@ class DataParallelComponent(Component):
         group = replica_mesh(engine.device_mesh).get_group() if layout.context_parallel_size > 1 else engine.data_parallel_group
         return self._balancing_modules, group
 
+    #: Training steps after which buffers are compared between replicas. More than one: a statistic such as a
+    #: running maximum can come out equal on every replica after one step by chance (the maximum of the global batch
+    #: fell in rank 0's slice) and differ after the next.
+    BUFFER_CHECK_STEPS = 4
+
     def _check_buffers_after(self, hook: str, run: Callable[[], Any]) -> Any:
         engine = self.engine
-        if hook != "training_step" or self._buffers_checked or engine.layout.data_parallel_size == 1 or is_dry_run():
+        if (hook != "training_step" or self._buffer_checks >= self.BUFFER_CHECK_STEPS
+                or engine.layout.data_parallel_size == 1 or is_dry_run()):
             return run()
-        # After the first training step, buffers that differ between replicas are statistics of each one's slice.
-        self._buffers_checked = True
+        # After each of the first training steps, buffers that differ between replicas are statistics of each one's
+        # slice; every rank checks at the same steps (one small all-gather each).
+        self._buffer_checks += 1
         output = run()
         module = engine.lightning_module
         with outside_training():
             divergent = replica_divergent_buffers(module, engine.data_parallel_group)
-        message = running_statistics_warning(divergent, type(module).__name__, engine.layout.data_parallel_size)
-        if message is not None:
+        new = [name for name in divergent if name not in self.divergent_buffers]
+        self.divergent_buffers += new
+        message = running_statistics_warning(new, type(module).__name__, engine.layout.data_parallel_size)
+        if message is not None:  # once per newly found set, not every step
             rank_zero_warn(message)
         return output
 
