@@ -34,6 +34,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_parallel.measure.collectives import DTensorCollectives
+from lightning_parallel.measure.peak_memory import PeakMemory
 from lightning_parallel.observe.utilization import (
     Utilization,
     model_flops_per_sample,
@@ -111,12 +112,19 @@ class ScalingMonitor(Callback):
         self._tokens = 0
         self._batch_rows = 0
         self._mfu_warned = False
+        self._peak_memory = PeakMemory()
 
     def not_counted(self) -> Any:
         """Context manager: DTensor collectives issued inside are left out (your own metrics, debugging gathers)."""
         return self._collectives.paused()
 
     # ------------------------------------------------------------------ hooks
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Before the strategy sets the model up: the peak memory per rank counts setup, as the prediction does.
+        if self.enabled and stage == "fit":
+            self._peak_memory.start(pl_module, trainer.strategy.root_device)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -200,7 +208,8 @@ class ScalingMonitor(Callback):
             return
         self._exit.close()
         ranks = _gather(trainer, {"rank": trainer.global_rank, "steps": [asdict(s) for s in self.steps],
-                                  "events": [asdict(e) for e in self._pipeline.events]})
+                                  "events": [asdict(e) for e in self._pipeline.events],
+                                  "peak_memory_bytes": self._peak_memory.peak_bytes()})
         directory = self._directory(trainer)  # Trainer.log_dir is a collective: every rank asks
         if not trainer.is_global_zero:
             return
@@ -213,12 +222,16 @@ class ScalingMonitor(Callback):
                 measured.update(mfu=used.mfu, model_tflops_per_s=used.model_tflops_per_s,
                                 peak_tflops_per_device=used.peak_tflops_per_device, mfu_dtype=used.dtype,
                                 peak_measured=used.measured_peak)
+            peaks = [r["peak_memory_bytes"] for r in ranks]
+            if all(p is not None for p in peaks):  # the rank that decides whether a layout fits: the largest
+                measured["peak_memory_bytes"] = max(peaks)
         prediction = self._predict(trainer)
         self.summary = {
             "layout": _describe(trainer),
             "world_size": trainer.world_size,
             "measured": measured,
             "measured_by_rank": [_means(r["steps"], _replicas(trainer)) for r in ranks],
+            "peak_memory_bytes_by_rank": [r["peak_memory_bytes"] for r in ranks],
             "predicted": prediction.as_dict() if prediction is not None else None,
         }
         directory.mkdir(parents=True, exist_ok=True)

@@ -401,6 +401,11 @@ def _transient_bytes(profile: ModelProfile, step: StepProfile, segments: list[st
     extra = 0.0
     if layout.activation_checkpointing and layers:  # one layer's activations rebuilt during its backward
         extra += max(step.activation_bytes[s] for s in layers) * micro
+    if layout.uses_ddp and not layout.gradient_as_bucket_view:
+        # DDP's buckets: a second copy of every gradient it synchronises (divided experts are not among them),
+        # allocated when it wraps the model and kept.
+        synchronised = _parameters_of(step, segments) - step.frozen - (step.expert_parameters if layout.ep > 1 else set())
+        extra += sum(step.parameter_bytes[n] for n in synchronised)
     if shards > 1 and layout.pp > 1:  # the stage gathered whole for the step, and its whole gradients accumulating
         whole = sum(step.parameter_bytes[n] for n in _parameters_of(step, segments))
         extra += whole * (shards - 1) / shards + whole
@@ -557,6 +562,8 @@ def _setup_bytes(step: StepProfile, local_parameters: float, layout: Layout, wor
 
 def _notes(layout: Layout, workload: Workload, hardware: HardwareProfile) -> list[str]:
     notes = []
+    if layout.uses_ddp and not layout.gradient_as_bucket_view:
+        notes.append("DDP keeps a second copy of the gradients in its buckets: gradient_as_bucket_view=true saves it")
     if layout.pp > 1 and not workload.empty_init:
         notes.append("every rank holds the whole model until the first batch cuts the pipeline: build it with empty_init=true")
     if layout.tp > 1 and _tp_crosses(layout, workload):

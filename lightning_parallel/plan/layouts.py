@@ -67,6 +67,7 @@ class Layout:
         activation_checkpointing: Each trunk layer recomputed in backward.
         cp: Context-parallel size (each sequence split over ``cp`` ranks, ring attention).
         ep: Expert-parallel size (of the dp ranks, how many divide each MoE layer's routed experts).
+        gradient_as_bucket_view: DDP's gradients alias its communication buckets (else DDP keeps a second copy).
     """
 
     dp: int
@@ -80,6 +81,7 @@ class Layout:
     activation_checkpointing: bool = False
     cp: int = 1
     ep: int = 1
+    gradient_as_bucket_view: bool = False
 
     @property
     def world_size(self) -> int:
@@ -92,6 +94,7 @@ class Layout:
         data_parallel_mode: str,
         pipeline: PipelineConfig,
         activation_checkpointing: bool,
+        gradient_as_bucket_view: bool = False,
     ) -> Layout:
         """A strategy's resolved layout and settings in the planner's terms (options that do not apply dropped)."""
         pipelined = layout.pipeline_parallel_size > 1
@@ -107,7 +110,13 @@ class Layout:
             activation_checkpointing=activation_checkpointing,
             cp=layout.context_parallel_size,
             ep=layout.expert_parallel_size,
+            gradient_as_bucket_view=gradient_as_bucket_view,
         )
+
+    @property
+    def uses_ddp(self) -> bool:
+        """Replicas synchronised by DDP (with its gradient buckets): plain replicated parameters, no pipeline."""
+        return self.data_parallel_mode == "replicate" and self.dp * self.cp > 1 and self.tp == 1 and self.pp == 1
 
     def describe(self) -> str:
         """E.g. ``dp=2 × tp=4 × pp=2 · 1f1b m=8 · shard · ckpt`` (``× cp=2`` after dp when the sequence is split)."""

@@ -248,6 +248,7 @@ class ParallelEngineStrategy(MeshStrategy):
             self.data_parallel.config.mode,
             self.pipeline_parallel.config,
             activation_checkpointing=bool(self.activation_checkpointing.patterns),
+            gradient_as_bucket_view=self.data_parallel.config.gradient_as_bucket_view,
         )
 
     @override
