@@ -11,13 +11,12 @@ nothing measured. No Lightning here.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 
 import torch
 from torch import nn
-
-import ctypes
-import ctypes.util
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")

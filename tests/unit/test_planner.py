@@ -310,3 +310,31 @@ def test_gpu_check_calibrates_the_datasheet_profile_of_the_gpu_it_ran_on():
     assert profile.name == "h100_ib_calibrated" and profile.achievable_fraction == 0.52 and profile.peak_tflops == 989
     assert calibrated_profile({CALIBRATING_VARIANT: {"error": "out of memory"}}, smoke=False) is None
     assert calibrated_profile({CALIBRATING_VARIANT: {"mfu": 0.5, "device": "Some Other GPU"}}, smoke=False) is None
+
+
+def test_ddp_bucket_copy_of_the_gradients_is_predicted_unless_they_alias_the_buckets():
+    workload = Workload(devices_per_node=2, num_nodes=1, global_batch=8)
+    copied = predict(profile(1), Layout(dp=2, tp=1, pp=1), workload, ANY_HARDWARE)
+    aliased = predict(profile(1), Layout(dp=2, tp=1, pp=1, gradient_as_bucket_view=True), workload, ANY_HARDWARE)
+    gradients = copied.memory[0].gradients
+    assert gradients > 0 and copied.memory[0].transient - aliased.memory[0].transient == pytest.approx(gradients)
+    assert any("gradient_as_bucket_view=true" in note for note in copied.notes)
+    assert not any("gradient_as_bucket_view" in note for note in aliased.notes)
+    sharded = predict(profile(1), Layout(dp=2, tp=1, pp=1, data_parallel_mode="shard", shard_size=2), workload, ANY_HARDWARE)
+    assert not any("gradient_as_bucket_view" in note for note in sharded.notes)  # FSDP2 has no DDP buckets
+
+
+def test_peak_memory_counts_what_the_module_held_and_what_the_run_allocated():
+    from lightning_parallel.measure.peak_memory import PeakMemory, held_tensor_bytes
+
+    module = torch.nn.Linear(1024, 1024)  # 4 MiB of weight held before tracking starts
+    held = held_tensor_bytes(module)
+    assert held == (1024 * 1024 + 1024) * 4
+    tracker = PeakMemory()
+    tracker.start(module, torch.device("cpu"))
+    if tracker.peak_bytes() is None:
+        pytest.skip("no /proc/self/status here")
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    peak = tracker.peak_bytes()
+    del block
+    assert peak >= held + 60 * 2**20
