@@ -794,3 +794,41 @@ def test_children_called_on_whole_tensors_inside_the_split_train_as_unsplit(simu
     torch.testing.assert_close(x_grad, whole_x.grad, rtol=0, atol=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-12, msg=name)
+
+
+class QueryGateAttention(nn.Module):
+    """Gated attention with the query and its per-head output gate in one projection, laid out per head
+    (``q_h | gate_h``), beside separate k/v with fewer heads (as MiniCPM5-MoE writes it)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads, self.num_key_value_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.q_gate_proj = nn.Linear(dim, 2 * dim, dtype=torch.float64)
+        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, dtype=torch.float64)
+        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, dtype=torch.float64)
+        self.o_proj = nn.Linear(dim, dim, dtype=torch.float64)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, gate = self.q_gate_proj(x).view(B, L, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        k, v = (p(x).view(B, L, -1, self.head_dim).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+        groups = q.shape[2] // k.shape[1]  # query heads per key/value head, whatever this rank holds
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = (q.transpose(1, 2) @ k.transpose(-1, -2) / self.head_dim**0.5).softmax(-1)
+        out = (scores @ v).transpose(1, 2).reshape(B, L, -1)
+        return self.o_proj(out * gate.reshape(B, L, -1).sigmoid())
+
+
+def test_a_query_fused_with_its_per_head_gate_splits_with_its_attention(simulated_ranks):
+    # MiniCPM5-MoE: q_gate_proj was not taken for a query, so k_proj/v_proj stayed whole and kept the attention whole.
+    import copy
+
+    torch.manual_seed(0)
+    module, x = QueryGateAttention(), torch.randn(2, 5, 32, dtype=torch.float64)
+    assert infer_plan(module) == {"q_gate_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+    expected = _whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    assert set(resolved.head_attributes[""]) == {"num_heads", "num_key_value_heads"}
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[1][name], rtol=0, atol=1e-12, msg=name)

@@ -6,7 +6,8 @@ Groups are recognised:
 
 - a MoE block's grouped experts (3-D ``gate_up_proj``/``down_proj``, transformers' fused layout): style
   ``experts`` (:mod:`~lightning_parallel.parallelize.tensor.experts`); ``nn.ModuleList`` experts are MLPs below;
-- within one module: q/k/v/output by conventional names, multi-head latent attention's per-head up
+- within one module: q/k/v/output by conventional names (the query may carry its per-head output gate fused in,
+  ``q_gate_proj``, laid out per head), multi-head latent attention's per-head up
   projections (``q_b_proj``, ``kv_b_proj``) and output, fused ``q|k|v`` (blocks or grouped per key/value
   head, as ``query_key_value`` is laid out), fused ``gate|up``, and MLPs by shape (``d→h, h→d``, gated
   ``d→h, d→h, h→d``);
@@ -48,6 +49,11 @@ _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
     ("to_q", "to_k", "to_v", "to_out"),
     ("query_proj", "key_proj", "value_proj", "out_proj"),
     ("q_lin", "k_lin", "v_lin", "out_lin"),  # XLM, FlauBERT, DistilBERT
+    # A query projection fused with the per-head output gate (gated attention), beside separate k/v. Laid out per
+    # head, as every such projection transformers has (MiniCPM5-MoE's ``q_gate_proj``, like Qwen3-Next's doubled
+    # ``q_proj``, is viewed as ``[..., heads, 2·head_dim]`` and chunked on the last dim): head h's rows are
+    # ``q_h | gate_h``, so a plain column split gives each rank whole heads of both.
+    ("q_gate_proj", "k_proj", "v_proj", "o_proj"),
 )
 # Multi-head latent attention (DeepSeek-V2/V3 and kin): per-head up projections of the query (``q_b_proj``, or a
 # plain ``q_proj`` without a query latent) and of the key/value latent (``kv_b_proj``), and the output projection.
