@@ -379,3 +379,35 @@ def test_custom_autograd_functions_keep_their_backward_in_traced_stages():
     for traced in (model, meta_copy(model)):
         trace_and_compare(model, traced, x, expected, grads)
     assert torch.autograd.Function.apply.__func__ is torch.autograd.Function.__dict__["apply"].__func__
+
+
+def _module_in_loop(batch_idx: int, accumulate: int, module_class: type | None = None):
+    import lightning as L
+    from types import SimpleNamespace
+
+    module = (module_class or L.LightningModule)()
+    loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_idx=batch_idx))
+    module._trainer = SimpleNamespace(fit_loop=loop, accumulate_grad_batches=accumulate)
+    return module
+
+
+def test_the_previous_steps_gradients_are_freed_only_where_lightning_would_zero_them():
+    """The schedule runs backward inside training_step; the gradients Lightning zeroes after it are freed before
+    the schedule instead of living beside the new ones (one gradient set per rank, measured in
+    benchmarks/memory_accuracy.py); accumulated ones and those a custom optimizer_zero_grad may keep are not."""
+    import lightning as L
+
+    from lightning_parallel.strategies.components.pipeline.component import _zeroed_after_step
+
+    assert _zeroed_after_step(_module_in_loop(0, 1)) and _zeroed_after_step(_module_in_loop(7, 1))
+    assert _zeroed_after_step(_module_in_loop(4, 2)) and not _zeroed_after_step(_module_in_loop(5, 2))
+
+    class KeepsGradients(L.LightningModule):
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            pass
+
+    assert not _zeroed_after_step(_module_in_loop(0, 1, KeepsGradients))
+    manual = _module_in_loop(0, 1)
+    manual.automatic_optimization = False
+    assert not _zeroed_after_step(manual)
+    assert not _zeroed_after_step(nn.Linear(2, 2))

@@ -17,6 +17,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import Tensor
 
@@ -114,7 +115,11 @@ class PipelineComponent(Component):
         plugin = engine.precision_plugin
         context = plugin.train_step_context() if training else plugin.val_step_context()
         # Lightning zeroes gradients *after* training_step and before backward, but the schedule computes
-        # them inside the step: set them aside here and hand them over in backward().
+        # them inside the step: set them aside here and hand them over in backward(). Gradients that
+        # Lightning's own zeroing would discard are freed instead of set aside: kept, the previous step's
+        # gradients lived beside this step's through the whole schedule (one more gradient set per rank).
+        if training and _zeroed_after_step(module):
+            _take_gradients(module)
         earlier = _take_gradients(module) if training else []
         with context:
             output = runner.run(module, hook, args, kwargs, training=training, loss_scale=scale, on_build=self._on_built)
@@ -201,6 +206,19 @@ def _sequence_split(engine: EngineHost) -> StageSequenceSplit | None:
         return None
     cp_mesh = engine.device_mesh["cp"]
     return StageSequenceSplit(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+
+
+def _zeroed_after_step(module: torch.nn.Module) -> bool:
+    """Whether Lightning zeroes the gradients between this ``training_step`` and its backward, with its own
+    ``optimizer_zero_grad``: automatic optimization, the first batch of an accumulation window (the rule of
+    Lightning's ``_AutomaticOptimization._make_zero_grad_fn``). A module that overrides ``optimizer_zero_grad``
+    may keep some gradients: its earlier gradients are then set aside and handed back, as before."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or not isinstance(module, LightningModule) or not module.automatic_optimization:
+        return False
+    if type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad:
+        return False
+    return trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
 
 
 def _take_gradients(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, Tensor]]:
