@@ -832,3 +832,92 @@ def test_a_query_fused_with_its_per_head_gate_splits_with_its_attention(simulate
     torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[1][name], rtol=0, atol=1e-12, msg=name)
+
+
+class ShortConv(nn.Module):
+    """A short-convolution mixer as LFM2/LFM3 write it: d → B|C|x, B·x, depthwise causal convolution, C·(…), → d."""
+
+    def __init__(self, dim: int = 8, kernel: int = 3, bias: bool = True) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(dim, 3 * dim, bias=bias, dtype=torch.float64)
+        self.conv = nn.Conv1d(dim, dim, kernel, groups=dim, padding=kernel - 1, bias=bias, dtype=torch.float64)
+        self.out_proj = nn.Linear(dim, dim, bias=bias, dtype=torch.float64)
+
+    def forward(self, x):
+        B, C, h = self.in_proj(x).transpose(-1, -2).chunk(3, dim=-2)
+        if self.conv.bias is None:  # read the weight directly, as transformers' causal_conv1d_fn does
+            y = nn.functional.conv1d(B * h, self.conv.weight, None, padding=self.conv.padding, groups=(B * h).shape[1])
+        else:
+            y = self.conv(B * h)
+        return self.out_proj((C * y[..., : x.shape[1]]).transpose(-1, -2))
+
+
+def _reorder_fused_rows_outside_the_simulation(monkeypatch) -> None:
+    """LocalTensorMode turns the index a fused projection's rows are reordered by into a per-rank tensor, and then
+    crashes scattering the reordered weight (see test_a_fused_qkv_width_attribute_is_divided): reorder them with the
+    simulation paused, as one process does before sharding."""
+    from contextlib import nullcontext
+
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    from lightning_parallel.parallelize.tensor import fused
+
+    reorder = fused.rank_major_rows
+
+    def paused(param, layout):
+        mode = local_tensor_mode()
+        with mode.disable() if mode is not None else nullcontext():
+            return reorder(param, layout)
+
+    monkeypatch.setattr(fused, "rank_major_rows", paused)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_short_convolution_splits_over_its_channels(simulated_ranks, monkeypatch, bias):
+    # LFM3: in_proj (d→B|C|x), its depthwise conv and out_proj stayed whole (tp2 share 0.604).
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.parallelize.tensor.fused import original_order
+
+    _reorder_fused_rows_outside_the_simulation(monkeypatch)
+    torch.manual_seed(0)
+    module, x = AttentionBlock(ShortConv(bias=bias)), torch.randn(2, 5, 8, dtype=torch.float64)
+    plan = infer_plan(module)
+    assert plan == {"attention.in_proj": "fused_blocks", "attention.conv": "channelwise", "attention.out_proj": "rowwise"}
+    expected = _whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    assert resolved.fused == {"attention.in_proj": (8, 8, 8)}
+    conv = module.attention.conv
+    assert (conv.in_channels, conv.out_channels, conv.groups) == (4, 4, 4)
+    assert isinstance(conv.weight, DTensor) and conv.weight.placements[0].is_shard(0)
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)
+    for name, grad in grads.items():  # in_proj's gathered rows are rank-major: compared in the module's own order
+        torch.testing.assert_close(original_order(module, name, grad), expected[1][name], rtol=0, atol=1e-12, msg=name)
+
+
+class PointwiseAfterConv(nn.Module):
+    """A depthwise convolution *before* d→h→d projections (ConvNeXt's block without its norm): not a short convolution."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv1d(8, 8, 3, groups=8, padding=1)
+        self.pwconv1, self.pwconv2 = nn.Linear(8, 32), nn.Linear(32, 8)
+
+
+def test_depthwise_convolutions_split_only_between_their_projections():
+    # Its projections are an MLP after the convolution, which runs on the whole input: the convolution stays whole.
+    assert infer_plan(PointwiseAfterConv()) == {"pwconv1": "colwise", "pwconv2": "rowwise"}
+    module = ShortConv()
+    module.conv = nn.Conv1d(8, 8, 3, groups=2)  # mixes the channels of a group: cannot run on a rank's channels
+    assert infer_plan(module) == {}
+    with pytest.raises(TypeError, match=r"conv: style 'channelwise' splits a depthwise convolution .* got Conv1d \(groups=2"):
+        check_plan(module, resolve_plan(module, {"in_proj": "fused_blocks", "conv": "channelwise", "out_proj": "rowwise"}), 2)
+    module = ShortConv()
+    with pytest.raises(ValueError, match=r"conv: style 'channelwise' .* found no column-wise projection of that width"):
+        check_plan(module, resolve_plan(module, {"conv": "channelwise", "out_proj": "rowwise"}), 2)
+    with pytest.raises(ValueError, match=r"in_proj: style 'fused_blocks' cuts its 24 output features .* found no row-wise"):
+        resolve_plan(module, {"in_proj": "fused_blocks"})
+    with pytest.raises(ValueError, match=r"conv.groups=8 \(its channels\) is not divisible by tensor_parallel_size=3"):
+        check_plan(module, resolve_plan(module, infer_plan(module)), 3)

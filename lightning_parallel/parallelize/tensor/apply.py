@@ -22,6 +22,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.channels import check_channelwise, split_channels
 from lightning_parallel.parallelize.tensor.experts import check_experts, split_experts
 from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
@@ -245,6 +246,8 @@ def resolve_plan(
         elif style == "fused_gate_up":
             out = features(modules[fqn])[1] if is_projection(modules[fqn]) else 0
             fused[fqn] = (out // 2, out // 2)
+        elif style == "fused_blocks":
+            fused[fqn] = _equal_blocks(fqn, modules, styles)
     head_attrs = _attention_heads(modules, styles, head_attributes)
     per_head = {}
     for fqn in head_attrs:
@@ -266,7 +269,7 @@ def resolve_plan(
 
 
 #: Styles that split a projection's output features (its input is whole on every rank).
-COLUMN_STYLES = ("colwise", "colwise_gather_output", "fused_qkv", "fused_gate_up", "loss_parallel")
+COLUMN_STYLES = ("colwise", "colwise_gather_output", "fused_qkv", "fused_gate_up", "fused_blocks", "loss_parallel")
 _PROJECTION_STYLES = (*COLUMN_STYLES, "rowwise")
 
 
@@ -290,6 +293,9 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
             _require_divisible(fqn, dim_name, size, tp_size)
         elif style == "experts":
             check_experts(fqn, sub, tp_size)
+        elif style == "channelwise":
+            check_channelwise(fqn, sub, tp_size)
+            _require_region_around(fqn, modules, resolved)
         elif style == "embedding_rowwise":
             if not isinstance(sub, nn.Embedding):
                 raise TypeError(f"{fqn}: style 'embedding_rowwise' needs an nn.Embedding, got {type(sub).__name__}.")
@@ -302,7 +308,9 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
                 )
             _require_divisible(fqn, "num_embeddings", sub.num_embeddings, tp_size)
     for fqn, blocks in resolved.fused.items():
-        names = ("q", "k", "v") if resolved.styles[fqn] == "fused_qkv" else ("gate", "up")
+        style = resolved.styles[fqn]
+        names = ("q", "k", "v") if style == "fused_qkv" else ("gate", "up") if style == "fused_gate_up" else (
+            tuple(f"block {i}" for i in range(len(blocks))))
         for name, size in zip(names, blocks):
             _require_divisible(fqn, f"{name} block", size, tp_size)
     for fqn, (heads, kv_heads) in resolved.heads.items():
@@ -351,7 +359,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         torch_plan = {
             fqn: parallel_style(style, conv1d=fqn in resolved.conv1d)
             for fqn, style in resolved.styles.items()
-            if style not in ("replicate", "experts")
+            if style not in ("replicate", "experts", "channelwise")
         }
         # Where several column-wise projections read one input (q/k/v, gated MLPs), they get one shared
         # replicated DTensor: their input gradients add up as one partial sum, one all-reduce.
@@ -364,6 +372,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     tied = [holders for holders in tied_groups(module) if {fqn for fqn, _ in holders} <= split]
     parallelize_module(module, tp_mesh, torch_plan)
     tie_again(module, tied)
+    split_channels(modules, resolved.styles, tp_mesh)
     for fqn, style in resolved.styles.items():
         if style == "embedding_rowwise":
             reduce_lookups_in(modules[fqn])  # an embedding that scales its rows (Gemma) loses the lookup's mask
@@ -464,7 +473,7 @@ def shared_input_regions(resolved: ResolvedPlan) -> list[str]:
     """Modules holding two or more column-wise projections (they read the same input)."""
     parents: dict[str, int] = {}
     for fqn, style in resolved.styles.items():
-        if style in ("colwise", "fused_qkv", "fused_gate_up"):
+        if style in ("colwise", "fused_qkv", "fused_gate_up", "fused_blocks"):
             parent = fqn.rpartition(".")[0]
             parents[parent] = parents.get(parent, 0) + 1
     return [parent for parent, count in parents.items() if count > 1 and parent]
@@ -505,7 +514,7 @@ def _require_split_input(fqn: str, modules: Mapping[str, nn.Module], resolved: R
     parent = fqn.rpartition(".")[0]
     grandparent = parent.rpartition(".")[0] if parent else None
     for other, style in resolved.styles.items():
-        if style not in ("colwise", "fused_qkv", "fused_gate_up"):  # gathered or loss-parallel outputs are no split input
+        if style not in ("colwise", "fused_qkv", "fused_gate_up", "fused_blocks"):  # gathered or loss-parallel outputs are no split input
             continue
         owner = other.rpartition(".")[0]
         if owner == parent or (parent and owner and owner.rpartition(".")[0] == grandparent):
@@ -516,6 +525,50 @@ def _require_split_input(fqn: str, modules: Mapping[str, nn.Module], resolved: R
         f"column-wise, so its input is whole on every rank. Give it a column-wise partner in the plan, or leave {fqn} "
         f"replicated."
     )
+
+
+def _equal_blocks(fqn: str, modules: Mapping[str, nn.Module], styles: Mapping[str, str]) -> tuple[int, ...]:
+    """Blocks of a ``fused_blocks`` projection: as wide as the input of the row-wise projection beside it (the one
+    that closes its region reads one block's width: a short convolution's ``out_proj`` reads ``B·C·x``'s width).
+
+    Raises:
+        TypeError: ``fqn`` is not a projection.
+        ValueError: No single row-wise projection beside it, or its width is not a whole number of such blocks.
+    """
+    sub = modules[fqn]
+    if not is_projection(sub):
+        raise TypeError(f"{fqn}: style 'fused_blocks' needs an nn.Linear or a transformers Conv1D, got {type(sub).__name__}.")
+    parent = fqn.rpartition(".")[0]
+    widths = {features(modules[other])[0] for other, style in styles.items()
+              if style == "rowwise" and other.rpartition(".")[0] == parent and is_projection(modules[other])}
+    out = features(sub)[1]
+    if len(widths) != 1 or out % next(iter(widths)):
+        found = f"row-wise projections reading {'/'.join(map(str, sorted(widths)))} features" if widths else "no row-wise projection"
+        raise ValueError(
+            f"{fqn}: style 'fused_blocks' cuts its {out} output features into blocks as wide as the input of the one "
+            f"row-wise projection beside it in {parent or 'the model'}, but found {found}. Give that projection "
+            f"'rowwise' in the plan, or split {fqn} with another style."
+        )
+    width = next(iter(widths))
+    return (width,) * (out // width)
+
+
+def _require_region_around(fqn: str, modules: Mapping[str, nn.Module], resolved: ResolvedPlan) -> None:
+    """A ``channelwise`` convolution computes on a rank's channels: a column-wise projection beside it must hand
+    it those channels and a row-wise one take them back, both as wide as its channels."""
+    parent = fqn.rpartition(".")[0]
+    channels = modules[fqn].groups
+    beside = {other: style for other, style in resolved.styles.items() if other.rpartition(".")[0] == parent and other != fqn}
+    opens = [o for o, s in beside.items() if s in ("colwise", "fused_blocks") and is_projection(modules[o])
+             and channels in {features(modules[o])[1], *resolved.fused.get(o, ())}]
+    closes = [o for o, s in beside.items() if s == "rowwise" and is_projection(modules[o]) and features(modules[o])[0] == channels]
+    if not opens or not closes:
+        raise ValueError(
+            f"{fqn}: style 'channelwise' runs the convolution on a rank's {channels} channels, which a column-wise "
+            f"projection beside it in {parent or 'the model'} must produce and a row-wise one read back; found "
+            f"{'no column-wise' if not opens else 'no row-wise'} projection of that width there. Split the projections "
+            f"around it too, or leave {fqn} replicated in the plan."
+        )
 
 
 def _require_divisible(fqn: str, what: str, size: int, tp_size: int) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from torch import nn
 
+from lightning_parallel.parallelize.tensor.channels import depthwise_channels
 from lightning_parallel.parallelize.tensor.experts import find_experts
 from lightning_parallel.parallelize.tensor.projections import (
     KEY_VALUE_HEADS,
@@ -262,6 +263,9 @@ def _match_block(
     named = _named_gated_mlp(projections)
     if named:
         return named
+    short_convolution = _match_short_convolution(sub, projections)
+    if short_convolution:
+        return short_convolution
     # Beside blocks of its own (a decoder layer holding its attention), a module's direct projections are its
     # MLP only if they widen the model (OPT's, BART's fc1/fc2): two that narrow it are a side path whose
     # hidden values may meet a replicated tensor of that width (Gemma4's per-layer input gate and
@@ -397,6 +401,37 @@ def _named_gated_mlp(linears: Mapping[str, nn.Module]) -> dict[str, str]:
             (g_in, g_out), (u_in, u_out), (d_in, d_out) = (features(linears[n]) for n in (gate, up, down))
             if g_in == u_in == d_out and g_out == u_out == d_in:
                 return {gate: "colwise", up: "colwise", down: "rowwise"}
+    return {}
+
+
+def _match_short_convolution(sub: nn.Module, projections: Mapping[str, nn.Module]) -> dict[str, str]:
+    """A short-convolution mixer (LFM2's, LFM3's ``ShortConv``): ``d→k·w`` projection, depthwise convolution of ``w``
+    channels, ``w→d`` projection, and no other parameter (``{}`` otherwise).
+
+    Recognised by structure: with nothing but a depthwise convolution between them holding parameters, what
+    connects the projections works channel by channel (the gates ``B·x`` and ``C·conv(·)`` of the ``k = 3`` blocks
+    ``B | C | x``), so the first splits column-wise by blocks (``fused_blocks``), the convolution over its channels (``channelwise``, :mod:`~lightning_parallel.parallelize.tensor.channels`), the last
+    row-wise. A mixer that also holds a state-space model's parameters (Mamba's ``A_log``, ``dt_proj``) is not this.
+    """
+    convs = {name: child for name, child in sub.named_children() if depthwise_channels(child) is not None}
+    if len(projections) != 2 or len(convs) != 1:
+        return {}
+    (conv_name, conv), = convs.items()
+    channels = depthwise_channels(conv)
+    held = {*projections, conv_name}
+    if any(child not in held and any(True for _ in m.parameters()) for child, m in sub.named_children()):
+        return {}
+    if any(True for _ in sub.parameters(recurse=False)):
+        return {}
+    widths = {name: features(m) for name, m in projections.items()}
+    closing = [name for name, (width_in, _) in widths.items() if width_in == channels]
+    for out in closing:
+        (opening, (d_model, width)), = ((n, f) for n, f in widths.items() if n != out)
+        # Two or more blocks: the projection writing several blocks of the channels is the one before the
+        # convolution. With one block (d→w, w→d) shapes cannot tell which projection runs first (a convolution
+        # before both, as ConvNeXt's block has, would be cut on its whole input): left whole.
+        if widths[out][1] == d_model and width % channels == 0 and width // channels >= 2:
+            return {opening: "fused_blocks", conv_name: "channelwise", out: "rowwise"}
     return {}
 
 

@@ -25,6 +25,10 @@ STYLES: dict[str, str] = {
     "colwise_gather_output": "Linear split along output features, output gathered whole (e.g. an output head, tied or not)",
     "fused_qkv": "fused q|k|v projection: each block split by whole heads (k/v may have fewer heads: GQA)",
     "fused_gate_up": "fused gate|up projection: each half split along output features",
+    "fused_blocks": "fused projection of equal blocks, each as wide as the input of the row-wise projection closing "
+    "its region (a short convolution's B|C|x): each block split along output features",
+    "channelwise": "depthwise convolution (groups = channels) inside a split region: weight and bias split over the "
+    "channels with the projections around it, its channel counts divided",
     "rowwise": "Linear split along input features (input sharded, output all-reduced)",
     "embedding_rowwise": "Embedding split over the vocabulary (output all-reduced)",
     "vocab_parallel": "another name for embedding_rowwise",
@@ -89,7 +93,8 @@ class ResolvedPlan:
 
 
 def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1d: bool = False) -> ParallelStyle | None:
-    """The torch ``ParallelStyle`` that splits one module by ``style``; ``None`` for ``"replicate"`` and ``"experts"``.
+    """The torch ``ParallelStyle`` that splits one module by ``style``; ``None`` for ``"replicate"``, ``"experts"``
+    and ``"channelwise"``.
 
     Args:
         style: A name from :data:`STYLES` (aliases accepted).
@@ -107,7 +112,7 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1
 
     style = STYLE_ALIASES.get(style, style)
     colwise, rowwise = _conv1d_styles() if conv1d else (ColwiseParallel, RowwiseParallel)
-    if style in ("colwise", "fused_qkv", "fused_gate_up"):
+    if style in ("colwise", "fused_qkv", "fused_gate_up", "fused_blocks"):
         # Fused projections are reordered rank-major first (fused.py): a plain column split then gives
         # each rank its part of every block.
         return colwise()
@@ -121,8 +126,10 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1
     if style == "loss_parallel":
         # The logits stay a vocabulary-sharded DTensor, which torch's loss_parallel needs for cross-entropy.
         return ColwiseParallel(use_local_output=False)
-    if style in ("replicate", "experts"):
-        return None  # experts are split by parallelize.tensor.experts, not by a torch ParallelStyle
+    if style in ("replicate", "experts", "channelwise"):
+        # experts are split by parallelize.tensor.experts, depthwise convolutions by parallelize.tensor.channels,
+        # not by a torch ParallelStyle
+        return None
     raise ValueError(f"Style {style!r} is unknown. Choose one of: {', '.join(STYLES)}.")
 
 

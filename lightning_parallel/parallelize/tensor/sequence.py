@@ -50,7 +50,7 @@ def sequence_parallel_plan(
     sharded = Shard(sequence_dim)
     plan: dict = {}
     for fqn, style in resolved.styles.items():
-        if style == "replicate":
+        if style in ("replicate", "channelwise"):  # channelwise: split by tensor.channels, not a torch style
             continue
         inside = any(fqn.startswith(f"{block}.") for block in blocks)
         # Inside the trunk, row-wise outputs are reduce-scattered into sequence shards (only "rowwise" reads it).
@@ -60,7 +60,7 @@ def sequence_parallel_plan(
         regions = {
             fqn.rpartition(".")[0]
             for fqn, style in resolved.styles.items()
-            if style in ("colwise", "fused_qkv", "fused_gate_up") and fqn.startswith(f"{block}.")
+            if style in ("colwise", "fused_qkv", "fused_gate_up", "fused_blocks") and fqn.startswith(f"{block}.")
         }
         if block in regions:
             raise ValueError(

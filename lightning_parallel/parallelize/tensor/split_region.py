@@ -46,7 +46,7 @@ from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 INTERLEAVED_GROUP_ATTRIBUTES = ("mp_num",)
 
 #: Styles that open a split region inside one module, and the one that closes it.
-_OPENING = ("colwise", "fused_qkv", "fused_gate_up")
+_OPENING = ("colwise", "fused_qkv", "fused_gate_up", "fused_blocks")
 _CLOSING = ("rowwise",)
 
 
