@@ -921,3 +921,68 @@ def test_depthwise_convolutions_split_only_between_their_projections():
         resolve_plan(module, {"in_proj": "fused_blocks"})
     with pytest.raises(ValueError, match=r"conv.groups=8 \(its channels\) is not divisible by tensor_parallel_size=3"):
         check_plan(module, resolve_plan(module, infer_plan(module)), 3)
+
+
+class Trunk(nn.Module):
+    """Blocks in an ``nn.ModuleList``, as sequence parallelism looks for them."""
+
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class HeadNormAttention(nn.Module):
+    """Qwen3's attention, reduced: 4 heads of width 4, an RMSNorm over each query and key head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = 4, 4
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(16, 16, dtype=torch.float64) for _ in range(4))
+        self.q_norm, self.k_norm = nn.RMSNorm(4, dtype=torch.float64), nn.RMSNorm(4, dtype=torch.float64)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k = (norm(p(x).view(B, L, -1, self.head_dim)) for norm, p in ((self.q_norm, self.q_proj), (self.k_norm, self.k_proj)))
+        v = self.v_proj(x).view(B, L, -1, self.head_dim)
+        return self.o_proj((q * k + v).reshape(B, L, -1))
+
+
+class PreNormBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attention = nn.RMSNorm(16, dtype=torch.float64), HeadNormAttention()
+
+    def forward(self, x):
+        return x + self.attention(self.norm(x))
+
+
+def test_per_head_norm_gradients_under_sequence_parallelism_are_summed_once(simulated_ranks):
+    # Qwen3, Gemma3, LFM2 under tp2 with sequence_parallel=True: the per-head q_norm, a SequenceParallel module
+    # (its gradient summed by DTensor), was summed again as a split-region parameter: its gradient 2x.
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, apply_tensor_parallel
+    from lightning_parallel.parallelize.tensor.split_region import reduce_split_region_gradients
+
+    torch.manual_seed(0)
+    module, x = Trunk(PreNormBlock(), PreNormBlock()), torch.randn(2, 6, 16, dtype=torch.float64)
+    expected_out, expected = _whole_run(copy.deepcopy(module), x)
+    resolved = TensorParallelConfig(sequence_parallel=True).resolve(module, tp_size=2)
+    with simulated_ranks():
+        apply_tensor_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), resolved, sequence_parallel=True)
+        out = module(x)
+        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+        reduce_split_region_gradients(module)
+        rank0 = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t)._local_tensors[0]  # noqa: E731
+        out, grads = rank0(out).detach(), {n: rank0(p.grad) for n, p in module.named_parameters()}
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-12, msg=name)
