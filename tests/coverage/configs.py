@@ -30,6 +30,12 @@ TOP_K = 2
 
 TASKS = ("causal_lm", "masked_lm", "image_classification")
 
+_QSA = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HIDDEN // HEADS, "indexer_budget": SEQUENCE // 2,
+        "indexer_compress_ratio": 4}  # Qwen4-Exp's token indexer: one key head, a budget of half the row in blocks of 4
+
+_ALL_MAMBA = ("its default makes every layer a Mamba layer, and transformers cannot build the attention mask of a cache "
+              "with no attention layer; the checkpoints mix attention layers in (here every other one)")
+
 #: model type -> (extra config fields, why the generic rules are not enough). Keep this short.
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "gpt_neox": ({"rotary_pct": 0.5}, "exercise partial rotary (the generic config keeps the default, full)"),
@@ -37,6 +43,20 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "squeezebert": ({"embedding_size": HIDDEN}, "its embeddings feed the first block directly: embedding_size must equal hidden_size"),
     "reformer": ({"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 4], "is_decoder": True},
                  "axial position embeddings: dims sum to hidden_size, shape multiplies to the sequence length; causal LM needs is_decoder"),
+    "zaya": ({"num_experts_per_tok": 1}, "its validator accepts top-1 routing only (the generic top-k is 2)"),
+    "kolibri1_1": ({"head_dim": 16, "index_num_heads": HEADS // KV_HEADS},
+                   "its validator needs a head_dim that is a multiple of 16 (NVFP4 rounding of keys and values), and at most "
+                   "as many indexer heads as query heads per key head (the default: exactly as many)"),
+    "dbrx": ({"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+             "its attention reads attn_config.rope_theta, which no config default sets (a checkpoint's config.json carries "
+             "it), and clamps q/k/v with clip_qkv even when it is None (the checkpoints set 8)"),
+    "lfm2_moe": ({"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+                 "its default layer_types is None and, unlike LFM2's, nothing derives it (every layer indexes it): "
+                 "short-convolution and attention layers in turn, as the checkpoints mix them"),
+    "bamba": ({"attn_layer_indices": [1, 3]}, _ALL_MAMBA),
+    "granitemoehybrid": ({"layer_types": ["linear_attention", "attention", "linear_attention", "attention"]}, _ALL_MAMBA),
+    "qwen4_exp_text": (_QSA, "its default indexed-attention layers need the QSA indexer's sizes, which default to None"),
+    "qwen4_exp": ({"text_config": _QSA}, "its default indexed-attention layers need the QSA indexer's sizes, which default to None"),
 }
 
 #: model type -> why no run of it can equal another run (the sweep lists it as not built, with the reason).
@@ -119,6 +139,99 @@ def _per_layer(values: list[Any], layers: int) -> list[Any]:
         distinct = list(dict.fromkeys(values))
         return [distinct[i % len(distinct)] for i in range(layers)]
     return list(values[:layers]) + [values[-1]] * max(0, layers - len(values))
+
+
+def _layer_index_dict(value: Any, layers: int) -> bool:
+    """Whether ``value`` is keyed by layer index (``per_layer_config``: ``{"05": {"head_dim": 512}, ...}``)."""
+    return (isinstance(value, dict) and bool(value) and all(isinstance(v, dict) for v in value.values())
+            and all(str(k).isdigit() and int(k) < layers for k in value))
+
+
+def _layer_index_list(name: str, value: Any, layers: int) -> bool:
+    """Whether ``value`` lists layer indices (``attn_layer_indices``, ``index_layers``, ``hybrid_layer_ids`` ...)
+    and some of them fall outside the shrunk stack (a list that already fits it stays as it is)."""
+    return (("layer" in name or name.endswith(("_idxs", "_indices", "_indexes"))) and isinstance(value, list)
+            and bool(value) and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers for v in value)
+            and len(set(value)) == len(value) < layers and max(value) >= LAYERS)
+
+
+def _per_layer_choice(present: dict[str, Any], fields: dict[str, Any], layers: int, per_default: list[Any]) -> list[Any]:
+    """A per-layer value (``per_default``: one per default layer) for each of the :data:`LAYERS` shrunk layers.
+
+    Shrunk layer ``i`` stands for the default layers of its kind: those whose every per-layer list of kinds (layer
+    types, MLP kinds, sliding flags ...) reads what the shrunk lists read at ``i`` (any layer when no default layer matches them all).
+    The layers of one kind take in turn the distinct values their default layers have, so a kind the default
+    mixes values in (indexed and plain full-attention layers) keeps them all, and each value stays on its kind.
+    """
+    lists = [(present[n], fields[n]) for n in fields
+             if isinstance(present.get(n), list) and len(present[n]) == layers and isinstance(fields[n], list)
+             and len(fields[n]) == LAYERS and all(isinstance(v, (str, bool)) for v in present[n])]
+    seen: dict[tuple, int] = {}
+    chosen = []
+    for i in range(LAYERS):
+        kind = tuple(repr(new[i]) for _, new in lists)
+        candidates = [j for j in range(layers) if all(repr(old[j]) == k for (old, _), k in zip(lists, kind))] or list(range(layers))
+        distinct = list({repr(per_default[j]): per_default[j] for j in candidates}.values())
+        chosen.append(distinct[seen.get(kind, 0) % len(distinct)])
+        seen[kind] = seen.get(kind, 0) + 1
+    return chosen
+
+
+def _tiny_override(name: str, value: Any, present: dict[str, Any], fields: dict[str, Any]) -> Any:
+    """One layer's override of a global field, made tiny: the global's tiny value, times the override's ratio to the
+    global default where that ratio is whole (a double head width stays double), else the tiny value itself."""
+    if name not in fields or not isinstance(value, int) or isinstance(value, bool):
+        return value
+    tiny, default = fields[name], present.get(name)
+    if not isinstance(tiny, int) or not isinstance(default, int) or default <= 0 or value <= 0:
+        return tiny
+    return tiny * value // default if tiny * value % default == 0 and tiny * value >= default else tiny
+
+
+def _tiny_layer_override(override: dict[str, Any], present: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A layer's overrides made tiny (:func:`_tiny_override`); where that layer's default head width is the sum of
+    its multi-head latent attention parts (``head_dim = qk_nope_head_dim + qk_rope_head_dim``), the tiny one is too."""
+    tiny = {k: _tiny_override(k, v, present, fields) for k, v in override.items()}
+    parts = ("qk_nope_head_dim", "qk_rope_head_dim")
+    default = {**present, **override}
+    if any(p in override for p in parts) and all(isinstance(default.get(n), int) for n in ("head_dim", *parts)) \
+            and default["head_dim"] == sum(default[p] for p in parts):
+        merged = {**present, **fields, **tiny}
+        tiny["head_dim"] = sum(merged[p] for p in parts)
+    return tiny
+
+
+def _follow_layer_count(present: dict[str, Any], fields: dict[str, Any], layers: int) -> None:
+    """Fields that name layers of the default stack follow it to :data:`LAYERS` layers, keeping every kind:
+
+    * a dict keyed by layer index (per-layer overrides): each shrunk layer takes the override of a default layer
+      of its kind (:func:`_per_layer_choice`), its values made tiny (:func:`_tiny_override`);
+    * a list of layer indices (the attention layers of a hybrid, the indexed layers ...): the shrunk layers of
+      the same choice, so listed and unlisted layers both remain;
+    * a count of the last layers that share earlier layers' caches (``*_shared_layers``): scaled, at least one
+      layer on each side (all, or none, stays all or none);
+    * a layer period and offset (``attn_layer_period``: every 8th layer from the 4th) longer than half the shrunk
+      stack: period 2 and the offset modulo it, so both the layers it picks and the others remain.
+    """
+    for name, value in present.items():
+        if _layer_index_dict(value, layers):
+            width = len(next(iter(value)))
+            per_default = [value.get(k) for k in (next((k for k in value if int(k) == j), None) for j in range(layers))]
+            chosen = _per_layer_choice(present, fields, layers, per_default)
+            fields[name] = {str(i).zfill(width): _tiny_layer_override(override, present, fields)
+                            for i, override in enumerate(chosen) if override is not None}
+        elif _layer_index_list(name, value, layers):
+            listed = set(value)
+            chosen = _per_layer_choice(present, fields, layers, [j in listed for j in range(layers)])
+            fields[name] = [i for i, member in enumerate(chosen) if member]
+        elif name.endswith("_shared_layers") and isinstance(value, int) and not isinstance(value, bool):
+            fields[name] = value if value == 0 else LAYERS if value >= layers else min(LAYERS - 1, max(1, round(value * LAYERS / layers)))
+    for name, value in present.items():
+        if name.endswith("_layer_period") and isinstance(value, int) and value > LAYERS // 2:
+            offset = name[: -len("period")] + "offset"
+            fields[name] = 2
+            if isinstance(present.get(offset), int):
+                fields[offset] = present[offset] % 2
 
 
 def _stage_widths(widths: list[int]) -> list[int]:
@@ -216,10 +329,31 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
             fields[name] = 0.0
         elif name.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
             fields[name] = VOCAB - 1 - zlib.crc32(name.encode()) % 8  # stable across processes (not hash())
+    # A width the default sets equal to the hidden size (an adapter's input, a projection into the residual stream)
+    # is that width under another name: it follows the hidden size.
+    default_hidden = next((present[r] for n in _HIDDEN_NAMES if (r := _real(config, n, present)) and isinstance(present[r], int)), None)
+    hidden = next((fields[r] for n in _HIDDEN_NAMES if (r := _real(config, n, present)) and isinstance(fields.get(r), int)), None)
+    if not hierarchical and default_hidden and hidden and default_hidden > hidden:
+        for name, value in present.items():
+            if (name not in fields and name.endswith(("_dim", "_size")) and value == default_hidden
+                    and not isinstance(value, bool) and _declared(config, name)):
+                fields[name] = hidden
+    # State-space heads that tile the expanded inner width (Mamba-2 in a hybrid: mamba_n_heads x mamba_d_head =
+    # mamba_expand x hidden_size) keep tiling it: the tiny head count, each as wide as the tiny inner width needs.
+    for heads_name in [n for n in present if n.endswith(("_n_heads", "_num_heads"))]:
+        prefix = heads_name[: -len("n_heads")] if heads_name.endswith("_n_heads") else heads_name[: -len("num_heads")]
+        width_name = next((prefix + s for s in ("d_head", "head_dim") if isinstance(present.get(prefix + s), int)), None)
+        expand = present.get(prefix + "expand", present.get("expand"))
+        if (width_name and isinstance(expand, int) and default_hidden and hidden
+                and present[heads_name] * present[width_name] == expand * default_hidden
+                and expand * hidden % HEADS == 0):
+            fields[heads_name], fields[width_name] = HEADS, expand * hidden // HEADS
     default_layers = next((present[r] for n in _LAYER_NAMES if (r := _real(config, n, present)) and isinstance(present[r], int)), None)
     for name, value in present.items():  # per-layer lists (layer types, sliding flags ...) follow the layer count
         if not hierarchical and isinstance(value, list) and default_layers and len(value) == default_layers and len(value) > 1:
             fields[name] = _per_layer(value, LAYERS)
+    if default_layers:
+        _follow_layer_count(present, fields, default_layers)
     rope = present.get("rope_parameters") or present.get("rope_scaling")
     if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):  # sums to half the head dim
         sections = rope["mrope_section"]
@@ -234,13 +368,33 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
 def tiny_config(task: str, model_type: str) -> Any:
     """The tiny config of one family (sub-configs, e.g. a vision tower's, made tiny the same way)."""
     cls = config_class(model_type)
-    default = cls()
+    override = OVERRIDES.get(model_type, ({}, ""))[0]
+    try:
+        default = cls()
+    except Exception:  # a family whose defaults do not validate alone: built with what its override requires
+        default = cls(**override)
     fields = tiny_fields(default, task)
-    for name in getattr(cls, "sub_configs", {}) or {}:
-        sub = getattr(default, name, None)
-        if sub is not None and hasattr(sub, "to_dict"):
-            fields[name] = {**sub.to_dict(), **tiny_fields(sub, task)}
-    fields.update(OVERRIDES.get(model_type, ({}, ""))[0])
+    subs = {name: sub for name in getattr(cls, "sub_configs", {}) or {}
+            if (sub := getattr(default, name, None)) is not None and hasattr(sub, "to_dict")}
+    sub_fields = {name: tiny_fields(sub, task) for name, sub in subs.items()}
+    # A sub-config's width that equals another part's hidden size (a vision adapter's output into the text model)
+    # follows that part's tiny hidden size.
+    widths: dict[int, int] = {}
+    for part, tiny in [(default, fields), *((subs[n], sub_fields[n]) for n in subs)]:
+        present = part.to_dict()
+        for name in _HIDDEN_NAMES:
+            real = _real(part, name, present)
+            if real and isinstance(present[real], int) and isinstance(tiny.get(real), int):
+                widths.setdefault(present[real], tiny[real])
+                break
+    for name, sub in subs.items():
+        for field, value in sub.to_dict().items():
+            if (field not in sub_fields[name] and field.endswith(("_dim", "_size")) and isinstance(value, int)
+                    and not isinstance(value, bool) and value in widths and value > widths[value]):
+                sub_fields[name][field] = widths[value]
+        fields[name] = {**sub.to_dict(), **sub_fields[name]}
+    for name, value in override.items():  # a sub-config's override names only the fields it changes
+        fields[name] = {**fields[name], **value} if name in subs and isinstance(value, dict) else value
     return cls(**fields)
 
 
