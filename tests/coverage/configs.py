@@ -92,6 +92,10 @@ _SUFFIX_SIZES: tuple[tuple[tuple[str, ...], int], ...] = (
     (("input_embedding_size", "output_embedding_size", "output_channels"), HIDDEN),
     (("zero_expert_num",), EXPERTS),
 )
+_SUFFIX_LARGER: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("vocab_size", "_vocab"), VOCAB),
+    (("_embed_dim", "_out_channel", "_out_channels", "_conv_channels"), HIDDEN),
+)
 _MLA = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 8, "v_head_dim": 8}
 
 
@@ -275,6 +279,11 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
             # size) follows them once they are tiny.
             names = tuple(n for n in present if n.endswith(suffixes) and _declared(config, n))
             put(names, lambda v, size=size: size if v > HIDDEN else v)
+        # Vocabularies under names of their own (an unpadded LM head, hash-n-gram tables, glyph and pronunciation
+        # vocabularies), and the widths and channels of side towers, as the sizes above: larger than the tiny model.
+        for suffixes, size in _SUFFIX_LARGER:
+            names = tuple(n for n in present if n.endswith(suffixes) and n not in fields and _declared(config, n))
+            put(names, lambda v, size=size: size if v > size else v)
     if hierarchical:
         fields["depths"] = [1] * len(present["depths"])
         for name in ("hidden_sizes", "embed_dims", "embed_dim", "dims", "hidden_dims"):
@@ -293,6 +302,15 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
         # None means "as many as query heads" (MHA); MQA stays MQA; any other grouping becomes 4 q per 2 k/v heads.
         put(_KV_NAMES, lambda kv: HEADS if kv in (None, default_heads) else (1 if kv == 1 else KV_HEADS), keep_none=False)
         put(_INTERMEDIATE_NAMES, INTERMEDIATE)
+        # A second attention of the family's own (Inkling's sliding layers: swa_num_attention_heads and
+        # swa_num_key_value_heads) takes the same head counts as the main one.
+        for name in [n for n in present if n.endswith("_num_attention_heads") and n not in fields]:
+            own = present[name]
+            if isinstance(own, int) and not isinstance(own, bool) and own > HEADS:
+                fields[name] = HEADS
+                kv = name[: -len("attention_heads")] + "key_value_heads"
+                if isinstance(present.get(kv), int):
+                    fields[kv] = HEADS if present[kv] == own else (1 if present[kv] == 1 else KV_HEADS)
         if "head_dim" in present and isinstance(present["head_dim"], (int, type(None))):
             # Multi-head latent attention rotates only its rope part: head_dim is that part's width there.
             fields["head_dim"] = _MLA["qk_rope_head_dim"] if "qk_rope_head_dim" in present else HIDDEN // HEADS
@@ -352,6 +370,9 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
     for name, value in present.items():  # per-layer lists (layer types, sliding flags ...) follow the layer count
         if not hierarchical and isinstance(value, list) and default_layers and len(value) == default_layers and len(value) > 1:
             fields[name] = _per_layer(value, LAYERS)
+            if name in _INTERMEDIATE_NAMES and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                # a feed-forward width per layer: the tiny width, in the default's proportions
+                fields[name] = [max(1, INTERMEDIATE * v // max(value)) for v in fields[name]]
     if default_layers:
         _follow_layer_count(present, fields, default_layers)
     rope = present.get("rope_parameters") or present.get("rope_scaling")
