@@ -15,6 +15,7 @@ not a fit to the layouts the planner is judged on. No Lightning here.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -130,6 +131,37 @@ class StepOperators(TorchDispatchMode):
             moved = sum(t.numel() * t.element_size() for t in local)
             segment = self.segment()
             self.memory_bytes[segment] = self.memory_bytes.get(segment, 0.0) + moved
+        return out
+
+
+class TemporaryPeak(TorchDispatchMode):
+    """While active, the most bytes held at once by the tensors operators create (:attr:`peak`, this rank's
+    local tensors): outputs that are neither views nor one of the operator's own inputs (in place, ``out=``),
+    counted until their last reference goes. Run around an optimizer step on meta, it measures the temporaries the
+    optimizer's implementation allocates (a square root and a denominator per tensor for AdamW's per-tensor loop;
+    whole lists for ``foreach``), which live beside the parameters, gradients and state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        from lightning_parallel.measure.memory import local_bytes
+
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):
+            return out
+        inputs = {id(t) for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and id(tensor) not in inputs:
+                size = local_bytes(tensor)
+                self.live += size
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(tensor, self._free, size)
         return out
 
 

@@ -43,6 +43,7 @@ from lightning_parallel.measure.dispatch import (
     optimizer_op_seconds,
 )
 from lightning_parallel.measure.peak import measured_matmul_tflops
+from lightning_parallel.measure.runtime_memory import pipeline_runtime_bytes
 
 #: Set to 1 to measure again instead of reading the cache.
 REMEASURE_ENV = "LIGHTNING_PARALLEL_MEASURE_HARDWARE"
@@ -87,6 +88,8 @@ class LocalMeasurements:
     # host time of one operator of an optimizer step (AdamW; no autograd), on plain tensors and on DTensors
     optimizer_op_us: float
     optimizer_dtensor_op_us: float
+    # resident memory the first pipeline trace adds to a process (measure.runtime_memory)
+    pipeline_runtime_bytes: float
 
     def describe(self) -> str:
         return (
@@ -95,7 +98,8 @@ class LocalMeasurements:
             f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency; "
             f"{self.dtensor_op_us:.0f} µs per DTensor operator, {self.op_us:.1f} µs per operator (optimizer: "
             f"{self.optimizer_dtensor_op_us:.0f} and {self.optimizer_op_us:.1f} µs); non-matmul operators "
-            f"{self.alone_memory_gbps:.3g} GB/s for one process, {self.per_thread_memory_gbps:.3g} per thread"
+            f"{self.alone_memory_gbps:.3g} GB/s for one process, {self.per_thread_memory_gbps:.3g} per thread; "
+            f"{self.pipeline_runtime_bytes / 2**20:.0f} MiB of pipeline tracing runtime per process"
             + "".join(f"; {us / 1e3:.1f} ms per all-reduce among {n} processes" for n, us in self.crowded_latency_us.items())
         )
 
@@ -189,6 +193,7 @@ def measure_here() -> LocalMeasurements:
         crowded_latency_us=crowded,
         optimizer_op_us=optimizer_op_s * 1e6,
         optimizer_dtensor_op_us=optimizer_dtensor_op_s * 1e6,
+        pipeline_runtime_bytes=pipeline_runtime_bytes(),
     )
 
 
@@ -320,6 +325,7 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
         "op_us": found.op_us,
         "optimizer_op_us": found.optimizer_op_us,
         "optimizer_dtensor_op_us": found.optimizer_dtensor_op_us,
+        "pipeline_runtime_bytes": found.pipeline_runtime_bytes,
         "memory_gbps": alone_memory(),
         # Matmuls at the measured peak: the roofline counts the rest (memory-bound operators, host time).
         "achievable_fraction": 1.0,

@@ -44,6 +44,10 @@ class RankMemory:
     activations: float
     transient: float = 0.0  # gathered FSDP parameters, recomputed layer under checkpointing
     setup: float = 0.0  # held while the strategy sets the model up, before training
+    # Beside the state during the optimizer step, once the step's activations are gone: the optimizer's own
+    # temporaries, and DDP's bucket copy of the gradients (kept for the whole run)
+    optimizer_step: float = 0.0
+    runtime: float = 0.0  # the pipeline's tracing runtime, where the device's memory is the host's (kept for the run)
 
     @property
     def state(self) -> float:
@@ -51,12 +55,12 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return self.state + self.activations + self.transient
+        return self.state + self.runtime + self.activations + self.transient
 
     @property
     def peak(self) -> float:
-        """The most this rank holds: in training or during setup."""
-        return max(self.total, self.setup)
+        """The most this rank holds: in forward and backward, in the optimizer step, or during setup."""
+        return max(self.total, self.state + self.runtime + self.optimizer_step, self.setup)
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "state": self.state, "total": self.total, "peak": self.peak}
@@ -234,6 +238,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 optimizer=optimizer / shards + expert_optimizer,
                 activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight * tokens,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
+                optimizer_step=_optimizer_step_bytes(step, layout, dense - step.frozen, experts - step.frozen, shards),
+                runtime=hardware.pipeline_runtime_bytes if layout.pp > 1 else 0.0,
                 setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
         )
@@ -409,10 +415,22 @@ def _transient_bytes(profile: ModelProfile, step: StepProfile, segments: list[st
     if shards > 1 and layout.pp > 1:  # the stage gathered whole for the step, and its whole gradients accumulating
         whole = sum(step.parameter_bytes[n] for n in _parameters_of(step, segments))
         extra += whole * (shards - 1) / shards + whole
-    elif shards > 1 and layers:  # FSDP: one layer gathered, the next prefetched
+    elif shards > 1 and layers:
+        # FSDP: in backward, one layer gathered, the next prefetched, and the layer's whole gradient before its
+        # reduce-scatter leaves this rank its shard.
         largest = max(sum(step.parameter_bytes[n] for n in step.segment_parameters.get(s, ())) for s in layers)
-        extra += 2 * largest * (shards - 1) / shards
+        extra += 2 * largest * (shards - 1) / shards + largest
     return extra
+
+
+def _optimizer_step_bytes(step: StepProfile, layout: Layout, dense: set[str], experts: set[str], shards: int) -> float:
+    """What a pipeline position holds beside its state while the optimizer steps: the optimizer's temporaries (measured
+    per byte of the largest tensor it steps, as this rank holds that tensor) and DDP's buckets, which stay."""
+    largest = max([step.parameter_bytes[n] / shards for n in dense] + [step.parameter_bytes[n] / layout.ep for n in experts], default=0.0)
+    buckets = 0.0
+    if layout.uses_ddp and not layout.gradient_as_bucket_view:
+        buckets = sum(step.parameter_bytes[n] for n in dense)
+    return step.optimizer_temporaries_per_largest * largest + buckets
 
 
 def _boundary_bytes(profile: ModelProfile, stages: list[list[str]]) -> float:

@@ -62,6 +62,10 @@ class HardwareProfile:
         crowded_latency_us: Processes on the node (more than ``host_cores``) -> fixed cost of one collective among
             them, microseconds: a rank blocked in a collective waits until every peer has been scheduled again.
             Measured on CPUs (``measured: true``); empty where every process has a core of its own.
+        pipeline_runtime_bytes: Memory the pipeline's tracing runtime keeps in each process for the run (torch.export,
+            FX graphs: tens of MiB whatever the model), counted beside a pipeline rank's tensors where the device's
+            memory is the host's. Measured on CPUs (``measured: true``,
+            :mod:`lightning_parallel.measure.runtime_memory`); 0 on GPUs, whose memory it does not touch.
         description: Free text (where the numbers come from).
     """
 
@@ -90,6 +94,7 @@ class HardwareProfile:
     sharing_processes: int = 1
     optimizer_op_us: float = 0.0
     optimizer_dtensor_op_us: float = 0.0
+    pipeline_runtime_bytes: float = 0.0
     description: str = ""
 
     def __post_init__(self) -> None:

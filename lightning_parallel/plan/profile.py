@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.measure.collectives import DTensorCollectives
-from lightning_parallel.measure.dispatch import CpuAttentionKernel, StepOperators
+from lightning_parallel.measure.dispatch import CpuAttentionKernel, StepOperators, TemporaryPeak
 from lightning_parallel.measure.memory import local_bytes
 from lightning_parallel.parallelize.common.model_call import capture_model_call
 from lightning_parallel.parallelize.pipeline.split import (
@@ -88,6 +88,9 @@ class StepProfile:
     optimizer_ops_per_tensor: float = 0.0
     optimizer_moved_per_byte: float = 0.0
     dtensor_parameters: frozenset[str] = frozenset()
+    # The most bytes the optimizer step's temporaries hold at once, per byte of the largest parameter tensor it steps
+    # (measured on meta, where optimizers choose their per-tensor loop: temporaries of one tensor at a time)
+    optimizer_temporaries_per_largest: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -256,10 +259,11 @@ def _dry_run(
     # Backward shares out as forward does (about twice each segment's forward).
     flops = {segment: value * backward_factor for segment, value in forward.items()}
     if whole is None:
-        optimizer_bytes, optimizer_ops, optimizer_moved = _optimizer_step(module, names)
+        optimizer_bytes, optimizer_ops, optimizer_moved, optimizer_temporaries = _optimizer_step(module, names)
     else:
         optimizer_bytes = _scaled_optimizer_bytes(whole, parameter_bytes)
         optimizer_ops, optimizer_moved = whole.optimizer_ops_per_tensor, whole.optimizer_moved_per_byte
+        optimizer_temporaries = whole.optimizer_temporaries_per_largest
     return StepProfile(
         tp=tp,
         parameter_bytes=parameter_bytes,
@@ -278,6 +282,7 @@ def _dry_run(
         frozen=frozenset(names[id(p)] for p in module.parameters() if not p.requires_grad),
         optimizer_ops_per_tensor=optimizer_ops,
         optimizer_moved_per_byte=optimizer_moved,
+        optimizer_temporaries_per_largest=optimizer_temporaries,
         dtensor_parameters=frozenset(names[id(p)] for p in module.parameters() if isinstance(p, DTensor)),
     )
 
@@ -429,10 +434,10 @@ def _trunk_of(module: nn.Module) -> tuple[str, nn.Module] | None:
         return None
 
 
-def _optimizer_step(module: LightningModule, names: dict[int, str]) -> tuple[dict[str, int], float, float]:
+def _optimizer_step(module: LightningModule, names: dict[int, str]) -> tuple[dict[str, int], float, float, float]:
     """One step of the optimizer(s) the module configures, on meta: optimizer-state bytes per parameter, and the
     operators per stepped parameter tensor and bytes moved per stepped parameter byte (its cost, see
-    :class:`StepProfile`)."""
+    :class:`StepProfile`), and the most bytes its temporaries held at once per byte of the largest stepped tensor."""
     optimizers = _optimizers(module.configure_optimizers())
     for param in module.parameters():
         if param.requires_grad:
@@ -440,8 +445,8 @@ def _optimizer_step(module: LightningModule, names: dict[int, str]) -> tuple[dic
     with _quiet():
         for optimizer in optimizers:
             optimizer.step()  # the first step creates the state: the second is what every later step costs
-        counter = StepOperators()
-        with counter:
+        counter, temporaries = StepOperators(), TemporaryPeak()
+        with counter, temporaries:
             for optimizer in optimizers:
                 optimizer.step()
     result = dict.fromkeys(names.values(), 0)
@@ -451,7 +456,9 @@ def _optimizer_step(module: LightningModule, names: dict[int, str]) -> tuple[dic
     stepped = {id(p): p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
     module.zero_grad(set_to_none=True)
     stepped_bytes = sum(local_bytes(p) for p in stepped.values())
-    return result, counter.ops / max(len(stepped), 1), sum(counter.memory_bytes.values()) / max(stepped_bytes, 1)
+    largest = max((local_bytes(p) for p in stepped.values()), default=0)
+    return (result, counter.ops / max(len(stepped), 1), sum(counter.memory_bytes.values()) / max(stepped_bytes, 1),
+            temporaries.peak / max(largest, 1))
 
 
 def _shared_out(forward: Mapping[str, float], total: float, segments: tuple[str, ...]) -> dict[str, float]:

@@ -338,3 +338,34 @@ def test_peak_memory_counts_what_the_module_held_and_what_the_run_allocated():
     peak = tracker.peak_bytes()
     del block
     assert peak >= held + 60 * 2**20
+
+
+def test_the_optimizer_steps_temporaries_are_measured_as_the_optimizer_allocates_them():
+    """AdamW's per-tensor loop holds a square root and a denominator of the tensor it steps, and the previous
+    tensor's denominator until it is reassigned: 2x one tensor alone, 3x two equal tensors, whatever the device."""
+    from lightning_parallel.measure.dispatch import TemporaryPeak
+
+    for device, count in (("meta", 1), ("meta", 2), ("cpu", 2)):
+        params = [torch.nn.Parameter(torch.zeros(256, 256, device=device)) for _ in range(count)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer = torch.optim.AdamW(params)
+        optimizer.step()  # the state
+        with TemporaryPeak() as temporaries:
+            optimizer.step()
+        assert temporaries.peak == (count + 1) * 256 * 256 * 4, (device, count)
+        assert temporaries.live == 0  # every temporary freed by the end of the step
+
+
+def test_the_optimizer_step_and_a_pipelines_tracing_runtime_are_in_the_predicted_peak():
+    workload = Workload(devices_per_node=2, num_nodes=1, global_batch=8)
+    step = profile(1).step(1)
+    assert step.optimizer_temporaries_per_largest >= 2  # AdamW, measured on meta
+    largest = max(step.parameter_bytes.values())
+    hardware = replace(ANY_HARDWARE, pipeline_runtime_bytes=30 * 2**20)
+    single = predict(profile(1), Layout(dp=1, tp=1, pp=1), replace(workload, devices_per_node=1, global_batch=4), hardware)
+    memory = single.memory[0]
+    assert memory.optimizer_step == pytest.approx(step.optimizer_temporaries_per_largest * largest)
+    assert memory.runtime == 0 and memory.peak == max(memory.total, memory.state + memory.optimizer_step, memory.setup)
+    pipeline = predict(profile(1), Layout(dp=1, tp=1, pp=2, schedule="1f1b", microbatches=2), workload, hardware)
+    assert all(m.runtime == 30 * 2**20 and m.peak >= m.state + m.runtime + m.optimizer_step for m in pipeline.memory)
