@@ -296,19 +296,20 @@ def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: Re
             continue  # every replicated parameter of a latent region is a partial sum (LatentRegion tracks them)
         region = modules[name]
         split = set(opening) | set(closing)
-        # Children whose parameters a parallel style already placed are left out: under sequence parallelism every
-        # norm of a block is a SequenceParallel module, per-head norms inside the attention too (Qwen3's q_norm),
-        # with replicated DTensor parameters whose gradients DTensor's own backward sums over the group; summing them
-        # again here doubled them (tp2 with sequence_parallel=True: Qwen3, Gemma3, LFM2 q_norm gradients 2x).
         candidates = {
             child: sub for child, sub in region.named_children()
             if child not in split and f"{name}.{child}" not in resolved.styles and any(True for _ in sub.parameters())
-            and not all(isinstance(p, DTensor) for p in sub.parameters())
         }
         if candidates:
             install_split_width_norms(region, name, candidates, tp_mesh)
+        # Children whose parameters a parallel style already placed are not tracked: under sequence parallelism every
+        # norm of a block is a SequenceParallel module, per-head norms inside the attention too (Qwen3's q_norm), with
+        # replicated DTensor parameters whose gradients DTensor's own backward sums over the group; summing them again
+        # here doubled them (tp2 with sequence_parallel=True: Qwen3, Gemma3, LFM2 q_norm gradients 2x).
+        tracked = {child: sub for child, sub in candidates.items() if not all(isinstance(p, DTensor) for p in sub.parameters())}
+        if tracked:
             SplitRegionParameters(tp_mesh, name).attach(
-                region, [modules[f"{name}.{c}"] for c in opening], [modules[f"{name}.{c}"] for c in closing], candidates
+                region, [modules[f"{name}.{c}"] for c in opening], [modules[f"{name}.{c}"] for c in closing], tracked
             )
 
 
