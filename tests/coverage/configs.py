@@ -55,6 +55,11 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
                  "short-convolution and attention layers in turn, as the checkpoints mix them"),
     "bamba": ({"attn_layer_indices": [1, 3]}, _ALL_MAMBA),
     "granitemoehybrid": ({"layer_types": ["linear_attention", "attention", "linear_attention", "attention"]}, _ALL_MAMBA),
+    "blt": ({"use_cache": False}, "a forward with a cache fails: transformers' DynamicCache reads BltConfig.num_hidden_layers, "
+                                  "which Blt keeps in its sub-configs only (training needs no cache)"),
+    "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},
+                            "its default rope_parameters is empty, but its rotary embedding reads one entry per layer type "
+                            "(with an M-RoPE section, here summing to half the tiny head width)"),
     "qwen4_exp_text": (_QSA, "its default indexed-attention layers need the QSA indexer's sizes, which default to None"),
     "qwen4_exp": ({"text_config": _QSA}, "its default indexed-attention layers need the QSA indexer's sizes, which default to None"),
 }
@@ -321,10 +326,14 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
     put(("linear_num_key_heads",), KV_HEADS)
     put(("linear_key_head_dim", "linear_value_head_dim"), HIDDEN // HEADS)
     put(_EXPERT_INTERMEDIATE, 32)
-    put(_EXPERT_NAMES, EXPERTS)
-    has_experts = any(_real(config, n, present) and present[_real(config, n, present)] for n in _EXPERT_NAMES)
+    # A routing the default leaves unset beside a set expert width (Dots1: moe_intermediate_size, with
+    # n_routed_experts, n_shared_experts and num_experts_per_tok None) would build sparse layers with no experts:
+    # those counts get their tiny values too.
+    moe_width = any((r := _real(config, n, present)) and isinstance(present[r], int) and present[r] > 0 for n in _EXPERT_INTERMEDIATE)
+    put(_EXPERT_NAMES, EXPERTS, keep_none=not moe_width)
+    has_experts = moe_width or any(_real(config, n, present) and present[_real(config, n, present)] for n in _EXPERT_NAMES)
     put(_TOP_K_NAMES, TOP_K, keep_none=not has_experts)
-    put(("n_shared_experts", "num_shared_experts"), 1)
+    put(("n_shared_experts", "num_shared_experts"), 1, keep_none=not moe_width)
     put(("n_group", "topk_group"), 1)
     put(("first_k_dense_replace",), 1)
     put(("n_groups",), 1)  # Mamba-2 state groups must divide its (now 4) heads
@@ -410,7 +419,7 @@ def tiny_config(task: str, model_type: str) -> Any:
                 break
     for name, sub in subs.items():
         for field, value in sub.to_dict().items():
-            if (field not in sub_fields[name] and field.endswith(("_dim", "_size")) and isinstance(value, int)
+            if (field not in sub_fields[name] and field.endswith(("_dim", "_size", "_size_global")) and isinstance(value, int)
                     and not isinstance(value, bool) and value in widths and value > widths[value]):
                 sub_fields[name][field] = widths[value]
         fields[name] = {**sub.to_dict(), **sub_fields[name]}
