@@ -410,8 +410,8 @@ def _match_short_convolution(sub: nn.Module, projections: Mapping[str, nn.Module
 
     Recognised by structure: with nothing but a depthwise convolution between them holding parameters, what
     connects the projections works channel by channel (the gates ``B·x`` and ``C·conv(·)`` of the ``k = 3`` blocks
-    ``B | C | x``), so the first splits column-wise by blocks (``fused_blocks``), the convolution over its channels (``channelwise``, :mod:`~lightning_parallel.parallelize.tensor.channels`), the last
-    row-wise. A mixer that also holds a state-space model's parameters (Mamba's ``A_log``, ``dt_proj``) is not this.
+    ``B | C | x``), so the first splits column-wise by blocks (``fused_blocks``), the convolution over its channels
+    (``channelwise``, :mod:`~lightning_parallel.parallelize.tensor.channels`), the last row-wise. A mixer that also holds a state-space model's parameters (Mamba's ``A_log``, ``dt_proj``) is not this.
     """
     convs = {name: child for name, child in sub.named_children() if depthwise_channels(child) is not None}
     if len(projections) != 2 or len(convs) != 1:
