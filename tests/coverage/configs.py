@@ -60,6 +60,14 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},
                             "its default rope_parameters is empty, but its rotary embedding reads one entry per layer type "
                             "(with an M-RoPE section, here summing to half the tiny head width)"),
+    "xlstm": ({"use_cache": False}, "a forward with a cache fails: its cache sizes the mLSTM state with widths rounded up to "
+                                    "multiples of 64 (qk_dim, v_dim) that its layers do not round (training needs no cache)"),
+    "dory": ({"num_hidden_layers": 2 * LAYERS, "n_input_layers": 2, "n_recurrent_layers": 4, "n_output_layers": 2,
+              "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp"] * 2},
+             "its config's dict form (what the generic rules read and write) counts an attention and an MLP block per "
+             "layer: 4 layers are 8 blocks, 1 input + 2 recurrent + 1 output layers, sliding and full attention in turn"),
+    "xmod": ({"default_language": "en_XX"}, "its per-language adapters need the input's language: the default one, as "
+                                            "set_default_language sets it (a user sets it too); en_XX is its only default language"),
     "qwen4_exp_text": (_QSA, "its default indexed-attention layers need the QSA indexer's sizes, which default to None"),
     "qwen4_exp": ({"text_config": _QSA}, "its default indexed-attention layers need the QSA indexer's sizes, which default to None"),
 }
