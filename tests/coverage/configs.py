@@ -407,10 +407,7 @@ def tiny_config(task: str, model_type: str) -> Any:
     """The tiny config of one family (sub-configs, e.g. a vision tower's, made tiny the same way)."""
     cls = config_class(model_type)
     override = OVERRIDES.get(model_type, ({}, ""))[0]
-    try:
-        default = cls()
-    except Exception:  # a family whose defaults do not validate alone: built with what its override requires
-        default = cls(**override)
+    default = cls()
     fields = tiny_fields(default, task)
     subs = {name: sub for name in getattr(cls, "sub_configs", {}) or {}
             if (sub := getattr(default, name, None)) is not None and hasattr(sub, "to_dict")}
