@@ -36,13 +36,19 @@ _QSA = {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HID
 _ALL_MAMBA = ("its default makes every layer a Mamba layer, and transformers cannot build the attention mask of a cache "
               "with no attention layer; the checkpoints mix attention layers in (here every other one)")
 
-#: model type -> (extra config fields, why the generic rules are not enough). Keep this short.
+#: model type (or ``task/model type``, where one task needs other fields) -> (extra config fields, why the generic
+#: rules are not enough). Keep this short.
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "gpt_neox": ({"rotary_pct": 0.5}, "exercise partial rotary (the generic config keeps the default, full)"),
     "mamba2": ({"head_dim": 16}, "its heads tile the expanded inner width: num_heads x head_dim = expand x hidden_size"),
     "squeezebert": ({"embedding_size": HIDDEN}, "its embeddings feed the first block directly: embedding_size must equal hidden_size"),
     "reformer": ({"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 4], "is_decoder": True},
                  "axial position embeddings: dims sum to hidden_size, shape multiplies to the sequence length; causal LM needs is_decoder"),
+    "masked_lm/reformer": ({"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 4]},
+                           "axial position embeddings: dims sum to hidden_size, shape multiplies to the sequence length "
+                           "(bidirectional: its masked LM refuses is_decoder)"),
+    "esm": ({"pad_token_id": 1}, "its default pad_token_id is None, but its position ids count from the padding id "
+                                 "(ESM-2's tokenizer: 1)"),
     "zaya": ({"num_experts_per_tok": 1}, "its validator accepts top-1 routing only (the generic top-k is 2)"),
     "kolibri1_1": ({"head_dim": 16, "index_num_heads": HEADS // KV_HEADS},
                    "its validator needs a head_dim that is a multiple of 16 (NVFP4 rounding of keys and values), and at most "
@@ -406,7 +412,7 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
 def tiny_config(task: str, model_type: str) -> Any:
     """The tiny config of one family (sub-configs, e.g. a vision tower's, made tiny the same way)."""
     cls = config_class(model_type)
-    override = OVERRIDES.get(model_type, ({}, ""))[0]
+    override = OVERRIDES.get(f"{task}/{model_type}", OVERRIDES.get(model_type, ({}, "")))[0]
     default = cls()
     fields = tiny_fields(default, task)
     subs = {name: sub for name in getattr(cls, "sub_configs", {}) or {}
