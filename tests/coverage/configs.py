@@ -49,6 +49,8 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
                            "(bidirectional: its masked LM refuses is_decoder)"),
     "esm": ({"pad_token_id": 1}, "its default pad_token_id is None, but its position ids count from the padding id "
                                  "(ESM-2's tokenizer: 1)"),
+    "neomme": ({"head_dim": 16}, "its validator needs the rotated part of a head (partial_rotary_factor 0.25 of head_dim) to "
+                                 "be a multiple of 4: the two M-RoPE axes take frequencies in pairs"),
     "zaya": ({"num_experts_per_tok": 1}, "its validator accepts top-1 routing only (the generic top-k is 2)"),
     "kolibri1_1": ({"head_dim": 16, "index_num_heads": HEADS // KV_HEADS},
                    "its validator needs a head_dim that is a multiple of 16 (NVFP4 rounding of keys and values), and at most "
