@@ -394,20 +394,24 @@ def _module_in_loop(batch_idx: int, accumulate: int, module_class: type | None =
 def test_the_previous_steps_gradients_are_freed_only_where_lightning_would_zero_them():
     """The schedule runs backward inside training_step; the gradients Lightning zeroes after it are freed before
     the schedule instead of living beside the new ones (one gradient set per rank, measured in
-    benchmarks/memory_accuracy.py); accumulated ones and those a custom optimizer_zero_grad may keep are not."""
+    benchmarks/memory_accuracy.py); accumulated ones are added to in place; those a custom optimizer_zero_grad may
+    keep are set aside and handed back."""
     import lightning as L
 
-    from lightning_parallel.strategies.components.pipeline.component import _zeroed_after_step
+    from lightning_parallel.strategies.components.pipeline.component import _accumulating_in_place, _zeroed_after_step
 
     assert _zeroed_after_step(_module_in_loop(0, 1)) and _zeroed_after_step(_module_in_loop(7, 1))
     assert _zeroed_after_step(_module_in_loop(4, 2)) and not _zeroed_after_step(_module_in_loop(5, 2))
+    # Inside an accumulation window nothing zeroes them: the schedule adds to them in place.
+    assert _accumulating_in_place(_module_in_loop(5, 2)) and not _accumulating_in_place(_module_in_loop(4, 2))
+    assert not _accumulating_in_place(_module_in_loop(3, 1))
 
     class KeepsGradients(L.LightningModule):
         def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
             pass
 
     assert not _zeroed_after_step(_module_in_loop(0, 1, KeepsGradients))
-    manual = _module_in_loop(0, 1)
-    manual.automatic_optimization = False
-    assert not _zeroed_after_step(manual)
-    assert not _zeroed_after_step(nn.Linear(2, 2))
+    manual, manual_inside_window = _module_in_loop(0, 1), _module_in_loop(5, 2)
+    manual.automatic_optimization = manual_inside_window.automatic_optimization = False
+    assert not _zeroed_after_step(manual) and not _accumulating_in_place(manual_inside_window)
+    assert not _zeroed_after_step(nn.Linear(2, 2)) and not _accumulating_in_place(nn.Linear(2, 2))

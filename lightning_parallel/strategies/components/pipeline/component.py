@@ -115,12 +115,16 @@ class PipelineComponent(Component):
         plugin = engine.precision_plugin
         context = plugin.train_step_context() if training else plugin.val_step_context()
         # Lightning zeroes gradients *after* training_step and before backward, but the schedule computes
-        # them inside the step: set them aside here and hand them over in backward(). Gradients that
-        # Lightning's own zeroing would discard are freed instead of set aside: kept, the previous step's
-        # gradients lived beside this step's through the whole schedule (one more gradient set per rank).
-        if training and _zeroed_after_step(module):
-            _take_gradients(module)
-        earlier = _take_gradients(module) if training else []
+        # them inside the step: set them aside here and hand them over in backward(). Set aside, they would live
+        # beside the new ones through the whole schedule (one more gradient set per rank), so where Lightning's own
+        # zeroing would discard them they are freed instead, and where it keeps them (a micro-step inside an
+        # accumulation window) the schedule adds to them in place; sharded stages keep theirs aside (FSDP2 owns them).
+        earlier: list[tuple[torch.nn.Parameter, Tensor]] = []
+        if training:
+            if _zeroed_after_step(module):
+                _take_gradients(module)
+            elif not _accumulating_in_place(module) or runner.sharded is not None:
+                earlier = _take_gradients(module)
         with context:
             output = runner.run(module, hook, args, kwargs, training=training, loss_scale=scale, on_build=self._on_built)
         if training:
@@ -219,6 +223,15 @@ def _zeroed_after_step(module: torch.nn.Module) -> bool:
     if type(module).optimizer_zero_grad is not LightningModule.optimizer_zero_grad:
         return False
     return trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+
+
+def _accumulating_in_place(module: torch.nn.Module) -> bool:
+    """Whether Lightning keeps the gradients through this ``training_step`` and its backward: automatic
+    optimization, a batch after the first of its accumulation window (no zeroing is called at all)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or not isinstance(module, LightningModule) or not module.automatic_optimization:
+        return False
+    return trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches != 0
 
 
 def _take_gradients(module: torch.nn.Module) -> list[tuple[torch.nn.Parameter, Tensor]]:
