@@ -63,9 +63,10 @@ OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
                  "short-convolution and attention layers in turn, as the checkpoints mix them"),
     "bamba": ({"attn_layer_indices": [1, 3]}, _ALL_MAMBA),
     "granitemoehybrid": ({"layer_types": ["linear_attention", "attention", "linear_attention", "attention"]}, _ALL_MAMBA),
-    "blt": ({"use_cache": False}, "a forward with a cache fails: transformers' DynamicCache reads BltConfig.num_hidden_layers, "
-                                  "which Blt keeps in its sub-configs only (training needs no cache)"),
-    "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}}},
+    "blt": ({"use_cache": False}, "a forward with a cache fails: transformers' DynamicCache reads "
+                                  "BltConfig.num_hidden_layers, which Blt keeps in its sub-configs only (training needs no cache)"),
+    "cohere_compass_text": ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                     "mrope_section": [2, 1, 1]}}},
                             "its default rope_parameters is empty, but its rotary embedding reads one entry per layer type "
                             "(with an M-RoPE section, here summing to half the tiny head width)"),
     "xlstm": ({"use_cache": False}, "a forward with a cache fails: its cache sizes the mLSTM state with widths rounded up to "
@@ -184,8 +185,8 @@ def _per_layer_choice(present: dict[str, Any], fields: dict[str, Any], layers: i
     """A per-layer value (``per_default``: one per default layer) for each of the :data:`LAYERS` shrunk layers.
 
     Shrunk layer ``i`` stands for the default layers of its kind: those whose every per-layer list of kinds (layer
-    types, MLP kinds, sliding flags ...) reads what the shrunk lists read at ``i`` (any layer when no default layer matches them all).
-    The layers of one kind take in turn the distinct values their default layers have, so a kind the default
+    types, MLP kinds, sliding flags ...) reads what the shrunk lists read at ``i`` (any layer when no default layer
+    matches them all). The layers of one kind take in turn the distinct values their default layers have, so a kind the default
     mixes values in (indexed and plain full-attention layers) keeps them all, and each value stays on its kind.
     """
     lists = [(present[n], fields[n]) for n in fields
@@ -240,7 +241,7 @@ def _follow_layer_count(present: dict[str, Any], fields: dict[str, Any], layers:
     """
     for name, value in present.items():
         if _layer_index_dict(value, layers):
-            width = len(next(iter(value)))
+            width = len(str(next(iter(value))))  # "05": keys keep their zero padding
             per_default = [value.get(k) for k in (next((k for k in value if int(k) == j), None) for j in range(layers))]
             chosen = _per_layer_choice(present, fields, layers, per_default)
             fields[name] = {str(i).zfill(width): _tiny_layer_override(override, present, fields)
@@ -250,7 +251,8 @@ def _follow_layer_count(present: dict[str, Any], fields: dict[str, Any], layers:
             chosen = _per_layer_choice(present, fields, layers, [j in listed for j in range(layers)])
             fields[name] = [i for i, member in enumerate(chosen) if member]
         elif name.endswith("_shared_layers") and isinstance(value, int) and not isinstance(value, bool):
-            fields[name] = value if value == 0 else LAYERS if value >= layers else min(LAYERS - 1, max(1, round(value * LAYERS / layers)))
+            scaled = min(LAYERS - 1, max(1, round(value * LAYERS / layers)))
+            fields[name] = value if value == 0 else LAYERS if value >= layers else scaled
     for name, value in present.items():
         if name.endswith("_layer_period") and isinstance(value, int) and value > LAYERS // 2:
             offset = name[: -len("period")] + "offset"
@@ -345,7 +347,8 @@ def tiny_fields(config: Any, task: str) -> dict[str, Any]:
     # A routing the default leaves unset beside a set expert width (Dots1: moe_intermediate_size, with
     # n_routed_experts, n_shared_experts and num_experts_per_tok None) would build sparse layers with no experts:
     # those counts get their tiny values too.
-    moe_width = any((r := _real(config, n, present)) and isinstance(present[r], int) and present[r] > 0 for n in _EXPERT_INTERMEDIATE)
+    moe_width = any((r := _real(config, n, present)) and isinstance(present[r], int) and present[r] > 0
+                    for n in _EXPERT_INTERMEDIATE)
     put(_EXPERT_NAMES, EXPERTS, keep_none=not moe_width)
     has_experts = moe_width or any(_real(config, n, present) and present[_real(config, n, present)] for n in _EXPERT_NAMES)
     put(_TOP_K_NAMES, TOP_K, keep_none=not has_experts)
