@@ -236,6 +236,12 @@ OTHER_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # ALiBi (one slope per head, built for all heads in the model), query_key_value interleaved per head, tied head.
     "bloom": ("causal_lm", "BloomConfig", dict(hidden_size=32, n_head=4, n_layer=4, hidden_dropout=0.0,
                                                attention_dropout=0.0)),
+    # Short-convolution mixers (ShortConv: in_proj d→3d as B | C | x, a depthwise Conv1d, out_proj) in layers 0 and 2,
+    # GQA attention with per-head q/k norms in layers 1 and 3, untied head.
+    "lfm2": ("causal_lm", "Lfm2Config", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                             num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=16,
+                                             layer_types=["conv", "full_attention", "conv", "full_attention"],
+                                             tie_word_embeddings=False)),
     # LSH-free YOSO attention (use_expectation): a custom autograd.Function whose backward is not its forward's
     # derivative, which a pipeline's trace must keep.
     "yoso": ("masked_lm", "YosoConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,

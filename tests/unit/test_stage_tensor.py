@@ -20,7 +20,8 @@ aten = torch.ops.aten
 
 
 def run_split_over_tp(module: nn.Module, tokens: torch.Tensor, split_point: str, simulated_ranks) -> tuple:
-    """The traced stages of ``module`` on 2 simulated tp ranks: (output, whole gradient of each parameter)."""
+    """The traced stages of ``module`` on 2 simulated tp ranks: (output, whole gradient of each parameter, placement
+    of each parameter)."""
     resolved = TensorParallelConfig().resolve(module, tp_size=2)
     pipe = _trace(module, (tokens,), {}, [split_point], training=True)
     originals = dict(_named_tensors(module))
@@ -43,7 +44,7 @@ def run_split_over_tp(module: nn.Module, tokens: torch.Tensor, split_point: str,
             missing = [name for name, p in placed.items() if p.grad is None]
             assert not missing, missing
             grads = {name: p.grad.full_tensor() for name, p in placed.items()}
-    return output, grads
+    return output, grads, {name: p.placements[0] for name, p in placed.items()}
 
 
 def whole_model(module: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -86,6 +87,78 @@ def test_transformers_llama_with_default_sdpa_attention(simulated_ranks):
     assert_same(run_split_over_tp(model, tokens, "net.model.layers.2", simulated_ranks), whole, atol=1e-5)
 
 
+class ShortConv(nn.Module):
+    """LFM2's short-convolution mixer, written out: in_proj d→3d (B | C | x), a causal depthwise convolution, out_proj."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(width, 3 * width, bias=False)
+        self.conv = nn.Conv1d(width, width, kernel_size=3, groups=width, padding=2)
+        self.out_proj = nn.Linear(width, width)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, c, x = self.in_proj(hidden).transpose(-1, -2).chunk(3, dim=-2)
+        y = c * self.conv(b * x)[..., : hidden.shape[1]]
+        return self.out_proj(y.transpose(-1, -2))
+
+
+class ShortConvLM(nn.Module):
+    def __init__(self, width: int = 16, layers: int = 4, vocab: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(layers))
+        self.layers = nn.ModuleList(ShortConv(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for norm, layer in zip(self.norms, self.layers):
+            hidden = hidden + layer(norm(hidden))
+        return self.head(hidden)
+
+
+def assert_short_convolutions_split(placements: dict, prefix: str) -> None:
+    """Every short convolution's in_proj (fused_blocks) and depthwise convolution (channelwise) hold half the channels."""
+    split = {name: placement for name, placement in placements.items() if name.startswith(prefix)}
+    for name in ("in_proj.weight", "conv.weight", "out_proj.weight"):
+        found = {key: value for key, value in split.items() if key.endswith(f".{name}")}
+        assert found, name
+        expected = Shard(1) if name == "out_proj.weight" else Shard(0)
+        assert set(found.values()) == {expected}, found
+
+
+def test_short_convolution_split_over_its_channels_inside_stages(simulated_ranks):
+    # fused_blocks and channelwise were not placed inside stages (the mixer stayed replicated but for out_proj); the
+    # depthwise convolution of a rank's channels has no DTensor rule and runs locally with groups / tp.
+    torch.manual_seed(0)
+    model = ShortConvLM().double()
+    assert TensorParallelConfig().resolve(model, tp_size=2).styles["layers.0.conv"] == "channelwise"
+    tokens = torch.randint(0, 32, (2, 8))
+    whole = whole_model(model, tokens)
+    split = run_split_over_tp(model, tokens, "layers.2", simulated_ranks)
+    assert_same(split, whole, atol=1e-12)
+    assert_short_convolutions_split(split[2], "layers.")
+    assert split[2]["layers.0.conv.bias"] == Shard(0)
+
+
+def test_transformers_lfm2_short_convolutions_inside_stages(simulated_ranks):
+    # LFM2's ShortConv hands conv.weight to F.conv1d itself and, with a cache built in training (use_cache), copies
+    # its input's last positions into a fresh conv state nobody reads: a DTensor written into a plain tensor, which
+    # failed with a bare AssertionError in DTensor's dispatch before those writes were dropped from the stages.
+    # transformers computes norms and rotary tables in float32.
+    pytest.importorskip("transformers")
+    from tests.hf_models import HFOtherLM
+
+    torch.manual_seed(0)
+    model = HFOtherLM("lfm2").double()
+    assert model.net.config.layer_types[:2] == ["conv", "full_attention"]
+    tokens = torch.randint(0, 128, (2, 8))
+    whole = whole_model(model, tokens)
+    split = run_split_over_tp(model, tokens, "net.model.layers.2", simulated_ranks)
+    assert_same(split, whole, atol=1e-5)
+    assert_short_convolutions_split(split[2], "net.model.layers.")
+
+
 def test_a_view_is_made_contiguous_only_where_the_local_tensor_needs_it(simulated_ranks):
     with simulated_ranks():
         mesh = init_device_mesh("cpu", (2,))
@@ -104,6 +177,25 @@ def test_a_view_is_made_contiguous_only_where_the_local_tensor_needs_it(simulate
         torch.testing.assert_close(sharded.grad.full_tensor(), torch.ones_like(base))
         already = distribute_tensor(base.detach(), mesh, [Shard(0)])
         assert contiguous_local(already) is already
+
+
+def test_writes_into_a_fresh_tensor_nothing_reads_are_dropped():
+    from lightning_parallel.parallelize.pipeline.graph import clean_graph
+    from torch.export.unflatten import InterpreterModule
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    state = graph.call_function(aten.zeros.default, ([2, 3],))  # a cache's state, written and never read
+    graph.call_function(aten.copy_.default, (graph.call_function(aten.slice.Tensor, (state, 1, 0, 2)), x))
+    read = graph.call_function(aten.zeros.default, ([2, 2],))  # written, then read: kept
+    graph.call_function(aten.add_.Tensor, (read, x))
+    graph.output(graph.call_function(aten.mul.Tensor, (read, 2)))
+    module = InterpreterModule(graph)
+    clean_graph(module, None)
+    targets = [node.target for node in module.graph.nodes if node.op == "call_function"]
+    assert targets == [aten.zeros.default, aten.add_.Tensor, aten.mul.Tensor]
+    x_value = torch.ones(2, 2)
+    torch.testing.assert_close(module(x_value), 2 * x_value)
 
 
 def test_views_of_tensors_written_in_place_stay_views():

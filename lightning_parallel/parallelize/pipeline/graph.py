@@ -1,8 +1,8 @@
 """The traced pipeline's graph: the passes that make export's stage code runnable, and what a failed trace says.
 
 Export's graphs need a little cleaning before the stages run them as generated Python code (metadata
-assertions DTensor has no rule for, empty cache tensors in ``cat``, a node named ``self``, a meta trace's
-device); a split can be checked for stages that read values they are never given, and V-shaped schedules
+assertions DTensor has no rule for, empty cache tensors in ``cat``, writes into cache tensors nothing reads, a
+node named ``self``, a meta trace's device); a split can be checked for stages that read values they are never given, and V-shaped schedules
 for a plain chain. When export fails, the error names the innermost module code it was in. No Lightning here.
 """
 
@@ -62,6 +62,7 @@ def clean_graph(submodule: InterpreterModule, device: torch.device | None) -> No
     """
     graph = submodule.graph
     changed = _rename_nodes_named_self(graph)
+    changed = _drop_unread_writes(graph) or changed
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in _ASSERTIONS and not node.users:
             graph.erase_node(node)
@@ -96,6 +97,56 @@ def _rename_nodes_named_self(graph: torch.fx.Graph) -> bool:
         graph.erase_node(node)
         renamed = True
     return renamed
+
+
+#: ATen factories: their output aliases nothing, so writes into it reach nothing but the tensor itself.
+_FRESH = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in ("zeros", "ones", "full", "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
+                 "new_full", "new_empty")
+) + (torch.ops.aten.empty.memory_format,)
+
+
+def _drop_unread_writes(graph: torch.fx.Graph) -> bool:
+    """Drop tensors the graph creates and only writes into (directly or through views), never reads, with the writes.
+
+    A Hugging Face cache built during training (``use_cache`` defaults to true) traces as such: LFM2's short
+    convolution copies the last positions of its input into a fresh conv state (``zeros(...).copy_(x[..., -3:])``)
+    that nothing reads. The write is wasted work, and in a tensor-parallel stage it fails outright: the source is a
+    DTensor, the fresh tensor a plain one, and DTensor refuses an in-place op on a plain tensor (a bare
+    ``AssertionError`` in its dispatch).
+    """
+    dropped = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _FRESH:
+            continue
+        aliases, writes = _aliases_and_writes(node)
+        if aliases is None:
+            continue
+        for dead in [*writes, *reversed(aliases)]:  # users before what they use
+            graph.erase_node(dead)
+        dropped = True
+    return dropped
+
+
+def _aliases_and_writes(fresh: torch.fx.Node) -> tuple[list[torch.fx.Node] | None, list[torch.fx.Node]]:
+    """``fresh`` and its views, and the in-place writes into them, if nothing else uses any of them (else ``None``)."""
+    aliases, writes, pending = [], [], [fresh]
+    while pending:
+        node = pending.pop()
+        aliases.append(node)
+        for user in node.users:
+            schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
+            first = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+            if first is None or not user.args or user.args[0] is not node or node in user.args[1:]:
+                return None, []
+            if first.is_write and not user.users:  # x.copy_(...), x.add_(...) whose result nobody reads
+                writes.append(user)
+            elif not first.is_write and schema.returns and schema.returns[0].alias_info is not None:  # a view of x
+                pending.append(user)
+            else:
+                return None, []
+    return aliases, writes
 
 
 def _drop_empty_cat_inputs(node: torch.fx.Node) -> bool:

@@ -37,13 +37,16 @@ from lightning_parallel.parallelize.tensor.vocabulary import replicate_partials
 
 #: Placement of each parameter of a module, by style; anything not listed is replicated. Fused projections
 #: are split along their output features in the module's own order: in the global view DTensor slices
-#: q, k and v out of the sharded output itself (gathering where a slice crosses ranks).
+#: q, k and v (a short convolution's B, C and x) out of the sharded output itself (gathering where a slice
+#: crosses ranks). A depthwise convolution's weight ``[channels, 1, kernel]`` and bias split over the channels.
 _COLUMN = {"weight": Shard(0), "bias": Shard(0)}
 _PLACEMENTS: dict[str, dict[str, Placement]] = {
     "colwise": _COLUMN,
     "colwise_gather_output": _COLUMN,
     "fused_qkv": _COLUMN,
     "fused_gate_up": _COLUMN,
+    "fused_blocks": _COLUMN,
+    "channelwise": _COLUMN,
     "rowwise": {"weight": Shard(1)},
     "embedding_rowwise": {"weight": Shard(0)},
 }
@@ -110,6 +113,8 @@ class StageTensorParallel:
         stage_module.register_forward_pre_hook(self._inputs_to_dtensor, with_kwargs=True)
         stage_module.register_forward_hook(self._outputs_to_whole)
         _reduce_where_computed(stage_module)
+        if "channelwise" in self.styles.values():
+            _convolutions_over_local_channels(stage_module)
         contiguous_before_views(stage_module)  # local shards' strides are not the trace's
 
     def context(self) -> AbstractContextManager[Any]:
@@ -171,4 +176,62 @@ def _reduce_where_computed(stage_module: nn.Module) -> None:
             producer.replace_all_uses_with(reduced, delete_user_cb=lambda user, reduced=reduced: user is not reduced)
             reduced.meta = dict(producer.meta)
         if producers:
+            submodule.finalize()
+
+
+#: ATen convolutions (``groups`` is their last argument) and what runs them on channel-split weights.
+_CONVOLUTIONS = (
+    torch.ops.aten.conv1d.default,
+    torch.ops.aten.conv2d.default,
+    torch.ops.aten.conv3d.default,
+    torch.ops.aten.convolution.default,
+)
+
+
+def channelwise_convolution(op: Any, input: Any, weight: Any, bias: Any, *rest: Any) -> Any:
+    """``op(input, weight, bias, *rest)`` (an ATen convolution, ``groups`` last in ``rest``); where ``weight`` is a
+    depthwise convolution's weight split over its channels (``Shard(0)``), each rank convolves its own channels.
+
+    The input is split along its channel dimension (free where it is replicated), the local convolution runs with
+    ``groups / tp`` (each rank's channels convolved alone, as the whole convolution does), and the output is split
+    along its channels. Autograd runs through ``to_local``/``from_local``: the weight's and bias's gradients are
+    their shards (a channel is computed on one rank only, nothing is summed) and the input's gradient is split like
+    the input. Any other convolution runs as traced.
+    """
+    if not (isinstance(weight, DTensor) and weight.placements == (Shard(0),)):
+        return op(input, weight, bias, *rest)
+    mesh, groups = weight.device_mesh, rest[-1]
+    if groups != weight.shape[0] or groups % mesh.size():
+        raise ValueError(
+            f"A convolution of groups={groups} reads a weight of shape {tuple(weight.shape)} split over its channels "
+            f"(style 'channelwise'): only a depthwise convolution (groups = channels, divisible by "
+            f"tensor_parallel_size={mesh.size()}) can run on a rank's channels. Leave it replicated in the plan."
+        )
+    channel_dim = input.dim() - weight.dim() + 1  # [B, C, *spatial], or unbatched [C, *spatial]
+    if not isinstance(input, DTensor):
+        input = DTensor.from_local(input, mesh, [Replicate()], run_check=False)
+    local_bias = None if bias is None else bias.redistribute(placements=[Shard(0)]).to_local()
+    local = op(input.redistribute(placements=[Shard(channel_dim)]).to_local(), weight.to_local(), local_bias,
+               *rest[:-1], groups // mesh.size())
+    return DTensor.from_local(local, mesh, [Shard(channel_dim)], run_check=False)
+
+
+def _convolutions_over_local_channels(stage_module: nn.Module) -> None:
+    """Route every convolution of ``stage_module``'s graphs through :func:`channelwise_convolution`."""
+    from torch.export.unflatten import InterpreterModule
+
+    for submodule in stage_module.modules():
+        if not isinstance(submodule, InterpreterModule):
+            continue
+        graph = submodule.graph
+        convolutions = [n for n in graph.nodes if n.op == "call_function" and n.target in _CONVOLUTIONS]
+        for node in convolutions:
+            schema = node.target._schema
+            args = [*node.args, *(node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(node.args):])]
+            with graph.inserting_after(node):
+                local = graph.call_function(channelwise_convolution, (node.target, *args))
+            node.replace_all_uses_with(local)
+            local.meta = dict(node.meta)
+            graph.erase_node(node)
+        if convolutions:
             submodule.finalize()

@@ -11,7 +11,8 @@ still reports the trace's strides. A later ``view`` of such a tensor (merging he
 with "view size is not compatible with input tensor's size and stride". (A ``reshape`` — kept as such in
 the graph — fails the same way: on the DTensor it decides from the reported strides, and becomes a view.)
 
-So in those stages every op that views its input (``view``, ``reshape``, ``flatten``, ...) first makes the
+So in those stages every op that views its input (``view``, ``reshape``, ``flatten``, ..., and ``linear`` or
+``matmul``, which view a batched input as a matrix) first makes the
 input's local tensor contiguous where it is not (a copy of this rank's part; contiguous ones, the common
 case, are viewed as before). Values are unchanged. Only a view that shares memory with something written in
 place must stay a true view (the write has to show through it): those are left alone. No Lightning here.
@@ -31,7 +32,9 @@ aten = torch.ops.aten
 
 
 #: Ops whose local kernel views its input (``reshape`` decomposes into ``view`` wherever the strides the
-#: DTensor reports allow one).
+#: DTensor reports allow one; ``linear`` and ``matmul`` decompose on DTensors into a ``view`` of a batched input
+#: as a matrix: a projection reading the transposed output of a channel-split convolution, ``(C·conv(B·x))ᵀ``,
+#: whose local tensor is transposed while the DTensor reports contiguous strides).
 _VIEWING = (
     aten.view.default,
     aten.reshape.default,
@@ -40,6 +43,8 @@ _VIEWING = (
     aten.reshape_as.default,
     aten.flatten.using_ints,
     aten.unflatten.int,
+    aten.linear.default,
+    aten.matmul.default,
 )
 
 
