@@ -986,3 +986,50 @@ def test_per_head_norm_gradients_under_sequence_parallelism_are_summed_once(simu
     torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-12, msg=name)
+
+
+class _SparseActivationMLP(nn.Module):
+    """A gated MLP keeping only the gate activations above mean + 1.6·std over its hidden units (Gemma-3n's
+    activation sparsity), written as a user would: the statistic is in forward, no module shows it."""
+
+    def __init__(self, width: int, hidden: int, sparse: bool = True) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.gate_proj, self.up_proj = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        if self.sparse:
+            cutoff = gate.mean(-1, keepdim=True) + 1.6 * gate.std(-1, keepdim=True, unbiased=False)
+            gate = torch.relu(gate - cutoff)
+        return self.down_proj(torch.nn.functional.gelu(gate) * self.up_proj(x))
+
+
+class _NormAfterTheSum(nn.Module):
+    """A low-rank residual (Gemma-3n's LAuReL): d→r, r→d, then a norm of the all-reduced output: splits exactly."""
+
+    def __init__(self, width: int, rank: int) -> None:
+        super().__init__()
+        self.linear_left, self.linear_right = nn.Linear(width, rank, bias=False), nn.Linear(rank, width, bias=False)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.linear_right(self.linear_left(x)))
+
+
+def test_an_mlp_combining_its_hidden_units_before_the_down_projection_stays_whole():
+    """Run once on random weights, whole and as the sum of the ranks' slices: the sparse MLP differs (a rank's mean and
+    deviation are its slice's) and stays whole, named; the dense one and a norm after the row-wise sum split."""
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+
+    model = nn.ModuleDict({"sparse": _SparseActivationMLP(16, 64), "dense": _SparseActivationMLP(16, 64, sparse=False),
+                           "laurel": _NormAfterTheSum(16, 8)})
+    resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
+    assert "sparse.gate_proj" not in resolved.styles
+    assert "combines the hidden units before the down projection" in resolved.kept_whole["sparse"]
+    assert resolved.styles["dense.gate_proj"] == "colwise" and resolved.styles["dense.down_proj"] == "rowwise"
+    assert resolved.styles["laurel.linear_right"] == "rowwise" and "laurel" not in resolved.kept_whole
+    explicit = {"sparse.gate_proj": "colwise", "sparse.up_proj": "colwise", "sparse.down_proj": "rowwise"}
+    with pytest.raises(ValueError, match="sparse .*differs from the whole MLP"):
+        check_plan(model, resolve_plan(model, explicit), 2)

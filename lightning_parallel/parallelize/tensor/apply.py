@@ -28,6 +28,7 @@ from lightning_parallel.parallelize.tensor.guards import explain_split_failures,
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
 from lightning_parallel.parallelize.tensor.latent import LatentRegion, latent_projections
 from lightning_parallel.parallelize.tensor.per_head import find_per_head_parameters, shard_per_head_parameters
+from lightning_parallel.parallelize.tensor.probe import check_mlp_splits
 from lightning_parallel.parallelize.tensor.inference import (
     grouped_qkv_heads,
     infer_plan,
@@ -42,6 +43,7 @@ from lightning_parallel.parallelize.tensor.projections import (
     output_dim,
     qkv_blocks,
     qkv_heads,
+    read_attribute,
 )
 from lightning_parallel.parallelize.tensor.region_input import SharedRegionInput
 from lightning_parallel.parallelize.tensor.sequence import (
@@ -333,6 +335,7 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
         if style == "rowwise":
             _require_split_input(fqn, modules, resolved)
     check_tied_parameters(module, resolved)
+    check_mlp_splits(module, resolved, tp_size)
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, sequence_parallel: bool = False) -> nn.Module:
@@ -491,10 +494,10 @@ def _attention_heads(modules: Mapping[str, nn.Module], styles: Mapping[str, str]
             continue
         parent_name, _, child = fqn.rpartition(".")
         parent = modules.get(parent_name)
-        attrs = [a for a in attributes if _is_count(getattr(parent, a, None))]
+        attrs = [a for a in attributes if _is_count(read_attribute(parent, a))]
         config = getattr(parent, "config", None)
         if config is not None and (style == "fused_qkv" or is_attention_projection(child)):
-            attrs += [f"config.{a}" for a in attributes if _is_count(getattr(config, a, None))]
+            attrs += [f"config.{a}" for a in attributes if _is_count(read_attribute(config, a))]
         if (style == "fused_qkv" or is_attention_projection(child)) and is_projection(modules[fqn]):
             width = features(modules[fqn])[1]
             widths = {width, width // 3} if style == "fused_qkv" and width % 3 == 0 else {width}

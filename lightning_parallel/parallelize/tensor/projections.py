@@ -79,13 +79,23 @@ def output_dim(module: nn.Module, parameter: str) -> int:
     return 1 if parameter == "weight" and is_conv1d(module) else 0
 
 
+def read_attribute(owner: object, name: str) -> object:
+    """``getattr(owner, name, None)``, also ``None`` where reading raises something else: a config that holds ``name``
+    per layer refuses to give one value for the model (transformers' ``AmbiguousGlobalPerLayerAttributeError``,
+    DOTS3's ``num_attention_heads``), and the attention module then reads its own count."""
+    try:
+        return getattr(owner, name, None)
+    except Exception:  # noqa: BLE001 - any refusal means: no single value here
+        return None
+
+
 def head_count(module: nn.Module | None, names: tuple[str, ...]) -> tuple[int, str] | None:
     """The first integer among ``names`` on ``module`` or its ``config``, with where it was found."""
     if module is None:
         return None
     for owner, where in ((module, ""), (getattr(module, "config", None), "config.")):
         for name in names:
-            value = getattr(owner, name, None) if owner is not None else None
+            value = read_attribute(owner, name) if owner is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value, where + name
     return None
