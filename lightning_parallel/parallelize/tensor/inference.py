@@ -139,6 +139,14 @@ def infer_units(
         for unit in _match_siblings(sub, f"{name}." if name else "", taken):
             units.append(unit)
             taken.update(unit)
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        projections = {child: m for child, m in sub.named_children() if is_projection(m)}
+        if not any(f"{prefix}{child}" in taken for child in projections):
+            unit = {f"{prefix}{child}": style for child, style in _weighted_heads(sub, projections).items()}
+            if unit:
+                units.append(unit)
+                taken.update(unit)
     tied = _tied_modules(module)
     # What the published plan adds, one group per parent module: a column-wise projection and the row-wise one
     # reading its output (a shared expert's gate/up/down) are split together or not at all.
@@ -272,6 +280,45 @@ def _match_block(
     # projection), which a column split would cut: left replicated.
     beside_blocks = any(_holds_projection(child) for child in sub.children() if not is_projection(child))
     return _match_mlp(projections, widening_only=beside_blocks)
+
+
+def _weighted_heads(sub: nn.Module, projections: Mapping[str, nn.Module]) -> dict[str, str]:
+    """Per-head queries and per-head weights of a module no pattern above took: ``colwise_gather_output`` each.
+
+    A module keeping its own head count ``h`` and ``head_dim`` ``d`` (``n_heads``, ``num_heads``, ... attributes of
+    the module itself, not of a shared ``config``) with a projection writing one value per head (``h`` outputs)
+    beside one writing a vector per head (``h·d`` outputs), none taking the heads' width ``h·d`` back to the width
+    the weights are read from (no output projection) and nothing besides its projections but norms, weighs its
+    heads' results and combines them over every head: the
+    sparse-attention indexer of DeepSeek-V3.2 and GLM-MoE-DSA (``wq_b`` its per-head queries, ``weights_proj`` their
+    weights, the weighted scores summed over the heads before a top-k). A split by heads would need that sum reduced
+    inside the module's own code; instead those projections are split over their output features with the output
+    gathered whole: each rank holds and computes ``1/tp`` of their weights and whatever reads their output sees the
+    whole tensor, as on one device (exact whatever follows; one all-gather per projection in forward, one all-reduce
+    of its input gradient in backward). The module's other projections (a key shared by every head) stay whole.
+    ``{}`` for anything else, and (the caller) for a module whose projections another group already took.
+    """
+    heads = next((value for name in QUERY_HEADS if isinstance(value := vars(sub).get(name), int)
+                  and not isinstance(value, bool) and value > 1), None)
+    if heads is None:
+        return {}
+    head_dim = vars(sub).get("head_dim")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 2:
+        return {}
+    widths = {name: features(projection) for name, projection in projections.items()}
+    if any(True for _ in sub.parameters(recurse=False)) or any(
+            param.dim() != 1 for child, m in sub.named_children() if child not in projections for param in m.parameters()):
+        return {}  # besides its projections, nothing but norms (vectors): no per-head parameter, no other mixer
+    weights = [name for name, (_, out) in widths.items() if out == heads]
+    vectors = [name for name, (_, out) in widths.items() if out == heads * head_dim]
+    if not weights or not vectors:
+        return {}
+    # A projection reading the heads' width and writing the width the weights are read from is an output projection
+    # (heads back to the model width): an attention of another layout, whose heads this does not follow.
+    model_widths = {widths[name][0] for name in weights}
+    if any(width_in == heads * head_dim and out in model_widths for width_in, out in widths.values()):
+        return {}
+    return {name: "colwise_gather_output" for name in (*vectors, *weights)}
 
 
 def _holds_projection(module: nn.Module) -> bool:
