@@ -15,6 +15,8 @@ Groups are recognised:
   (``attention.self.{query,key,value}``) and the output projection in the next (``attention.output.dense``);
   the MLP's ``d→h`` projection alone in one child (``intermediate.dense``) and its ``h→d`` alone in the next
   (``output.dense``). Only where the children hold nothing else that depends on the split width.
+- a module that weighs per-head results and combines them over every head (a sparse-attention indexer): its
+  per-head queries and weights column-wise with the output gathered whole (:func:`_weighted_heads`).
 
 Which groups divide by a given TP degree is decided by the caller
 (:meth:`~lightning_parallel.parallelize.tensor.apply.TensorParallelConfig.resolve`). No Lightning here.
