@@ -1033,3 +1033,49 @@ def test_an_mlp_combining_its_hidden_units_before_the_down_projection_stays_whol
     explicit = {"sparse.gate_proj": "colwise", "sparse.up_proj": "colwise", "sparse.down_proj": "rowwise"}
     with pytest.raises(ValueError, match="sparse .*differs from the whole MLP"):
         check_plan(model, resolve_plan(model, explicit), 2)
+
+
+def test_the_token_embedding_tied_to_the_head_splits_beside_another_embedding_of_its_shape():
+    """Gemma 4 keeps a per-layer input embedding beside its token embedding; where both are [vocabulary, width], the one
+    whose weight is the head's is the token embedding (an untied head beside two such embeddings stays ambiguous)."""
+    model = nn.Module()
+    model.embed_tokens, model.embed_per_layer = nn.Embedding(64, 16), nn.Embedding(64, 16)
+    model.mlp = SwiGLU(16, 32)
+    model.lm_head = nn.Linear(16, 64, bias=False)
+    model.lm_head.weight = model.embed_tokens.weight
+    plan = infer_plan(model)
+    assert plan["embed_tokens"] == "embedding_rowwise" and plan["lm_head"] == "colwise_gather_output"
+    assert "embed_per_layer" not in plan
+    model.lm_head.weight = nn.Parameter(torch.zeros(64, 16))
+    plan = infer_plan(model)
+    assert not {"embed_tokens", "embed_per_layer", "lm_head"} & set(plan)
+
+
+class _ReadsItsTokenTable(nn.Module):
+    """A tied LM that blends each position with the pad token's row read straight from the table, as Gemma 4 blanks
+    its multimodal positions (``embed_tokens.weight[pad_id]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(64, 16)
+        self.mlp = SwiGLU(16, 32)
+        self.lm_head = nn.Linear(16, 64, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(tokens) + 0.5 * self.embed_tokens.weight[0].view(1, 1, -1)
+        return self.lm_head(hidden + self.mlp.w2(torch.nn.functional.silu(self.mlp.w1(hidden)) * self.mlp.w3(hidden)))
+
+
+def test_a_model_reading_its_split_token_table_gets_the_whole_table_and_trains_as_one_device(simulated_ranks):
+    torch.manual_seed(0)
+    model = _ReadsItsTokenTable().double()
+    tokens = torch.randint(0, 64, (2, 5))
+    reference = _ReadsItsTokenTable().double()
+    reference.load_state_dict(model.state_dict())
+    expected_out, expected_grads = _whole_run(reference, tokens)
+    out, grads, resolved = _split_and_run(model, simulated_ranks, tokens)
+    assert resolved.styles["embed_tokens"] == "embedding_rowwise"
+    torch.testing.assert_close(out, expected_out)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, msg=name)

@@ -52,7 +52,7 @@ from lightning_parallel.parallelize.tensor.sequence import (
 )
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
 from lightning_parallel.parallelize.tensor.tied import check_tied_parameters, tie_again, tied_groups
-from lightning_parallel.parallelize.tensor.vocabulary import reduce_lookups_in
+from lightning_parallel.parallelize.tensor.vocabulary import gather_reads_elsewhere, reduce_lookups_in
 from lightning_parallel.parallelize.tensor.plan import (
     STYLE_ALIASES,
     STYLES,
@@ -379,6 +379,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     for fqn, style in resolved.styles.items():
         if style == "embedding_rowwise":
             reduce_lookups_in(modules[fqn])  # an embedding that scales its rows (Gemma) loses the lookup's mask
+            ancestors = [modules[".".join(fqn.split(".")[:i])] for i in range(fqn.count(".") + 1)]
+            gather_reads_elsewhere(fqn, modules[fqn], ancestors, log.warning)
     for fqn, style in resolved.styles.items():
         if style == "experts":
             experts_layouts = split_experts(fqn, modules[fqn], check_experts(fqn, modules[fqn], tp_size), tp_mesh)

@@ -171,7 +171,8 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
     """The input embedding and the untied output head, where the model publishes no plan for them.
 
     Found by shape: the one ``nn.Embedding`` and the one ``nn.Linear`` whose weights are both ``[vocabulary, width]``
-    (nothing else of that shape that no other group split), as a language model's token embedding and head are. The
+    (nothing else of that shape that no other group split, or, among several embeddings of that shape, the one tied to
+    the head), as a language model's token embedding and head are. The
     embedding splits over the vocabulary (its output all-reduced), the head over its outputs with the logits
     gathered whole (the model's own loss reads them). A tied pair (one tensor in two modules) is one group, split
     the same way; an embedding with no such head stays whole, as the model may read its weight elsewhere.
@@ -193,8 +194,14 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
     for shape, found in embeddings.items():
         # Projections already split (an MLP whose width happens to equal the vocabulary) are not head candidates.
         matching = [fqn for fqn in heads.get(shape, []) if untaken(fqn)]
-        if len(found) != 1 or len(matching) != 1 or shape[0] <= shape[1]:
+        if len(matching) != 1 or shape[0] <= shape[1]:
             continue
+        if len(found) > 1:
+            # Several embeddings of the head's shape (Gemma 4's per-layer input embedding may match the token
+            # embedding's): the one whose weight *is* the head's (tied) is the token embedding; else ambiguous.
+            found = [fqn for fqn in found if _tied_pair(module, fqn, matching[0])]
+            if len(found) != 1:
+                continue
         embedding, head = found[0], matching[0]
         if free(embedding) and free(head):
             units += [{embedding: "embedding_rowwise"}, {head: "colwise_gather_output"}]

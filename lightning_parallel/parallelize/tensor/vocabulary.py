@@ -52,3 +52,42 @@ def reduce_lookups_in(module: nn.Embedding) -> None:
         # An instance attribute shadows the class's forward: nn.Module.__call__ (and its hooks) call this one.
         module.forward = _ForwardWithReducedLookups(module)
 
+
+
+def gather_reads_elsewhere(fqn: str, embedding: nn.Embedding, ancestors: list[nn.Module], warn: Any) -> None:
+    """Let the model's own code read a vocabulary-split embedding's ``weight`` outside the embedding's forward.
+
+    Some models read the token table directly (Gemma 4 takes its pad token's row, ``embed_tokens.weight[pad_id]``, to
+    blank multimodal positions): on a rank's rows that read is a DTensor beside plain tensors, and the step stops
+    deep in torch. While one of ``ancestors`` (the modules above the embedding) runs its forward, a read of ``weight``
+    outside the embedding's own forward gets the whole table, gathered (``full_tensor()``: each rank's gradient
+    goes back to its own rows), and ``warn`` names the module and the cost once. Everywhere else (the embedding's
+    forward, checkpoints, optimizers, this library) ``weight`` is the split parameter.
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = {"ancestors": 0, "inside": 0, "warned": False}
+
+    def count(key: str, step: int) -> Any:
+        def hook(*_: Any) -> None:
+            state[key] += step
+        return hook
+
+    embedding.register_forward_pre_hook(count("inside", 1))
+    embedding.register_forward_hook(count("inside", -1), always_call=True)
+    for ancestor in ancestors:
+        ancestor.register_forward_pre_hook(count("ancestors", 1))
+        ancestor.register_forward_hook(count("ancestors", -1), always_call=True)
+
+    def weight(self: nn.Embedding) -> Tensor:
+        param = self._parameters["weight"]
+        if not (state["ancestors"] and not state["inside"] and isinstance(param, DTensor)):
+            return param
+        if not state["warned"]:
+            state["warned"] = True
+            warn(f"{fqn}: the model reads its weight outside {fqn}'s own forward; split over the vocabulary by tensor "
+                 f"parallelism, the whole table is gathered for each such read ({tuple(param.shape)}).")
+        return param.full_tensor()
+
+    base = type(embedding)
+    embedding.__class__ = type(base.__name__, (base,), {"weight": property(weight), "__module__": base.__module__})
