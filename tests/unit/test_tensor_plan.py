@@ -581,8 +581,9 @@ def test_rowwise_projection_to_another_width_inside_attention_is_refused():
 
 
 def test_a_parameter_as_long_as_both_the_head_count_and_a_head_is_refused():
-    attention = HeadsAttention("sinks", dim=16)  # 4 heads of width 4: one sink per head, or per feature?
-    with pytest.raises(ValueError, match=r"sinks: its 4 entries may be one per head .* or one per feature of a head \(head_dim=4"):
+    attention = HeadsAttention("sinks", dim=16)  # 4 heads of width 4: sinks are one per head by their name, but
+    attention.lambda_q1 = nn.Parameter(torch.zeros(4, dtype=torch.float64))  # this: one per head, or per feature?
+    with pytest.raises(ValueError, match=r"lambda_q1: its 4 entries may be one per head .* or one per feature of a head \(head_dim=4"):
         resolve_plan(attention, infer_plan(attention))
 
 

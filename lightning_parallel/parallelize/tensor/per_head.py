@@ -23,6 +23,9 @@ from lightning_parallel.parallelize.tensor.projections import KEY_VALUE_HEADS, Q
 
 #: Attributes holding the width of one head (module or its config).
 HEAD_WIDTHS = ("head_dim", "attention_head_size", "head_size")
+#: Parameters one per head by their name, whatever the widths: attention sinks (one extra logit per head, gpt-oss's,
+#: MiMo's, HY-V4's, DeepSeek-V4's ``sinks``), never a vector over a head's features.
+PER_HEAD_NAMES = ("sinks",)
 
 
 def find_per_head_parameters(attention: nn.Module, fqn: str = "") -> tuple[str, ...]:
@@ -30,7 +33,8 @@ def find_per_head_parameters(attention: nn.Module, fqn: str = "") -> tuple[str, 
 
     Raises:
         ValueError: Such a parameter's dim 0 is also the width of one head (DiffLlama's ``lambda_q1`` is
-            ``[head_dim]``), so whether it holds one entry per head or per feature of a head cannot be told.
+            ``[head_dim]``), so whether it holds one entry per head or per feature of a head cannot be told (except
+            for attention sinks, :data:`PER_HEAD_NAMES`: one per head by definition).
     """
     counts = {found[0] for found in (head_count(attention, QUERY_HEADS), head_count(attention, KEY_VALUE_HEADS)) if found}
     if not counts:
@@ -39,7 +43,7 @@ def find_per_head_parameters(attention: nn.Module, fqn: str = "") -> tuple[str, 
     names = []
     for name, param in attention.named_parameters(recurse=False):
         if param.dim() >= 1 and param.shape[0] in counts:
-            if width is not None and width[0] == param.shape[0]:
+            if width is not None and width[0] == param.shape[0] and name not in PER_HEAD_NAMES:
                 raise ValueError(
                     f"{fqn or type(attention).__name__}.{name}: its {param.shape[0]} entries may be one per head (sharded "
                     f"with the heads) or one per feature of a head ({width[1]}={width[0]}, kept whole): the plan cannot "
