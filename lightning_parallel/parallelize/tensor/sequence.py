@@ -8,17 +8,30 @@ last block gathers its output, so everything around the trunk (embeddings, final
 
 Derived from a resolved plan: the trunk is the ``nn.ModuleList`` whose blocks contain split layers; the
 regions are the parents of column-wise projections inside a block.
+
+A module of a block that the plan keeps whole (Falcon's and GPT-BigCode's multi-query attention: one key/value
+head cannot be split) computes as on one device only on the whole sequence: fed this rank's tokens, attention
+mixes a part of the sequence (and crashes where it applies rotary tables of the whole length), and its replicated
+parameters would get this rank's partial gradients, which nothing sums. So each such module (a block's child that
+holds parameters, is no norm, and contains nothing the plan splits) gathers the sequence on entry and keeps this
+rank's part of its output: every rank computes it whole, as without sequence parallelism (its gradients are whole
+on every rank; one all-gather in forward, one in backward). Norms inside it run on the whole sequence too.
+Parameters a block holds itself (Doge's per-feature residual scales ``input_residual``, ``post_attention_residual``)
+are used on this rank's tokens: their gradients are summed over the group after backward, with the split regions'.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.parallelize.tensor.region_input import map_hidden_states
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan, parallel_style
+from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters
 
 _NORM_TYPES: tuple[type[nn.Module], ...] = (nn.LayerNorm, *([nn.RMSNorm] if hasattr(nn, "RMSNorm") else []))
 
@@ -70,9 +83,11 @@ def sequence_parallel_plan(
         # The gathered input stays a DTensor shared by the region's projections, so backward sums their
         # gradients first and reduce-scatters once.
         all_regions += sorted(regions)
+        whole = whole_in_block(modules, resolved, block)
         for name, sub in modules[block].named_modules():
-            if _is_norm(sub):
-                plan[f"{block}.{name}"] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
+            fqn = f"{block}.{name}"
+            if _is_norm(sub) and not any(fqn == w or fqn.startswith(f"{w}.") for w in whole):
+                plan[fqn] = SequenceParallel(sequence_dim=sequence_dim, use_local_output=True)
     first = blocks[0]
     _check_sequence_length_on_entry(modules[first], tp_size, sequence_dim, first)
     return plan, all_regions
@@ -104,6 +119,72 @@ def split_trunk_sequence(module: nn.Module, resolved: ResolvedPlan, mesh, sequen
 
     modules[blocks[0]].register_forward_pre_hook(scatter, with_kwargs=True)
     modules[blocks[-1]].register_forward_hook(gather)
+
+    for block in blocks:
+        whole, searched = _search_block(modules, resolved, block)
+        for owner in searched:
+            if any(True for _ in modules[owner].parameters(recurse=False)):
+                # Found by reduce_split_region_gradients from the model's root (a plain attribute: no state_dict entry).
+                modules[owner]._split_region_parameters = _SequenceShardParameters(mesh, owner, modules[owner])
+        for fqn in whole:
+            def gather_on_entry(_: nn.Module, args: tuple, kwargs: dict, fqn: str = fqn) -> tuple:
+                return map_hidden_states(args, kwargs, lambda t: redistribute(t, Shard(sequence_dim), Replicate()), fqn)
+
+            def keep_this_ranks_part(_: nn.Module, __: tuple, output, fqn: str = fqn):
+                if isinstance(output, torch.Tensor):
+                    return redistribute(output, Replicate(), Shard(sequence_dim))
+                if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+                    return type(output)([redistribute(output[0], Replicate(), Shard(sequence_dim)), *output[1:]])
+                raise TypeError(
+                    f"sequence_parallel=True: {fqn}, kept whole by the plan, returned {type(output).__name__}, not its "
+                    f"hidden states (a tensor, or a tuple starting with one): its output cannot be split along the "
+                    f"sequence again. Set sequence_parallel=False for this model."
+                )
+
+            modules[fqn].register_forward_pre_hook(gather_on_entry, with_kwargs=True)
+            modules[fqn].register_forward_hook(keep_this_ranks_part)
+
+
+def whole_in_block(modules: Mapping[str, nn.Module], resolved: ResolvedPlan, block: str) -> list[str]:
+    """The modules of ``block`` that run whole on the whole sequence under sequence parallelism: children (or
+    children of containers holding split modules deeper down, as BERT's ``attention``) that hold parameters, are
+    no norm, and contain nothing the plan splits. A module holding split children itself (an attention, an MLP: a
+    split region) is not searched: what runs beside its split projections runs on their gathered input already."""
+    return _search_block(modules, resolved, block)[0]
+
+
+def _search_block(modules: Mapping[str, nn.Module], resolved: ResolvedPlan, block: str) -> tuple[list[str], list[str]]:
+    """(:func:`whole_in_block`, the block and the containers searched in it: their own parameters are used on this
+    rank's part of the sequence, as Doge's per-feature residual scales are)."""
+    split = [fqn for fqn, style in resolved.styles.items() if style != "replicate"]
+    regions = {fqn.rpartition(".")[0] for fqn in split}
+    whole: list[str] = []
+    searched: list[str] = []
+
+    def search(name: str) -> None:
+        searched.append(name)
+        for child, sub in modules[name].named_children():
+            fqn = f"{name}.{child}"
+            if fqn in split or _is_norm(sub):
+                continue
+            if any(s.startswith(f"{fqn}.") for s in split):
+                if fqn not in regions:
+                    search(fqn)
+            elif any(True for _ in sub.parameters()):
+                whole.append(fqn)
+
+    if block not in regions:
+        search(block)
+    return whole, searched
+
+
+class _SequenceShardParameters(PartialSumParameters):
+    """The parameters a block (or a container in it) holds itself, used on this rank's part of the sequence: their
+    gradients are partial sums over the group, summed by
+    :func:`~lightning_parallel.parallelize.tensor.split_region.reduce_split_region_gradients` after backward."""
+
+    def __init__(self, mesh: Any, name: str, owner: nn.Module) -> None:
+        super().__init__(mesh.get_group(), name, lambda: [p for p in owner.parameters(recurse=False) if not isinstance(p, DTensor)])
 
 
 def _is_norm(module: nn.Module) -> bool:
