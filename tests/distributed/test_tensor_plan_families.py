@@ -5,7 +5,7 @@ One launch of 2 ranks: BERT (attention and MLP split across sibling modules), Fa
 row-wise layer is added to in place), Falcon's new decoder architecture (``query_key_value`` grouped per k/v
 head), BLOOM (ALiBi slopes per head, cut to each rank's heads), LitGPT (fused GQA ``qkv`` whose head
 counts live on its ``Config`` dataclass) and a hand-written attention whose keys and values read a SegFormer-style
-sequence reduction (:class:`tests.hf_models.ReducedKVAttention`). Each trains as on one device, and each rank holds at most the
+sequence reduction (:class:`tests.hf_models.ReducedKVAttention`); Falcon also with sequence parallelism. Each trains as on one device, and each rank holds at most the
 share of the parameters given below (the largest rank's parameters / the whole model's).
 """
 
@@ -20,11 +20,13 @@ pytestmark = pytest.mark.distributed
 pytest.importorskip("transformers")
 
 STEPS = 3
-#: job name -> (model, the largest share of the parameters one rank may hold).
+#: job name -> (model, the largest share of the parameters one rank may hold[, strategy options]).
 FAMILIES = {
     "bert": ("hf_bert", 0.6),
     # Its one k/v head cannot be divided: the attention (a quarter of each block) stays whole.
     "falcon": ("hf_falcon", 0.66),
+    # ... and with sequence parallelism it gathers the sequence on entry (fed its rank's half, it crashed in rotary).
+    "falcon_sequence_parallel": ("hf_falcon", 0.66, {"sequence_parallel": True}),
     "falcon_grouped": ("hf_falcon_grouped", 0.6),
     "bloom": ("hf_bloom:eager", 0.6),  # BLOOM has no SDPA path in transformers
     "litgpt": ("litgpt", 0.6),
@@ -34,14 +36,16 @@ FAMILIES = {
 }
 
 
-def spec(model: str, strategy: str, devices: int) -> JobSpec:
-    return JobSpec(model=model, strategy=strategy, devices=devices, batch_size=4, val_batch_size=2, steps=STEPS, validate=True)
+def spec(model: str, strategy: str, devices: int, options: dict | None = None) -> JobSpec:
+    return JobSpec(model=model, strategy=strategy, devices=devices, batch_size=4, val_batch_size=2, steps=STEPS, validate=True,
+                   strategy_kwargs=options or {})
 
 
 def test_auto_plan_splits_each_family_and_matches_single_device(tmp_path):
     pytest.importorskip("litgpt")
-    results = run_distributed_jobs({name: spec(model, "tensor", 2) for name, (model, _) in FAMILIES.items()}, tmp_path)
-    for name, (model, largest_share) in FAMILIES.items():
+    results = run_distributed_jobs({name: spec(model, "tensor", 2, *options) for name, (model, _, *options) in FAMILIES.items()},
+                                   tmp_path)
+    for name, (model, largest_share, *_) in FAMILIES.items():
         reference = run_job(spec(model, "single", 1))
         result = results[name]
         assert_same_training(reference, result, steps=STEPS)
