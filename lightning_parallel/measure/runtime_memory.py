@@ -49,14 +49,15 @@ class _Block(nn.Module):
 def _measure_in_this_process() -> int:
     """Resident growth of this process while a small model is traced into two stages (bytes)."""
     import lightning  # noqa: F401  what a training run has imported before its first batch
-    import lightning_parallel.strategies  # noqa: F401
-    from lightning_parallel.parallelize.pipeline.build import _trace
+    import torch.distributed  # noqa: F401
+    from torch.distributed.pipelining import SplitPoint, pipeline
 
     model = nn.Sequential(nn.Embedding(64, 32), _Block(), _Block(), nn.LayerNorm(32), nn.Linear(32, 64))
     tokens = torch.randint(0, 64, (2, 16))
     gc.collect()
     before = _resident_bytes()
-    pipe = _trace(model, (tokens,), {}, ["2"], training=True)
+    # torch's pipeline frontend, as the strategies cut a model (parallelize/pipeline/build.py)
+    pipe = pipeline(model, (tokens,), split_spec={"2": SplitPoint.BEGINNING})
     pipe(tokens)[0].sum().backward()  # the stages' generated code run once, forward and backward
     gc.collect()
     grown = _resident_bytes() - before

@@ -9,6 +9,7 @@ does for its embedding nodes. No Lightning here.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch.nn.functional as F
@@ -60,9 +61,10 @@ def gather_reads_elsewhere(fqn: str, embedding: nn.Embedding, ancestors: list[nn
     Some models read the token table directly (Gemma 4 takes its pad token's row, ``embed_tokens.weight[pad_id]``, to
     blank multimodal positions): on a rank's rows that read is a DTensor beside plain tensors, and the step stops
     deep in torch. While one of ``ancestors`` (the modules above the embedding) runs its forward, a read of ``weight``
-    outside the embedding's own forward gets the whole table, gathered (``full_tensor()``: each rank's gradient
-    goes back to its own rows), and ``warn`` names the module and the cost once. Everywhere else (the embedding's
-    forward, checkpoints, optimizers, this library) ``weight`` is the split parameter.
+    outside the embedding's own forward, by code of the files that define those modules (the model's), gets the whole
+    table, gathered (``full_tensor()``: each rank's gradient goes back to its own rows), and ``warn`` names the module
+    and the cost once. Everywhere else (the embedding's forward, FSDP2, checkpoints, optimizers, this library)
+    ``weight`` is the split parameter.
     """
     from torch.distributed.tensor import DTensor
 
@@ -79,9 +81,15 @@ def gather_reads_elsewhere(fqn: str, embedding: nn.Embedding, ancestors: list[nn
         ancestor.register_forward_pre_hook(count("ancestors", 1))
         ancestor.register_forward_hook(count("ancestors", -1), always_call=True)
 
+    # The model's own code: the files defining the modules above the embedding. Reads from elsewhere while they run
+    # (FSDP2's lazy init, this library) keep the split parameter.
+    model_files = {type(ancestor).__module__ for ancestor in ancestors}
+
     def weight(self: nn.Embedding) -> Tensor:
         param = self._parameters["weight"]
         if not (state["ancestors"] and not state["inside"] and isinstance(param, DTensor)):
+            return param
+        if sys._getframe(1).f_globals.get("__name__") not in model_files:
             return param
         if not state["warned"]:
             state["warned"] = True
