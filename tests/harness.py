@@ -52,6 +52,8 @@ class JobSpec:
     # | rotary_attention (view_attention with rotary tables sliced by length and enable_gqa attention)
     # | llama_reference (issue 29's hand-written Llama: custom RMSNorm, SwiGLU module, view/reshape heads)
     # | hand_norm_attention (view_attention with Meta's hand-written RMSNorm: no reset_parameters())
+    # | list_moe (view_attention with hand-written MoE blocks, experts an nn.ModuleList) | old_mixtral (the same
+    # with transformers 4.x's Mixtral block)
     # | litgpt (Lightning's LitGPT model: fused GQA qkv, head counts on its Config dataclass; needs litgpt)
     model: str = "gpt"  # gpt_moe: the recipe GPT with a 4-expert top-2 Mixture-of-Experts layer in each block
     strategy: str = "single"  # single | data | tensor | pipeline | hybrid | auto (the planner chooses, for cpu_local)
@@ -221,7 +223,11 @@ class Recorder(Callback):
         # Mean over replicas of each micro-batch loss = the loss of the global micro-batch.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
         per_micro = gathered.mean(dim=0)
-        flat = torch.cat([full(p).detach().reshape(-1) for p in pl_module.parameters()])
+        if _divides_expert_lists(trainer):  # ranks hold different experts: compare the whole models
+            whole = _whole_across_stages(trainer, {n: full(p).detach() for n, p in pl_module.named_parameters()})
+            flat = torch.cat([whole[n].reshape(-1) for n in sorted(whole)])
+        else:
+            flat = torch.cat([full(p).detach().reshape(-1) for p in pl_module.parameters()])
         replicas = trainer.strategy.all_gather(flat) if trainer.world_size > 1 else flat.unsqueeze(0)
         comm = getattr(trainer.strategy, "comm_stats", None)
         checksums = [self.first_batch_checksum]
@@ -252,6 +258,10 @@ class Recorder(Callback):
             torch.save(self.result, self.save_path)
 
 
+def _divides_expert_lists(trainer: L.Trainer) -> bool:
+    return bool(getattr(getattr(trainer.strategy, "expert_parallel", None), "expert_lists", None))
+
+
 def _monitor(trainer: L.Trainer) -> ScalingMonitor | None:
     return next((c for c in trainer.callbacks if isinstance(c, ScalingMonitor)), None)
 
@@ -262,7 +272,12 @@ def _not_counted(trainer: L.Trainer) -> Any:
 
 
 def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Under pipeline parallelism each rank holds its stages' tensors: merge them onto the stage-0 rank."""
+    """Under pipeline parallelism each rank holds its stages' tensors: merge them onto the stage-0 rank (and
+    nn.ModuleList experts divided by expert parallelism: each rank holds its own experts' tensors, by global name)."""
+    if _divides_expert_lists(trainer):
+        from lightning_parallel.checkpoint.state import all_pipeline_parts
+
+        named = all_pipeline_parts({k: v.cpu() for k, v in named.items()}, torch.distributed.group.WORLD)
     runner = getattr(trainer.strategy, "pipeline_runner", None)
     if runner is None:
         return named
@@ -278,7 +293,7 @@ def make_data(spec: JobSpec) -> L.LightningDataModule:
 
         if is_image_family(spec.model.removeprefix("hf_").partition(":")[0]):  # hf_vit, hf_resnet
             return SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
-    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral", "reduced_kv_attention") or spec.model.startswith("hf_"):
+    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral", "reduced_kv_attention", "list_moe", "old_mixtral") or spec.model.startswith("hf_"):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -326,6 +341,10 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         from tests.hf_models import HandNormLM
 
         return HandNormLM()
+    if spec.model in ("list_moe", "old_mixtral"):
+        from tests.hf_models import ListMoELM
+
+        return ListMoELM(old_mixtral=spec.model == "old_mixtral")
     if spec.model == "router_loss_mixtral":
         from tests.hf_models import RouterLossLM
 

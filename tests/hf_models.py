@@ -532,3 +532,90 @@ class ReducedKVLM(ReferenceLlamaLM):
     def __init__(self, lr: float = 0.1, dim: int = 32, n_heads: int = 4, n_layers: int = 4) -> None:
         super().__init__(lr, dim, n_heads, n_layers)
         self.layers = torch.nn.ModuleList(ReducedKVLayer(dim, n_heads) for _ in range(n_layers))
+
+
+class SwiGLUExpert(torch.nn.Module):
+    """One expert of a hand-written MoE: a SwiGLU MLP."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(dim, hidden, bias=False), torch.nn.Linear(dim, hidden, bias=False)
+        self.w2 = torch.nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ListMoE(torch.nn.Module):
+    """A Mixture-of-Experts block as written by hand: router Linear, softmax top-2, experts an ``nn.ModuleList``
+    called one by one in the block's own loop, which skips the experts no token chose."""
+
+    def __init__(self, dim: int = 32, hidden: int = 16, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = torch.nn.ModuleList(SwiGLUExpert(dim, hidden) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, chosen = torch.softmax(self.router(x), dim=-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out.reshape(shape)
+
+
+class OldMixtralBlock(torch.nn.Module):
+    """transformers 4.x's ``MixtralSparseMoeBlock`` as it was written (experts an ``nn.ModuleList`` of
+    ``w1``/``w2``/``w3`` MLPs, the loop over ``expert_mask``, a ``(hidden, router_logits)`` output)."""
+
+    def __init__(self, dim: int = 32, hidden: int = 16, experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = experts, top_k
+        self.gate = torch.nn.Linear(dim, experts, bias=False)
+        self.experts = torch.nn.ModuleList(SwiGLUExpert(dim, hidden) for _ in range(experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, length, dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final = torch.zeros((batch * length, dim), dtype=hidden_states.dtype, device=hidden_states.device)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hit:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        return final.reshape(batch, length, dim), router_logits
+
+
+class ListMoEBlock(ViewBlock):
+    def __init__(self, dim: int = 32, moe: type[torch.nn.Module] = ListMoE) -> None:
+        super().__init__(dim)
+        del self.w1, self.w3, self.w2
+        self.moe = moe(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        out = self.moe(self.ffn_norm(x))
+        return x + (out[0] if isinstance(out, tuple) else out)
+
+
+class ListMoELM(ViewAttentionLM):
+    """:class:`ViewAttentionLM` whose MLPs are Mixture-of-Experts blocks with ``nn.ModuleList`` experts: the
+    hand-written :class:`ListMoE` (``old_mixtral``: transformers 4.x's Mixtral block, :class:`OldMixtralBlock`)."""
+
+    def __init__(self, lr: float = 0.1, old_mixtral: bool = False) -> None:
+        super().__init__(lr)
+        self.layers = torch.nn.ModuleList(ListMoEBlock(moe=OldMixtralBlock if old_mixtral else ListMoE) for _ in range(2))

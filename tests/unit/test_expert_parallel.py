@@ -15,10 +15,10 @@ from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.expert.dispatch import dispatch_and_combine
 from lightning_parallel.parallelize.expert.experts import (
     check_divisible,
-    expert_module_lists,
     find_routed_experts,
     routed_experts,
 )
+from lightning_parallel.parallelize.expert.module_list import ExpertList, RemoteExpert, divide_expert_list, find_expert_lists
 
 
 class Experts(nn.Module):
@@ -103,13 +103,128 @@ def test_modules_expert_parallelism_cannot_divide_say_why():
     assert "submodules hold parameters (post_expert_norm.weight [4, 6])" in routed_experts(nested)
     assert routed_experts(Experts(num_experts=1)) is None  # a shared expert in the 3-D layout stays dense
     assert routed_experts(nn.Linear(4, 4)) is None
-    # Experts as an nn.ModuleList of MLPs (older checkpoints, hand-written MoE): not found; the component refuses
-    # naming the lists, so that the user learns why and what to change.
+    # Experts as an nn.ModuleList of MLPs are not routed experts in transformers' layout (module_list.py's).
     block = nn.ModuleDict({"gate": nn.Linear(4, 4), "experts": nn.ModuleList([nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4)) for _ in range(4)])})
-    model = nn.ModuleDict({"layers": nn.ModuleList([block, nn.ModuleDict({"mlp": nn.Linear(4, 4)})])})
-    assert find_routed_experts(model) == {}
-    assert expert_module_lists(model) == ["layers.0.experts"]
-    assert expert_module_lists(nn.ModuleDict({"experts": nn.ModuleList([nn.Linear(4, 4)])})) == []  # one: not routed
+    assert find_routed_experts(nn.ModuleDict({"layers": nn.ModuleList([block])})) == {}
+
+
+# --- experts kept as an nn.ModuleList ------------------------------------------------------------------------
+
+
+def test_module_list_experts_are_found_by_structure_beside_a_router():
+    from tests.hf_models import ListMoELM, ViewAttentionLM
+
+    found = find_expert_lists(ListMoELM())
+    names = ("w1.weight", "w3.weight", "w2.weight")
+    assert found == {f"layers.{i}.moe.experts": ExpertList(f"layers.{i}.moe", "experts", 4, names) for i in range(2)}
+    assert found["layers.1.moe.experts"].parameter_names(range(2, 3)) == [f"layers.1.moe.experts.2.{n}" for n in names]
+    # transformers 4.x's Mixtral block: the router is its gate.
+    assert set(find_expert_lists(ListMoELM(old_mixtral=True))) == {"layers.0.moe.experts", "layers.1.moe.experts"}
+    # A stack of identical layers is no MoE: no router beside it (whatever the list is called).
+    assert find_expert_lists(ViewAttentionLM()) == {}
+    # Children of other shapes, one child, or no parameters: not experts.
+    router = nn.Linear(4, 3)
+    odd = nn.ModuleDict({"router": router, "experts": nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 5)])})
+    one = nn.ModuleDict({"router": nn.Linear(4, 1), "experts": nn.ModuleList([nn.Linear(4, 4)])})
+    bare = nn.ModuleDict({"router": nn.Linear(4, 2), "experts": nn.ModuleList([nn.ReLU(), nn.ReLU()])})
+    assert find_expert_lists(odd) == find_expert_lists(one) == find_expert_lists(bare) == {}
+
+
+def _moe_and_copy(old_mixtral: bool = False):
+    from tests.hf_models import ListMoE, OldMixtralBlock
+
+    torch.manual_seed(0)
+    block = (OldMixtralBlock if old_mixtral else ListMoE)(dim=6, hidden=5, experts=4).double()
+    copy = (OldMixtralBlock if old_mixtral else ListMoE)(dim=6, hidden=5, experts=4).double()
+    copy.load_state_dict(block.state_dict())
+    return block, copy
+
+
+@pytest.mark.parametrize("old_mixtral", [False, True], ids=["hand-written", "transformers-4-mixtral"])
+def test_module_list_experts_two_pass_forward_equals_the_block_values_and_gradients(one_rank_group, old_mixtral):
+    """Record, exchange (over one rank here: the multi-rank runs are in test_transformers.py) and replay give the
+    block's own output and the gradients of its input, router and experts — including experts no token chose."""
+    block, divided = _moe_and_copy(old_mixtral)
+    model = nn.ModuleDict({"moe": divided})
+    (listed,) = find_expert_lists(model).values()
+    kept = divide_expert_list(model, listed, one_rank_group)
+    assert len(kept) == 12 and not any(isinstance(e, RemoteExpert) for e in divided.experts)
+    x = torch.randn(2, 5, 6, dtype=torch.float64)
+    x[:, :, 0] += 3  # skew the routing so that some expert gets no token
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    expected, got = first(block(a)), first(divided(b))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-13)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-12)
+    for (name, p), q in zip(block.named_parameters(), divided.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=1e-12, msg=name)
+    assert block.experts[0].w1.weight.grad is not None  # the router reached some experts ...
+
+
+def test_module_list_experts_replay_refuses_a_forward_that_calls_other_experts(one_rank_group):
+    from tests.hf_models import ListMoE
+
+    class Restless(ListMoE):
+        """Routes by fresh noise that does not come from torch's generator: the two passes disagree."""
+
+        calls = 0
+
+        def forward(self, x):
+            Restless.calls += 1
+            return self.experts[Restless.calls % 2](x[: Restless.calls])
+
+    model = nn.ModuleDict({"moe": Restless(dim=6, hidden=5, experts=2).double()})
+    divide_expert_list(model, next(iter(find_expert_lists(model).values())), one_rank_group)
+    with pytest.raises(RuntimeError, match=r"expert 0 was called with input \[2, 6\] where the first pass recorded no call"):
+        model["moe"](torch.randn(4, 6, dtype=torch.float64))
+
+
+def test_module_list_experts_called_otherwise_are_refused(one_rank_group):
+    from tests.hf_models import ListMoE
+
+    class TwoArguments(ListMoE):
+        def forward(self, x):
+            return self.experts[0](x, x)
+
+    model = nn.ModuleDict({"moe": TwoArguments(dim=6, hidden=5, experts=2).double()})
+    divide_expert_list(model, next(iter(find_expert_lists(model).values())), one_rank_group)
+    with pytest.raises(TypeError, match=r"must call an expert with one tensor of tokens \(experts\[0\]\(x\)\)"):
+        model["moe"](torch.randn(4, 6, dtype=torch.float64))
+
+    class Pairs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(6, 6)
+
+        def forward(self, x):
+            return self.up(x), x
+
+    class TupleExperts(ListMoE):
+        def __init__(self):
+            super().__init__(dim=6, hidden=5, experts=2)
+            self.experts = nn.ModuleList([Pairs(), Pairs()])
+
+        def forward(self, x):
+            return self.experts[1](x)[0]
+
+    model = nn.ModuleDict({"moe": TupleExperts().double()})
+    divide_expert_list(model, next(iter(find_expert_lists(model).values())), one_rank_group)
+    with pytest.raises(TypeError, match=r"exchanges each expert's output as one tensor, but Pairs returned tuple"):
+        model["moe"](torch.randn(4, 6, dtype=torch.float64))
+
+
+def test_remote_experts_hold_nothing_and_refuse_direct_calls():
+    remote = RemoteExpert(3, 1)
+    assert list(remote.parameters()) == [] and remote.state_dict() == {}
+    with pytest.raises(RuntimeError, match="Expert 3 is held by expert-parallel rank 1: it can only be called from its MoE block"):
+        remote(torch.zeros(2, 4))
 
 
 # --- dispatch and combine -----------------------------------------------------------------------------------

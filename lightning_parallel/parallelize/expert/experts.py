@@ -81,17 +81,6 @@ def find_routed_experts(module: nn.Module) -> dict[str, RoutedExperts | str]:
     return found
 
 
-def expert_module_lists(module: nn.Module) -> list[str]:
-    """FQNs of ``nn.ModuleList``s of experts under ``module`` (named ``*expert*``, two or more modules of one type
-    with parameters): MoE blocks of older checkpoints and hand-written MoEs, whose loop over the experts lives in
-    the block's own forward, where expert parallelism cannot send the tokens to other ranks."""
-    return [
-        name for name, sub in module.named_modules()
-        if isinstance(sub, nn.ModuleList) and "expert" in name.rpartition(".")[2].lower() and len(sub) > 1
-        and len({type(child) for child in sub}) == 1 and any(True for _ in sub[0].parameters())
-    ]
-
-
 def check_divisible(fqn: str, experts: RoutedExperts, expert_parallel_size: int) -> None:
     """Raise ``ValueError`` (naming the fix) where ``experts`` cannot be divided ``expert_parallel_size`` ways."""
     if experts.num_experts % expert_parallel_size:

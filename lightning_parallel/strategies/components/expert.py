@@ -22,11 +22,11 @@ from lightning_parallel.layout import ParallelLayout, expert_meshes, replica_mes
 from lightning_parallel.parallelize.expert.experts import (
     RoutedExperts,
     check_divisible,
-    expert_module_lists,
     find_routed_experts,
     shard_experts,
 )
 from lightning_parallel.parallelize.expert.gradients import reduce_expert_gradients
+from lightning_parallel.parallelize.expert.module_list import ExpertList, divide_expert_list, find_expert_lists
 from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.strategies.components.base import Component
 
@@ -47,6 +47,8 @@ class ExpertParallelComponent(Component):
         self._parameters: list[nn.Parameter] = []
         self._replicas: dist.ProcessGroup | None = None
         self._experts: dict[str, RoutedExperts] = {}
+        #: MoE blocks whose experts are an nn.ModuleList (list FQN -> what is divided), once applied.
+        self.expert_lists: dict[str, ExpertList] = {}
 
     @property
     def enabled(self) -> bool:
@@ -84,25 +86,19 @@ class ExpertParallelComponent(Component):
             )
 
     def apply(self, trainer: Trainer, fitting: bool) -> None:
-        if not self.enabled or self._experts:
+        if not self.enabled or self._experts or self.expert_lists:
             return
         engine = self.engine
         module = engine.lightning_module
         ep = engine.layout.expert_parallel_size
         found = find_routed_experts(module)
-        if not found:
-            lists = expert_module_lists(module)
-            listed = (
-                f" Its experts {', '.join(lists[:3])}{' ...' if len(lists) > 3 else ''} are an nn.ModuleList of modules, "
-                f"called one by one from the block's own forward: expert parallelism cannot send their tokens to other "
-                f"ranks. Keep each MoE block's experts as one module called experts(hidden_states, top_k_index, "
-                f"top_k_weights) with 3-D weights (transformers 5's layout), or split them with tensor_parallel_size "
-                f"(each expert as an MLP)."
-            ) if lists else ""
+        lists = find_expert_lists(module)
+        if not found and not lists:
             raise ValueError(
-                f"expert_parallel_size={ep}, but {type(module).__name__} holds no routed experts (a module with 3-D "
-                f"gate_up_proj or up_proj and down_proj parameters, one entry per expert, as transformers' "
-                f"Mixture-of-Experts models keep them).{listed} Set expert_parallel_size=1."
+                f"expert_parallel_size={ep}, but {type(module).__name__} holds no routed experts: neither a module with "
+                f"3-D gate_up_proj or up_proj and down_proj parameters, one entry per expert (transformers 5's layout), "
+                f"nor an nn.ModuleList of two or more identical experts beside a router (a parameter of the block with "
+                f"one dim per expert). Set expert_parallel_size=1."
             )
         refused = {fqn: reason for fqn, reason in found.items() if isinstance(reason, str)}
         if refused:
@@ -111,11 +107,46 @@ class ExpertParallelComponent(Component):
         experts: dict[str, RoutedExperts] = found  # type: ignore[assignment]
         for fqn, routed in experts.items():
             check_divisible(fqn, routed, ep)
-        self._experts = experts
+        if lists:
+            self._check_lists(trainer, lists)
+        self._experts, self.expert_lists = experts, lists
         if engine.pipeline_parallel.enabled:
             return  # the pipeline is cut on the first batch: each rank divides its stages' experts then
         modules = dict(module.named_modules())
         self._divide({fqn: modules[fqn] for fqn in experts}, broadcast=True)
+
+    def _check_lists(self, trainer: Trainer, lists: dict[str, ExpertList]) -> None:
+        """Refuse what nn.ModuleList experts do not combine with yet (their block runs twice, see
+        :mod:`~lightning_parallel.parallelize.expert.module_list`)."""
+        engine, ep = self.engine, self.engine.layout.expert_parallel_size
+        for fqn, listed in lists.items():
+            if listed.num_experts % ep:
+                raise ValueError(
+                    f"{fqn}: its {listed.num_experts} experts are not divisible by expert_parallel_size={ep}. "
+                    f"Choose an expert_parallel_size that divides {listed.num_experts}."
+                )
+        layout = engine.layout
+        refused = [
+            f"{name}={size}" for name, size in (
+                ("pipeline_parallel_size", layout.pipeline_parallel_size), ("tensor_parallel_size", layout.tensor_parallel_size),
+                ("context_parallel_size", layout.context_parallel_size),
+            ) if size > 1
+        ]
+        if getattr(trainer, "gradient_clip_val", None):
+            refused.append(f"gradient_clip_val={trainer.gradient_clip_val}")
+        first = next(iter(lists))
+        if refused:
+            raise ValueError(
+                f"{first}: experts kept as an nn.ModuleList are divided by expert parallelism with data parallelism "
+                f"only; {', '.join(refused)} is not supported with them yet. Set it to its default, keep the experts as "
+                f"one module with 3-D weights (transformers 5's layout), or set expert_parallel_size=1."
+            )
+        if any(has_meta_tensors(engine.lightning_module.get_submodule(fqn)) for fqn in lists):
+            raise ValueError(
+                f"{first}: experts kept as an nn.ModuleList cannot be divided while on the meta device yet (each rank "
+                f"would initialise its experts on its own). Build the model without trainer.init_module(empty_init=True), "
+                f"or set expert_parallel_size=1."
+            )
 
     def parameter_names_under(self, root: str) -> tuple[str, ...]:
         """The routed experts' parameter names relative to the submodule ``root`` (``""``: the LightningModule)
@@ -155,22 +186,39 @@ class ExpertParallelComponent(Component):
         ep = engine.layout.expert_parallel_size
         ep_mesh, replicas = expert_meshes(engine.device_mesh, ep)
         self._replicas = _gradient_peers(engine, replicas)
-        names = []
+        names, buffers = [], []
         for fqn, sub in modules.items():
             routed = self._experts[fqn]
             if broadcast:
                 self._same_experts_everywhere(sub, routed)
             self._parameters += shard_experts(fqn, sub, routed, ep_mesh)
             names += [f"{fqn}.{name}" for name in routed.parameters]
+        for fqn, listed in self.expert_lists.items():
+            self._parameters += self._divide_list(listed, ep_mesh.get_group())
+            rank, local = ep_mesh.get_local_rank(), listed.num_experts // ep
+            kept = range(rank * local, (rank + 1) * local)
+            names += listed.parameter_names(kept)
+            experts = engine.lightning_module.get_submodule(listed.fqn)
+            buffers += [f"{listed.fqn}.{i}.{name}" for i in kept for name, _ in experts[i].named_buffers()]
         self.parameter_names = tuple(names)
-        # DDP (and Lightning's weight sync outside fitting) leaves them alone: this component reduces their gradients.
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(engine.lightning_module, list(names))
-        held = sum(p.to_local().numel() for p in self._parameters)
-        first = next(iter(self._experts.values()))
+        # DDP (and Lightning's weight sync outside fitting) leaves them alone: this component reduces their gradients
+        # (and each rank holds the buffers of its own experts only).
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(engine.lightning_module, list(names) + buffers)
+        held = sum(getattr(p, "_local_tensor", p).numel() for p in self._parameters)
+        counts = sorted({e.num_experts for e in (*self._experts.values(), *self.expert_lists.values())})
         rank_zero_info(
-            f"Expert parallelism: {len(modules)} MoE layer(s) here of {len(self._experts)}, {first.num_experts} experts "
-            f"each, divided over ep={ep} ranks ({held} expert parameters on this rank)."
+            f"Expert parallelism: {len(modules) + len(self.expert_lists)} MoE layer(s) here of "
+            f"{len(self._experts) + len(self.expert_lists)}, {'/'.join(map(str, counts))} experts each, divided over "
+            f"ep={ep} ranks ({held} expert parameters on this rank)."
         )
+
+    def _divide_list(self, listed: ExpertList, group: dist.ProcessGroup) -> list[nn.Parameter]:
+        """Start every rank from data-parallel rank 0's experts, then keep this rank's (see :mod:`module_list`)."""
+        experts = self.engine.lightning_module.get_submodule(listed.fqn)
+        with torch.no_grad():
+            for tensor in (*experts.parameters(), *experts.buffers()):
+                dist.broadcast(tensor.data, group=self.engine.data_parallel_group, group_src=0)
+        return divide_expert_list(self.engine.lightning_module, listed, group)
 
     def _same_experts_everywhere(self, module: nn.Module, routed: RoutedExperts) -> None:
         """Every rank keeps its slice of the experts it built: start them all from data-parallel rank 0's."""
