@@ -1,8 +1,8 @@
 """The automatic tensor-parallel plan on families whose layout the plain Llama-style matcher missed (float64, tp2).
 
 One launch of 2 ranks: BERT (attention and MLP split across sibling modules), Falcon (multi-query fused
-``query_key_value``: the attention stays whole, the MLP of ``FalconLinear`` layers is split; the output of a
-row-wise layer is added to in place), Falcon's new decoder architecture (``query_key_value`` grouped per k/v
+``query_key_value``: its query heads split, its one key/value head gathered whole after the projection; the MLP of
+``FalconLinear`` layers is split; the output of a row-wise layer is added to in place), Falcon's new decoder architecture (``query_key_value`` grouped per k/v
 head), BLOOM (ALiBi slopes per head, cut to each rank's heads), LitGPT (fused GQA ``qkv`` whose head
 counts live on its ``Config`` dataclass) and a hand-written attention whose keys and values read a SegFormer-style
 sequence reduction (:class:`tests.hf_models.ReducedKVAttention`); Falcon also with sequence parallelism. Each trains as on one device, and each rank holds at most the
@@ -23,10 +23,10 @@ STEPS = 3
 #: job name -> (model, the largest share of the parameters one rank may hold[, strategy options]).
 FAMILIES = {
     "bert": ("hf_bert", 0.6),
-    # Its one k/v head cannot be divided: the attention (a quarter of each block) stays whole.
-    "falcon": ("hf_falcon", 0.66),
-    # ... and with sequence parallelism it gathers the sequence on entry (fed its rank's half, it crashed in rotary).
-    "falcon_sequence_parallel": ("hf_falcon", 0.66, {"sequence_parallel": True}),
+    # Its one k/v head cannot be divided by heads: the queries split, the k/v head's features split and gathered.
+    "falcon": ("hf_falcon", 0.6),
+    # ... and with sequence parallelism (the split attention gathers the sequence like every other).
+    "falcon_sequence_parallel": ("hf_falcon", 0.6, {"sequence_parallel": True}),
     "falcon_grouped": ("hf_falcon_grouped", 0.6),
     "bloom": ("hf_bloom:eager", 0.6),  # BLOOM has no SDPA path in transformers
     "litgpt": ("litgpt", 0.6),

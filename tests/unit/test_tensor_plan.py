@@ -160,29 +160,40 @@ def test_splitting_one_side_of_tied_weights_is_refused():
 
 
 def test_query_key_value_is_split_by_whole_key_value_groups():
-    # As many k/v heads as query heads (per-head interleaved), two groups, one k/v head (multi-query: q | k | v).
-    for attention, heads in ((GroupedAttention(4), (4, 4)), (GroupedAttention(4, 2), (4, 2)), (GroupedAttention(4, 1), (4, 1))):
+    # As many k/v heads as query heads (per-head interleaved), two groups: a plain column split gives whole groups.
+    for attention, heads in ((GroupedAttention(4), (4, 4)), (GroupedAttention(4, 2), (4, 2))):
         plan = infer_plan(attention)
         assert plan == {"query_key_value": "colwise", "dense": "rowwise"}
         assert resolve_plan(attention, plan).heads == {"query_key_value": heads}
     check_plan(GroupedAttention(4, 2), resolve_plan(GroupedAttention(4, 2), infer_plan(GroupedAttention(4, 2))), 2)
+    # One k/v head (multi-query): blocks q | k | v, split as a fused q|k|v whose one k/v head is gathered whole.
     mqa = GroupedAttention(4, 1)
-    with pytest.raises(ValueError, match=r"query_key_value: its 1 key/value heads \(multi-query attention"):
-        check_plan(mqa, resolve_plan(mqa, infer_plan(mqa)), 2)
+    assert infer_plan(mqa) == {"query_key_value": "fused_qkv", "dense": "rowwise"}
+    resolved = resolve_plan(mqa, infer_plan(mqa))
+    assert resolved.multi_query == {"query_key_value"} and resolved.fused == {"query_key_value": (16, 4, 4)}
+    # The query heads shrink per rank, the one k/v head does not.
+    assert resolved.head_attributes == {"": ("num_heads",)}
+    check_plan(mqa, resolved, 2)
 
 
-def test_a_single_key_value_head_in_fused_blocks_is_not_cut_in_half():
+def test_a_single_key_value_head_in_fused_blocks_is_gathered_not_cut_into_heads():
     class MultiQuery(FusedAttention):
-        def __init__(self) -> None:
+        def __init__(self, head_dim: int = 4) -> None:
             super().__init__()
-            self.n_head, self.n_kv_heads = 2, 1
-            self.c_attn = nn.Linear(8, 16)  # q | k | v = 8 | 4 | 4: the k block divides by 2, its one head does not
+            self.n_head, self.n_kv_heads, self.embed_dim, self.num_key_value_groups = 2, 1, 2 * head_dim, 2
+            self.c_attn = nn.Linear(8, 4 * head_dim)  # q | k | v = 2·d | d | d
 
     model = MultiQuery()
-    resolved = resolve_plan(model, {"c_attn": "fused_qkv", "c_proj": "rowwise"}, head_attributes=("n_head",))
-    assert resolved.heads == {"c_attn": (2, 1)}
-    with pytest.raises(ValueError, match=r"c_attn: its 1 key/value heads .* cannot be divided among tensor_parallel_size=2"):
-        check_plan(model, resolved, 2)
+    resolved = resolve_plan(model, {"c_attn": "fused_qkv", "c_proj": "rowwise"}, head_attributes=("n_head", "n_kv_heads"))
+    assert resolved.heads == {"c_attn": (2, 1)} and resolved.multi_query == {"c_attn"}
+    # n_kv_heads stays 1; the query width the module splits by and the queries per k/v head shrink with the queries.
+    assert resolved.head_attributes[""] == ("n_head", "embed_dim", "num_key_value_groups")
+    assert "c_attn → fused_qkv blocks 8|4|4 (one k/v head, gathered)" in resolved.describe()
+    check_plan(model, resolved, 2)
+    # The k/v head's features are split before the gather: a head width the degree does not divide is refused.
+    odd = MultiQuery(head_dim=3)
+    with pytest.raises(ValueError, match=r"c_attn\.k block=3 is not divisible by tensor_parallel_size=2"):
+        check_plan(odd, resolve_plan(odd, {"c_attn": "fused_qkv", "c_proj": "rowwise"}, head_attributes=("n_head",)), 2)
 
 
 class SelfAttention(nn.Module):  # BERT's attention.self: q/k/v only
@@ -237,10 +248,11 @@ def test_auto_plan_that_splits_nothing_is_refused_with_the_reason():
     config = TensorParallelConfig()
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 with plan='auto' splits nothing in MultiheadAttention(.|\n)*keeps q/k/v fused"):
         config.resolve(nn.MultiheadAttention(8, 2), warn=lambda _: None, tp_size=2)
-    # Every attention of a multi-query model stays whole at tp=2 and there is no MLP: named, refused.
+    # Every attention of a multi-query model whose head width tp=2 does not divide stays whole and there is no MLP:
+    # named, refused.
     with pytest.raises(ValueError, match=r"splits nothing in GroupedAttention(.|\n)*What stays whole, and why:\n  query_key_value"):
-        config.resolve(GroupedAttention(4, 1), warn=lambda _: None, tp_size=2)
-    assert config.resolve(GroupedAttention(4, 1), warn=lambda _: None, tp_size=1).styles  # no TP: nothing to refuse
+        config.resolve(GroupedAttention(4, 1, head_dim=3), warn=lambda _: None, tp_size=2)
+    assert config.resolve(GroupedAttention(4, 1, head_dim=3), warn=lambda _: None, tp_size=1).styles  # no TP: nothing to refuse
 
 
 class SameMap(nn.Linear):  # FalconLinear: the same map, written out

@@ -97,21 +97,20 @@ def test_bert_attention_and_mlp_split_across_sibling_modules():
     check_plan(model, resolved, 2)
 
 
-def test_falcon_multi_query_attention_stays_whole_and_its_mlp_is_split():
+def test_falcon_multi_query_attention_splits_its_queries_and_gathers_its_key_value_head():
     model, resolved = other_plan("falcon")
     block = "net.transformer.h.0"
     # FalconLinear (an nn.Linear subclass computing x @ W.T + b) is a projection.
     assert resolved.styles[f"{block}.mlp.dense_h_to_4h"] == "colwise"
     assert resolved.styles[f"{block}.mlp.dense_4h_to_h"] == "rowwise"
-    assert f"{block}.self_attention.query_key_value" not in resolved.styles
-    assert "1 key/value heads (multi-query attention" in resolved.kept_whole[f"{block}.self_attention"]
-    assert f"{block}.self_attention stays whole: " in resolved.describe()
+    # One k/v head: q | k | v blocks, the queries split by heads, the k/v head gathered after the projection.
+    assert resolved.styles[f"{block}.self_attention.query_key_value"] == "fused_qkv"
+    assert resolved.styles[f"{block}.self_attention.dense"] == "rowwise"
+    assert f"{block}.self_attention.query_key_value" in resolved.multi_query
+    attributes = set(resolved.head_attributes[f"{block}.self_attention"])
+    assert {"num_heads", "num_key_value_groups"} <= attributes and "num_kv_heads" not in attributes
+    assert not resolved.kept_whole
     check_plan(model, resolved, 2)
-    # The TP-agnostic plan splits it, and checking it at tp=2 says why that cannot be.
-    agnostic = TensorParallelConfig().resolve(model, warn=lambda _: None)
-    assert agnostic.heads[f"{block}.self_attention.query_key_value"] == (4, 1)
-    with pytest.raises(ValueError, match=r"query_key_value: its 1 key/value heads"):
-        check_plan(model, agnostic, 2)
 
 
 def test_falcon_grouped_and_bloom_query_key_value_are_split_by_whole_groups():
@@ -124,9 +123,9 @@ def test_falcon_grouped_and_bloom_query_key_value_are_split_by_whole_groups():
     # 2 groups cannot go to 4 ranks, but would go to 2: the degree is refused, not the attention left whole.
     with pytest.raises(ValueError, match=r"query_key_value: its 2 key/value heads cannot be divided among tensor_parallel_size=4"):
         other_plan("falcon_grouped", tp_size=4)
-    # One k/v head goes to no degree: at tp=4 too the attention stays whole and the MLP is split.
+    # One k/v head (multi-query) at tp=4: one query head per rank, the 8-wide k/v head gathered from parts of 2.
     _, falcon = other_plan("falcon", tp_size=4)
-    assert attention in falcon.kept_whole and falcon.styles["net.transformer.h.0.mlp.dense_h_to_4h"] == "colwise"
+    assert not falcon.kept_whole and f"{attention}.query_key_value" in falcon.multi_query
     model, resolved = other_plan("bloom", attention="eager")
     assert resolved.styles[f"{attention}.query_key_value"] == "colwise"
     assert resolved.heads[f"{attention}.query_key_value"] == (4, 4)

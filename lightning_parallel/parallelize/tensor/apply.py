@@ -27,6 +27,7 @@ from lightning_parallel.parallelize.tensor.experts import check_experts, split_e
 from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
 from lightning_parallel.parallelize.tensor.latent import LatentRegion, latent_projections
+from lightning_parallel.parallelize.tensor.multi_query import gather_key_values, is_multi_query, multi_query_attributes
 from lightning_parallel.parallelize.tensor.per_head import find_per_head_parameters, shard_per_head_parameters
 from lightning_parallel.parallelize.tensor.probe import check_mlp_splits
 from lightning_parallel.parallelize.tensor.inference import (
@@ -51,6 +52,7 @@ from lightning_parallel.parallelize.tensor.sequence import (
     split_trunk_sequence,
 )
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
+from lightning_parallel.parallelize.tensor.state_space import check_state_space, split_state_space
 from lightning_parallel.parallelize.tensor.tied import check_tied_parameters, tie_again, tied_groups
 from lightning_parallel.parallelize.tensor.vocabulary import gather_reads_elsewhere, reduce_lookups_in
 from lightning_parallel.parallelize.tensor.plan import (
@@ -148,6 +150,13 @@ class TensorParallelConfig:
 
         units = infer_units(module, noted, sources, exclude)
         kept_whole: dict[str, str] = {}
+        if self.sequence_parallel:
+            # A split mixer's scan runs along the whole sequence on its rank's channels: under sequence parallelism the
+            # mixers stay whole (the block gathers the sequence for what it keeps whole).
+            for unit in units:
+                kept_whole.update({fqn: "a state-space mixer stays whole under sequence parallelism (its scan needs the "
+                                   "whole sequence)" for fqn, style in unit.items() if style == "state_space"})
+            units = [unit for unit in units if "state_space" not in unit.values()]
         whole_plan = {fqn: style for unit in units for fqn, style in unit.items()}
         if tp_size is not None and tp_size > 1 and _split_error(module, whole_plan, self.head_attributes, tp_size):
             # Some group does not divide: find which, one group at a time (most models skip this).
@@ -235,11 +244,14 @@ def resolve_plan(
     modules = dict(module.named_modules())
     fused: dict[str, tuple[int, ...]] = {}
     heads: dict[str, tuple[int, int]] = {}
+    multi_query: set[str] = set()  # fused q|k|v with one k/v head: queries split, k/v gathered (multi_query.py)
     for fqn, style in styles.items():
         parent, _, child = fqn.rpartition(".")
         if style == "fused_qkv":
             fused[fqn] = qkv_blocks(fqn, modules[fqn], modules.get(parent))
             heads[fqn] = qkv_heads(fqn, modules[fqn], modules.get(parent))
+            if is_multi_query(heads[fqn]):
+                multi_query.add(fqn)
         elif style == "colwise" and is_grouped_qkv(child) and is_projection(modules[fqn]):
             # Laid out per key/value group: a column split must give each rank whole groups.
             grouped = grouped_qkv_heads(modules.get(parent), modules[fqn])
@@ -251,6 +263,10 @@ def resolve_plan(
         elif style == "fused_blocks":
             fused[fqn] = _equal_blocks(fqn, modules, styles)
     head_attrs = _attention_heads(modules, styles, head_attributes)
+    for fqn in multi_query:
+        parent = fqn.rpartition(".")[0]
+        if parent in head_attrs:
+            head_attrs[parent] = multi_query_attributes(modules[parent], head_attrs[parent], fused[fqn][0], heads[fqn][0])
     per_head = {}
     for fqn in head_attrs:
         split_children = [f for f, s in styles.items() if f.rpartition(".")[0] == fqn and s in ("colwise", "fused_qkv")]
@@ -267,6 +283,7 @@ def resolve_plan(
         sources={fqn: (sources or {}).get(fqn, "plan") for fqn in styles},
         conv1d=frozenset(fqn for fqn in styles if is_conv1d(modules[fqn])),
         heads=heads,
+        multi_query=frozenset(multi_query),
     )
 
 
@@ -295,6 +312,8 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
             _require_divisible(fqn, dim_name, size, tp_size)
         elif style == "experts":
             check_experts(fqn, sub, tp_size)
+        elif style == "state_space":
+            check_state_space(fqn, sub, tp_size)
         elif style == "channelwise":
             check_channelwise(fqn, sub, tp_size)
             _require_region_around(fqn, modules, resolved)
@@ -317,7 +336,7 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
             _require_divisible(fqn, f"{name} block", size, tp_size)
     for fqn, (heads, kv_heads) in resolved.heads.items():
         for what, count in (("query heads", heads), ("key/value heads", kv_heads)):
-            if count % tp_size:
+            if count % tp_size and not (fqn in resolved.multi_query and what.startswith("key")):
                 mqa = " (multi-query attention: one k/v head for all queries)" if kv_heads == 1 and what.startswith("key") else ""
                 raise ValueError(
                     f"{fqn}: its {count} {what}{mqa} cannot be divided among tensor_parallel_size={tp_size} ranks: each "
@@ -355,6 +374,13 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
             f"replicated beside its split heads, which runs on the whole sequence only. Set sequence_parallel=False "
             f"for this model, or leave {region} replicated in the plan."
         )
+    mixers = [fqn for fqn, style in resolved.styles.items() if style == "state_space"]
+    if sequence_parallel and mixers:
+        raise ValueError(
+            f"sequence_parallel=True: {mixers[0]} is a state-space mixer split over its channels ('state_space'), whose "
+            f"scan runs along the whole sequence on each rank's channels. Set sequence_parallel=False, or leave the "
+            f"mixers replicated in the plan (plan='auto' with sequence_parallel=True does)."
+        )
     if sequence_parallel:
         torch_plan, regions = sequence_parallel_plan(module, resolved, tp_size)
         arrives_as = Shard(1)
@@ -362,7 +388,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         torch_plan = {
             fqn: parallel_style(style, conv1d=fqn in resolved.conv1d)
             for fqn, style in resolved.styles.items()
-            if style not in ("replicate", "experts", "channelwise")
+            if style not in ("replicate", "experts", "channelwise", "state_space")
         }
         # Where several column-wise projections read one input (q/k/v, gated MLPs), they get one shared
         # replicated DTensor: their input gradients add up as one partial sum, one all-reduce.
@@ -374,6 +400,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     split = {fqn for fqn, style in resolved.styles.items() if style != "replicate"}
     tied = [holders for holders in tied_groups(module) if {fqn for fqn, _ in holders} <= split]
     parallelize_module(module, tp_mesh, torch_plan)
+    gather_key_values(modules, resolved.fused, resolved.multi_query, tp_mesh)
     tie_again(module, tied)
     split_channels(modules, resolved.styles, tp_mesh)
     for fqn, style in resolved.styles.items():
@@ -386,6 +413,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
             experts_layouts = split_experts(fqn, modules[fqn], check_experts(fqn, modules[fqn], tp_size), tp_mesh)
             if experts_layouts:
                 layouts[fqn] = experts_layouts
+        elif style == "state_space":
+            layouts.update(split_state_space(fqn, modules[fqn], check_state_space(fqn, modules[fqn], tp_size), tp_mesh))
     if sequence_parallel:
         split_trunk_sequence(module, resolved, tp_mesh)
     for fqn, parameter_layouts in layouts.items():

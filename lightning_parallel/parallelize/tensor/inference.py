@@ -40,6 +40,7 @@ from lightning_parallel.parallelize.tensor.projections import (
 )
 from lightning_parallel.parallelize.tensor.published_plan import published_plan
 from lightning_parallel.parallelize.tensor.split_region import interleaved_groups
+from lightning_parallel.parallelize.tensor.state_space import find_state_space
 from lightning_parallel.parallelize.tensor.tied import tied_groups
 
 # Attention projections by conventional names: (query, key, value, output).
@@ -127,8 +128,21 @@ def infer_units(
         else:
             units.append({name: "experts"})
             taken.add(name)
+    mixers: set[str] = set()
+    for name, layout in find_state_space(module).items():
+        if _within(name, taken):
+            continue
+        # Its projections belong to the mixer, split or whole (none is an MLP, an attention or an output head).
+        mixers.add(name)
+        taken.add(name)
+        if isinstance(layout, str):
+            warn(f"{name}: state-space mixer left replicated: {layout}.")
+        else:
+            units.append({name: "state_space"})
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
+        if _within(name, mixers):
+            continue
         if isinstance(sub, nn.MultiheadAttention):
             warn(f"{name or type(sub).__name__}: nn.MultiheadAttention keeps q/k/v fused inside; left replicated.")
             continue
@@ -138,13 +152,15 @@ def infer_units(
             units.append(unit)
             taken.update(unit)
     for name, sub in module.named_modules():
+        if _within(name, mixers):
+            continue
         for unit in _match_siblings(sub, f"{name}." if name else "", taken):
             units.append(unit)
             taken.update(unit)
     for name, sub in module.named_modules():
         prefix = f"{name}." if name else ""
         projections = {child: m for child, m in sub.named_children() if is_projection(m)}
-        if not any(f"{prefix}{child}" in taken for child in projections):
+        if not _within(name, mixers) and not any(f"{prefix}{child}" in taken for child in projections):
             unit = {f"{prefix}{child}": style for child, style in _weighted_heads(sub, projections).items()}
             if unit:
                 units.append(unit)
@@ -165,6 +181,11 @@ def infer_units(
         for fqn in unit:
             sources.setdefault(fqn, "inferred")
     return units
+
+
+def _within(fqn: str, names: Collection[str]) -> bool:
+    """``fqn`` is one of ``names`` or below one."""
+    return any(fqn == name or fqn.startswith(f"{name}.") for name in names)
 
 
 def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection[str]) -> list[Unit]:
@@ -252,7 +273,12 @@ def _match_block(
         fused = qkv or grouped
         out = next((lowered[n] for n in _ATTENTION_OUTPUT_NAMES if n in lowered and lowered[n] != fused), None)
         if grouped is not None and out is not None:
-            if published.get(f"{prefix}{grouped}") == "colwise" or grouped_qkv_heads(sub, projections[grouped]):
+            heads = grouped_qkv_heads(sub, projections[grouped])
+            if heads is not None and heads[1] == 1 < heads[0]:
+                # One k/v group is blocks q | k | v (Falcon's multi-query attention): split as a fused q|k|v, whose
+                # one k/v head is gathered after the projection (tensor.multi_query).
+                return {grouped: "fused_qkv", out: "rowwise"}
+            if published.get(f"{prefix}{grouped}") == "colwise" or heads:
                 return {grouped: "colwise", out: "rowwise"}
         if qkv is not None and out is not None and interleaved_groups(sub) is not None:
             # Rows in mp_num groups, each q_g | v_g | k_g for its heads (CodeGen): contiguous rows are whole

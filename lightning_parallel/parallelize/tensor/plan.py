@@ -36,6 +36,8 @@ STYLES: dict[str, str] = {
     "F.cross_entropy, computed without gathering them (torch loss_parallel); evaluation gets whole logits",
     "experts": "a MoE block's grouped experts (3-D gate_up_proj/down_proj): every expert's hidden units split, "
     "gate|up column-wise in blocks, down row-wise, output all-reduced (routing stays replicated)",
+    "state_space": "a Mamba-1/Mamba-2 mixer (set on the mixer): its inner channels / heads split, in_proj by blocks, "
+    "the convolution channelwise, per-channel parameters on dim 0, x_proj and out_proj row-wise (tensor.state_space)",
     "replicate": "kept whole on every rank (explicit no-op)",
 }
 #: Other names for styles; a resolved plan holds only the names they stand for.
@@ -61,6 +63,8 @@ class ResolvedPlan:
         latent: Split attention module name -> its latent down projections left replicated (multi-head latent
             attention's ``q_a_proj``, ``kv_a_proj_with_mqa``): the region computes partial-sum gradients
             (:mod:`~lightning_parallel.parallelize.tensor.latent`).
+        multi_query: Fused q|k|v projections with one key/value head: queries split by heads, the k/v head's
+            features split and gathered whole after the projection (:mod:`~lightning_parallel.parallelize.tensor.multi_query`).
     """
 
     styles: dict[str, str]
@@ -72,6 +76,7 @@ class ResolvedPlan:
     kept_whole: dict[str, str] = field(default_factory=dict)
     per_head: dict[str, tuple[str, ...]] = field(default_factory=dict)
     latent: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    multi_query: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise  (inferred)``, then what stays whole and why."""
@@ -80,6 +85,7 @@ class ResolvedPlan:
             if style == "replicate":
                 continue
             blocks = f" blocks {'|'.join(map(str, self.fused[fqn]))}" if fqn in self.fused else ""
+            blocks += " (one k/v head, gathered)" if fqn in self.multi_query else ""
             source = f"  ({self.sources[fqn]})" if fqn in self.sources else ""
             lines.append(f"{fqn} → {style}{blocks}{source}")
         lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
@@ -93,8 +99,8 @@ class ResolvedPlan:
 
 
 def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1d: bool = False) -> ParallelStyle | None:
-    """The torch ``ParallelStyle`` that splits one module by ``style``; ``None`` for ``"replicate"``, ``"experts"``
-    and ``"channelwise"``.
+    """The torch ``ParallelStyle`` that splits one module by ``style``; ``None`` for ``"replicate"``, ``"experts"``,
+    ``"channelwise"`` and ``"state_space"``.
 
     Args:
         style: A name from :data:`STYLES` (aliases accepted).
@@ -126,9 +132,9 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1
     if style == "loss_parallel":
         # The logits stay a vocabulary-sharded DTensor, which torch's loss_parallel needs for cross-entropy.
         return ColwiseParallel(use_local_output=False)
-    if style in ("replicate", "experts", "channelwise"):
+    if style in ("replicate", "experts", "channelwise", "state_space"):
         # experts are split by parallelize.tensor.experts, depthwise convolutions by parallelize.tensor.channels,
-        # not by a torch ParallelStyle
+        # state-space mixers by parallelize.tensor.state_space, not by a torch ParallelStyle
         return None
     raise ValueError(f"Style {style!r} is unknown. Choose one of: {', '.join(STYLES)}.")
 
