@@ -73,3 +73,56 @@ def test_auto_plan_splits_a_transformers_mixtrals_experts():
     plan = infer_plan(transformers.MixtralForCausalLM(config))
     assert plan["model.layers.0.mlp.experts"] == "experts"
     assert plan["model.layers.0.self_attn.q_proj"] == "colwise"
+
+
+class ExpertLinears(nn.Module):
+    """A batch of per-expert linear maps (JetMoE's ``ParallelExperts``): tokens sorted by expert, and their counts."""
+
+    def __init__(self, experts: int, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.weight = nn.Parameter(torch.randn(experts, d_out, d_in) * 0.3)
+
+    def forward(self, inputs, counts):
+        return torch.cat([nn.functional.linear(x, self.weight[i]) for i, x in enumerate(inputs.split(counts))])
+
+
+class PairMoE(nn.Module):
+    """Top-1 routing over two expert projections, gated (``gate | up``); ``combine`` mixes the hidden units."""
+
+    def __init__(self, experts=4, hidden=8, inner=6, combine=False) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.input_linear, self.output_linear = ExpertLinears(experts, hidden, 2 * inner), ExpertLinears(experts, inner, hidden)
+        self.bias, self.combine = nn.Parameter(torch.zeros(hidden)), combine
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        gates = self.router(flat).softmax(-1)
+        weight, expert = gates.max(-1)
+        order = expert.argsort()
+        counts = torch.bincount(expert, minlength=self.router.out_features).tolist()
+        gate, up = self.input_linear(flat[order], counts).chunk(2, dim=-1)
+        hidden = nn.functional.silu(gate) * up
+        if self.combine:  # a statistic over every hidden unit: a rank's slice cannot compute it
+            hidden = hidden / hidden.norm(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat).index_add(0, order, self.output_linear(hidden, counts) * weight[order, None])
+        return out.view_as(x) + self.bias
+
+
+def test_expert_projection_pairs_are_split_where_the_block_runs_them_as_one_mlp_per_expert():
+    from lightning_parallel.parallelize.tensor.expert_projections import ProjectionPairLayout
+
+    layout = experts_layout(PairMoE())
+    assert layout == ProjectionPairLayout("input_linear", "output_linear", True, 4, 6) and layout.blocks() == (6, 6)
+    assert infer_plan(nn.ModuleDict({"moe": PairMoE()})) == {"moe": "experts"}
+    with pytest.raises(ValueError, match=r"moe: each expert's 6 hidden units are not divisible by tensor_parallel_size=4"):
+        check_experts("moe", PairMoE(), 4)
+    # Its forward combines the hidden units: run whole and split, they differ: left whole with the reason.
+    assert "do not run as one MLP per expert" in experts_layout(PairMoE(combine=True))
+
+    class Attention(PairMoE):  # the pair around an attention (JetMoE's MoA): no forward on its hidden states alone
+        def forward(self, x, keys):
+            return super().forward(x) + keys
+
+    assert "could not be checked" in experts_layout(Attention())

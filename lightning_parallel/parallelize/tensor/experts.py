@@ -34,6 +34,11 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.expert_projections import (
+    ProjectionPairLayout,
+    projection_pair_layout,
+    split_projection_pair,
+)
 from lightning_parallel.parallelize.tensor.partial_gradients import gradient_summed
 from lightning_parallel.parallelize.tensor.per_head import LocalView
 from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters
@@ -91,13 +96,14 @@ class ExpertsLayout:
         return (self.intermediate, self.intermediate) if self.gated and self.concatenated else None
 
 
-def experts_layout(module: nn.Module) -> ExpertsLayout | str | None:
+def experts_layout(module: nn.Module) -> ExpertsLayout | ProjectionPairLayout | str | None:
     """``module``'s grouped-experts layout; a reason (``str``) where it holds experts this cannot split;
-    ``None`` where it holds no grouped experts (3-D ``gate_up_proj``/``up_proj`` and ``down_proj``)."""
+    ``None`` where it holds no grouped experts (3-D ``gate_up_proj``/``up_proj`` and ``down_proj``, or two per-expert
+    projection children: :mod:`~lightning_parallel.parallelize.tensor.expert_projections`)."""
     params = dict(module.named_parameters(recurse=False))
     up = next((name for name in UP_NAMES if name in params), None)
     if up is None or DOWN not in params or params[up].dim() != 3 or params[DOWN].dim() != 3:
-        return None
+        return projection_pair_layout(module)
     up_shape, down_shape = tuple(params[up].shape), tuple(params[DOWN].shape)
     gated = bool(getattr(module, "has_gate", up == "gate_up_proj"))
     factor = 2 if gated else 1
@@ -141,7 +147,7 @@ def find_experts(module: nn.Module) -> dict[str, ExpertsLayout | str]:
     return found
 
 
-def check_experts(fqn: str, module: nn.Module, tp_size: int) -> ExpertsLayout:
+def check_experts(fqn: str, module: nn.Module, tp_size: int) -> ExpertsLayout | ProjectionPairLayout:
     """The layout of ``module`` (style ``experts``), checked to split ``tp_size`` ways.
 
     Raises:
@@ -164,7 +170,7 @@ def check_experts(fqn: str, module: nn.Module, tp_size: int) -> ExpertsLayout:
     return layout
 
 
-def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout, tp_mesh: Any) -> dict[str, fused_layout.FusedLayout]:
+def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout | ProjectionPairLayout, tp_mesh: Any) -> dict[str, fused_layout.FusedLayout]:
     """Shard ``module``'s experts over ``tp_mesh`` and make its forward compute this rank's partial sum.
 
     Returns the fused layouts of the parameters reordered rank-major (to be marked after sharding, so that
@@ -172,6 +178,9 @@ def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout, tp_mesh: A
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    if isinstance(layout, ProjectionPairLayout):
+        split_projection_pair(module, layout, tp_mesh)  # marks its own fused layout on the opening projection
+        return {}
     tp_size = tp_mesh.size()
     layouts: dict[str, fused_layout.FusedLayout] = {}
     for name, dim in layout.split_dims().items():
