@@ -88,7 +88,7 @@ class CheckpointState:
             return gather_pipeline_parts(local, engine.device_mesh["pp"].get_group())
         if engine.parameters_are_dtensors:
             # Sharded parameters are gathered so the file holds ordinary tensors (every rank takes part).
-            return full_model_state(engine.lightning_module)
+            return self._with_other_ranks_experts(full_model_state(engine.lightning_module))
         return ParallelStrategy.lightning_module_state_dict(engine)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -98,16 +98,55 @@ class CheckpointState:
         if self.files.save_format == "sharded":
             # Keyed by parameter names; DTensor shards stay shards (each rank writes its own).
             state = optimizer_state_to_original(module, get_optimizer_state_dict(module, optimizer))
-            if self._staged:
-                # param_groups is one entry that every rank writes: give each the whole model's names.
-                merged = all_pipeline_parts({"state": {}, "param_groups": state["param_groups"]}, engine.device_mesh["pp"].get_group())
-                state = {"state": state["state"], "param_groups": merged["param_groups"]}
+            # param_groups is one entry that every rank writes: give each the whole model's names (pipeline stages
+            # and nn.ModuleList experts divided by expert parallelism hold different parameters on each rank).
+            for group in (engine.device_mesh["pp"].get_group() if self._staged else None, engine.expert_parallel.list_group):
+                if group is not None:
+                    merged = all_pipeline_parts({"state": {}, "param_groups": state["param_groups"]}, group)
+                    state = {"state": state["state"], "param_groups": merged["param_groups"]}
             return state
         if self._staged:
             return gather_pipeline_parts(named_optimizer_state(module, optimizer), engine.device_mesh["pp"].get_group())
         if engine.parameters_are_dtensors:
-            return optimizer_state_to_original(module, full_optimizer_state(module, optimizer))
+            return self._with_other_ranks_experts(optimizer_state_to_original(module, full_optimizer_state(module, optimizer)), optimizer)
         return ParallelStrategy.optimizer_state(engine, optimizer)
+
+    def _with_other_ranks_experts(self, state: dict[str, Any], optimizer: Optimizer | None = None) -> dict[str, Any]:
+        """A whole state (the model's, or ``optimizer``'s keyed by names) with the nn.ModuleList experts that the
+        other expert-parallel ranks hold added by their global names, on the rank that writes it (every rank takes
+        part); unchanged without such experts. The whole states are on rank 0 only (CPU offload): each rank sends
+        its own experts' entries, read from its module and optimizer."""
+        group = self.engine.expert_parallel.list_group
+        if group is None:
+            return state
+        module = self.engine.lightning_module
+        local = self._local_expert_names()
+        if optimizer is None:
+            gathered = gather_pipeline_parts({k: v.detach().cpu() for k, v in module.state_dict().items() if k in local}, group)
+            return {**state, **gathered} if state else state
+        named = {p: name for name, p in module.named_parameters() if name in local}
+        part = {
+            "state": {
+                named[p]: {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in optimizer.state[p].items()}
+                for p in named if p in optimizer.state
+            },
+            "param_groups": [{"params": [named[p] for p in g["params"] if p in named]} for g in optimizer.param_groups],
+        }
+        gathered = gather_pipeline_parts(part, group)
+        if not state:
+            return state
+        groups = [dict(g, params=list(g["params"]) + [n for n in extra["params"] if n not in g["params"]])
+                  for g, extra in zip(state["param_groups"], gathered["param_groups"])]
+        return {"state": {**state["state"], **gathered["state"]}, "param_groups": groups}
+
+    def _local_expert_names(self) -> set[str]:
+        prefixes = tuple(f"{fqn}." for fqn in self.engine.expert_parallel.expert_lists)
+        return {name for name in self.engine.lightning_module.state_dict() if name.startswith(prefixes)}
+
+    def _without_other_ranks_experts(self, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """A whole model state less the nn.ModuleList experts this rank does not hold."""
+        remote = self.engine.expert_parallel.remote_expert_shapes
+        return {k: v for k, v in state.items() if k not in remote} if remote else state
 
     # ------------------------------------------------------------------ in
 
@@ -157,7 +196,7 @@ class CheckpointState:
         if self._staged:
             load_into_stages(module, checkpoint["state_dict"], engine.pipeline_runner.whole_shapes, strict=strict)
         elif engine.parameters_are_dtensors:
-            load_full_model_state(module, checkpoint["state_dict"], strict=strict)
+            load_full_model_state(module, dict(self._without_other_ranks_experts(checkpoint["state_dict"])), strict=strict)
         else:
             ParallelStrategy.load_model_state_dict(engine, checkpoint, strict=strict)
 
@@ -179,7 +218,8 @@ class CheckpointState:
                 check_optimizer_fits(source, stored.key, target, type(optimizer).__name__)
                 load_states({stored.key: target}, source)
                 target = optimizer_state_to_rank_major(module, target)
-                if self._staged:
+                if self._staged or engine.expert_parallel.list_group is not None:
+                    # The stored param_groups name every rank's parameters: keep this rank's.
                     names = {name for name, _ in module.named_parameters()}
                     target = local_named_optimizer_state(target, names)
                 set_optimizer_state_dict(module, optimizer, target)
@@ -203,6 +243,14 @@ class CheckpointState:
         elif not engine.parameters_are_dtensors and not named:
             ParallelStrategy.load_optimizer_state_dict(engine, checkpoint)
             return
+        elif engine.expert_parallel.list_group is not None:
+            if not named:
+                raise RuntimeError(
+                    "This checkpoint's optimizer state is keyed by position, which cannot be matched to nn.ModuleList "
+                    "experts divided by expert parallelism: resume it with expert_parallel_size=1."
+                )
+            names = {name for name, _ in engine.lightning_module.named_parameters()}
+            states = [local_named_optimizer_state(s, names) for s in states]
         module = engine.lightning_module
         for optimizer, state in zip(engine.optimizers, states):
             load_full_optimizer_state(module, unwrap_optimizer(optimizer), optimizer_state_to_rank_major(module, state))
@@ -219,8 +267,9 @@ class CheckpointState:
     def _whole_model_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._staged:
             return dict(self.engine.pipeline_runner.whole_shapes)
-        # A DTensor's shape is the whole tensor's.
-        return {name: tuple(value.shape) for name, value in self.engine.lightning_module.state_dict().items()}
+        # A DTensor's shape is the whole tensor's; nn.ModuleList experts of other ranks are named apart.
+        shapes = {name: tuple(value.shape) for name, value in self.engine.lightning_module.state_dict().items()}
+        return {**shapes, **self.engine.expert_parallel.remote_expert_shapes}
 
     def teardown(self) -> None:
         self.set_up = False

@@ -70,6 +70,9 @@ REF = "llama_reference"
 GPT_MOE = "gpt_moe"
 #: Mixtral trained with its load-balancing loss (``output_router_logits=True``), made the global batch's.
 ROUTER_LOSS = "router_loss_mixtral"
+#: Experts kept as an nn.ModuleList of MLPs in the MoE block's own loop: a hand-written MoE (softmax top-2 over
+#: SwiGLU experts, experts no token chose skipped), and transformers 4.x's Mixtral block written out.
+LIST_MOE = ("list_moe", "old_mixtral")
 #: Mixture-of-experts families (fused 3-D experts; Qwen2-MoE with a gated shared expert).
 MOE = (*MOE_FAMILIES, GPT_MOE)
 #: Which family runs under which layout (8 ranks on 2 cores are slow: two families, one of them fused).
@@ -85,8 +88,8 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp2-shard×tp2+sp": ("gpt2",),
     "cp2": (*FAMILIES, VIEW),
     "cp2×pp2": ("llama", "phi3"),
-    "dp2 ep2": (*MOE, ROUTER_LOSS),
-    "dp2-shard ep2": ("mixtral",),
+    "dp2 ep2": (*MOE, ROUTER_LOSS, *LIST_MOE),
+    "dp2-shard ep2": ("mixtral", "list_moe"),
     "dp4 ep2": ("qwen2_moe",),
     "dp2 ep2×tp2": ("qwen2_moe",),
     "dp2 ep2×pp2": ("mixtral",),
@@ -99,17 +102,17 @@ UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceabl
                # longer takes for an MLP (issue 29's Gemma4 fix): nothing is split, and setup refuses.
                (DEMO, "tp2"): "nothing split"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
-ACCUMULATE = {("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2"),
+ACCUMULATE = {("list_moe", "dp2 ep2"), ("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2"),
               ("mixtral", "dp2-shard ep2"), ("gpt2", "dp2-shard×pp2"), ("phi3", "cp2×pp2"), ("mixtral", "dp2 ep2×pp2"),
               ("gpt2", "dp2-shard×tp2+sp")}
 #: TP jobs that save a checkpoint (in this format), wipe the weights and validate from it (fused layers, Conv1D, GQA).
-ROUND_TRIP = {("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded",
+ROUND_TRIP = {("list_moe", "dp2 ep2"): "full", ("old_mixtral", "dp2 ep2"): "sharded", ("gpt2", "tp2"): "full", ("phi3", "tp2"): "sharded", ("llama", "tp2"): "sharded",
               ("mixtral", "dp2 ep2"): "full", ("qwen2_moe", "dp2 ep2"): "sharded", ("llama", "dp2-shard×pp2"): "full",
               ("gpt2", "dp2-shard×tp2+sp"): "sharded"}
 
 
 def model_name(family: str, layout: str = "") -> str:
-    if family in (DEMO, VIEW, REF, GPT_MOE, ROUTER_LOSS):
+    if family in (DEMO, VIEW, REF, GPT_MOE, ROUTER_LOSS, *LIST_MOE):
         return family
     return f"hf_{family}:eager" if layout.endswith("eager") else f"hf_{family}"
 
@@ -234,6 +237,10 @@ def assert_experts_divided(family: str, result: dict, ranks: int, dense_sharded:
     (``dense_sharded``: dense parameters may be split by FSDP2 or tensor parallelism; ``pipelined``: of its
     pipeline stage only, the first)."""
     whole = reference(family, 1, 1)["grads"][0]
+    if family in LIST_MOE:  # rank 0 holds experts 0 .. E/ranks - 1 of each block whole, and no other
+        held = {name for name in whole if ".experts." in name and int(name.split(".experts.")[1].split(".")[0]) < 4 // ranks}
+        assert set(result["local_numel"]) == {name for name in whole if ".experts." not in name} | held, family
+        return
     experts = [name for name in whole if ".experts." in name]
     assert experts and any(name in result["local_numel"] for name in experts), family
     if pipelined:
@@ -257,15 +264,23 @@ def assert_checkpoint_loads_into_the_plain_model(family: str, path, result: dict
     from lightning_parallel import ParallelCheckpointIO
 
     checkpoint = ParallelCheckpointIO().load_checkpoint(path)
-    plain = make_hf_model(family).double()
+    if family in LIST_MOE:  # nn.ModuleList experts: saved by their global index, every rank's
+        from tests.hf_models import ListMoELM
+
+        plain = ListMoELM(old_mixtral=family == "old_mixtral").double()
+    else:
+        plain = make_hf_model(family).double()
     plain.load_state_dict(checkpoint["state_dict"])  # strict: same names and whole shapes
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(value, result["states"][-1][name].double(), rtol=0, atol=TOL, msg=name)
     momentum = checkpoint["optimizer_states"][0]["state"]
+    if family in LIST_MOE:  # every rank's experts, by global name
+        assert set(momentum) == {name for name, _ in plain.named_parameters()}, family
     for name, buffer in momentum.items():
         expected = sum(0.9 ** (len(result["grads"]) - 1 - k) * grads[name] for k, grads in enumerate(result["grads"]))
         torch.testing.assert_close(buffer["momentum_buffer"].double(), expected.double(), rtol=0, atol=TOL, msg=name)
-    assert_exports_for_serving(family, path, plain)
+    if family not in LIST_MOE:  # not a transformers model
+        assert_exports_for_serving(family, path, plain)
 
 
 def assert_exports_for_serving(family: str, path, plain) -> None:

@@ -317,3 +317,31 @@ def test_experts_are_called_positionally_whatever_their_implementation_names_the
     expected = module(hidden, index, weights)  # as gpt-oss's block calls its experts
     shard_experts("experts", module, routed_experts(module), init_device_mesh("cpu", (1,)))
     torch.testing.assert_close(module(hidden, index, weights), expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "clip", "match"),
+    [
+        ({"expert_parallel_size": 3, "data_parallel_size": 3}, None, "its 4 experts are not divisible by expert_parallel_size=3"),
+        ({"pipeline_parallel_size": 2}, None, "pipeline_parallel_size=2 is not supported with them yet"),
+        ({"tensor_parallel_size": 2}, None, "tensor_parallel_size=2 is not supported with them yet"),
+        ({"context_parallel_size": 2}, None, "context_parallel_size=2 is not supported with them yet"),
+        ({}, 1.0, "gradient_clip_val=1.0 is not supported with them yet"),
+    ],
+)
+def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, clip, match):
+    from types import SimpleNamespace
+
+    from lightning_parallel.strategies.components.expert import ExpertParallelComponent
+    from tests.hf_models import ListMoELM
+
+    model = ListMoELM()
+    layout = ParallelLayout(**{"data_parallel_size": 2, "expert_parallel_size": 2, **sizes})
+    component = ExpertParallelComponent(SimpleNamespace(layout=layout, lightning_module=model))
+    with pytest.raises(ValueError, match=match):
+        component._check_lists(SimpleNamespace(gradient_clip_val=clip), find_expert_lists(model))
+    with torch.device("meta"):
+        on_meta = ListMoELM()
+    ok = ExpertParallelComponent(SimpleNamespace(layout=ParallelLayout(data_parallel_size=2, expert_parallel_size=2), lightning_module=on_meta))
+    with pytest.raises(ValueError, match=r"layers.0.moe.experts: experts kept as an nn.ModuleList cannot be divided while on the meta device"):
+        ok._check_lists(SimpleNamespace(gradient_clip_val=None), find_expert_lists(on_meta))

@@ -70,9 +70,11 @@ def _structure(module: nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
 def expert_list(block_fqn: str, block: nn.Module, attribute: str, experts: nn.ModuleList) -> ExpertList | None:
     """``experts`` as MoE experts of ``block``, or ``None``.
 
-    An ``nn.ModuleList`` of two or more modules of one type with the same parameters (names and shapes), next to a
-    router: a parameter of the block outside the list with one dim of ``E`` entries (``nn.Linear(H, E)``'s
-    ``[E, H]`` weight, or a raw ``[H, E]`` matrix). The router is what tells experts apart from a stack of layers.
+    An ``nn.ModuleList`` of two or more MLPs of one type with the same parameters (names and shapes), every module
+    holding parameters in them an ``nn.Linear``, next to a router: a 2-D parameter of the block outside the list
+    (not an embedding table) of ``[E, H]`` or ``[H, E]``, ``H`` an input width of the experts' layers
+    (``nn.Linear(H, E)``'s weight, or a raw matrix). The router and the plain MLPs are what tell experts apart
+    from a stack of layers (whose norms and attention are not linear layers).
     """
     count = len(experts)
     if count < 2 or len({type(child) for child in experts}) != 1:
@@ -80,10 +82,15 @@ def expert_list(block_fqn: str, block: nn.Module, attribute: str, experts: nn.Mo
     structure = _structure(experts[0])
     if not structure or any(_structure(child) != structure for child in experts):
         return None
-    prefix = f"{attribute}."
+    holders = [m for m in experts[0].modules() if any(True for _ in m.parameters(recurse=False))]
+    if not all(isinstance(m, nn.Linear) for m in holders):
+        return None
+    widths = {m.in_features for m in holders}
+    listed = {id(p) for p in experts.parameters()}
     router = any(
-        p.dim() == 2 and count in p.shape
-        for name, p in block.named_parameters() if not name.startswith(prefix)
+        p.dim() == 2 and id(p) not in listed and (tuple(p.shape) in {(count, w) for w in widths} | {(w, count) for w in widths})
+        for sub in block.modules() if not isinstance(sub, nn.Embedding)
+        for p in sub.parameters(recurse=False)
     )
     if not router:
         return None
@@ -155,7 +162,7 @@ class TwoPassForward:
         before = _rng_state(device)
         with self._experts_replaced_by(recorder.call):
             self.block_forward(*args, **kwargs)
-        results, anchor = self._exchange(recorder.calls, _anchor((args, kwargs)))
+        results, tie = self._exchange(recorder.calls, _anchor((args, kwargs)))
         after = _rng_state(device)
         _set_rng_state(device, before)  # pass 2 draws what pass 1 drew: the same routing, the same dropout
         replay = _Replay(self, recorder.calls, results)
@@ -165,10 +172,10 @@ class TwoPassForward:
         finally:
             _set_rng_state(device, after)
         replay.check_done()
-        if anchor is not None:
+        if tie is not None:
             # No expert call here: the returned (empty) rows still join the output, so this rank takes part in the
             # exchanges' backward that its peers run.
-            output = _add_to_first_tensor(output, anchor)
+            output = _add_to_first_tensor(output, tie)
         return output
 
     @contextmanager

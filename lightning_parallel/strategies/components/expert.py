@@ -26,7 +26,7 @@ from lightning_parallel.parallelize.expert.experts import (
     shard_experts,
 )
 from lightning_parallel.parallelize.expert.gradients import reduce_expert_gradients
-from lightning_parallel.parallelize.expert.module_list import ExpertList, divide_expert_list, find_expert_lists
+from lightning_parallel.parallelize.expert.module_list import ExpertList, RemoteExpert, divide_expert_list, find_expert_lists
 from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.strategies.components.base import Component
 
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 
 class ExpertParallelComponent(Component):
-    """Divides every routed-experts module by expert index over the ``ep`` ranks (see
-    :mod:`~lightning_parallel.parallelize.expert`)."""
+    """Divides every routed-experts module (transformers' fused 3-D experts, and experts kept as an ``nn.ModuleList``)
+    by expert index over the ``ep`` ranks (see :mod:`~lightning_parallel.parallelize.expert`)."""
 
     def __init__(self, engine: EngineHost) -> None:
         super().__init__(engine)
@@ -49,6 +49,8 @@ class ExpertParallelComponent(Component):
         self._experts: dict[str, RoutedExperts] = {}
         #: MoE blocks whose experts are an nn.ModuleList (list FQN -> what is divided), once applied.
         self.expert_lists: dict[str, ExpertList] = {}
+        self._list_group: dist.ProcessGroup | None = None
+        self._remote_shapes: dict[str, tuple[int, ...]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -212,13 +214,33 @@ class ExpertParallelComponent(Component):
             f"ep={ep} ranks ({held} expert parameters on this rank)."
         )
 
+    @property
+    def list_group(self) -> dist.ProcessGroup | None:
+        """Where nn.ModuleList experts are divided: the expert-parallel group whose ranks hold different experts
+        (each by its global name), over which checkpoints gather them; ``None``: no such experts."""
+        return self._list_group
+
+    @property
+    def remote_expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the state-dict entries of the nn.ModuleList experts other ranks hold."""
+        return dict(self._remote_shapes)
+
     def _divide_list(self, listed: ExpertList, group: dist.ProcessGroup) -> list[nn.Parameter]:
         """Start every rank from data-parallel rank 0's experts, then keep this rank's (see :mod:`module_list`)."""
         experts = self.engine.lightning_module.get_submodule(listed.fqn)
         with torch.no_grad():
             for tensor in (*experts.parameters(), *experts.buffers()):
                 dist.broadcast(tensor.data, group=self.engine.data_parallel_group, group_src=0)
-        return divide_expert_list(self.engine.lightning_module, listed, group)
+        # Every expert has the first one's state-dict entries (found structurally identical).
+        shapes = {name: tuple(t.shape) for name, t in experts[0].state_dict().items()}
+        kept = divide_expert_list(self.engine.lightning_module, listed, group)
+        self._list_group = group
+        self._remote_shapes.update({
+            f"{listed.fqn}.{i}.{name}": shape
+            for i in range(listed.num_experts) if isinstance(experts[i], RemoteExpert)
+            for name, shape in shapes.items()
+        })
+        return kept
 
     def _same_experts_everywhere(self, module: nn.Module, routed: RoutedExperts) -> None:
         """Every rank keeps its slice of the experts it built: start them all from data-parallel rank 0's."""
