@@ -126,3 +126,51 @@ def test_expert_projection_pairs_are_split_where_the_block_runs_them_as_one_mlp_
             return super().forward(x) + keys
 
     assert "could not be checked" in experts_layout(Attention())
+
+
+class FlatGLU(nn.Module):  # DBRX's DbrxExpertGLU: every expert's rows stacked, [E·I, H]
+    def __init__(self, experts=4, hidden=8, inner=6) -> None:
+        super().__init__()
+        self.moe_num_experts, self.ffn_hidden_size = experts, inner
+        self.w1, self.v1, self.w2 = (nn.Parameter(torch.randn(experts * inner, hidden) * 0.3) for _ in range(3))
+
+
+class FlatExperts(nn.Module):  # DBRX's DbrxExperts: views the rows per expert by its own ffn_hidden_size
+    def __init__(self, experts=4, hidden=8, inner=6, combine=False) -> None:
+        super().__init__()
+        self.mlp, self.num_experts, self.ffn_hidden_size, self.combine = FlatGLU(experts, hidden, inner), experts, inner, combine
+
+    def forward(self, x, expert, weight):
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows = (expert == e).nonzero().flatten()
+            w1, v1, w2 = (p.view(-1, self.ffn_hidden_size, x.shape[-1])[e] for p in (self.mlp.w1, self.mlp.v1, self.mlp.w2))
+            hidden = nn.functional.silu(x[rows] @ w1.T) * (x[rows] @ v1.T)
+            if self.combine:
+                hidden = hidden.softmax(-1)  # over every hidden unit: a rank's slice cannot compute it
+            out = out.index_add(0, rows, (hidden @ w2) * weight[rows, None])
+        return out
+
+
+class FlatBlock(nn.Module):
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.router, self.experts = nn.Linear(8, 4, bias=False), FlatExperts(**kwargs)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weight, expert = self.router(flat).softmax(-1).max(-1)
+        return self.experts(flat, expert, weight).view_as(x)
+
+
+def test_flat_experts_viewed_per_expert_are_split_per_hidden_unit_where_the_block_agrees():
+    from lightning_parallel.parallelize.tensor.flat_experts import FlatExpertsLayout
+
+    layout = experts_layout(FlatBlock())
+    assert layout == FlatExpertsLayout("experts", ("mlp.w1", "mlp.v1", "mlp.w2"),
+                                       (("", "ffn_hidden_size"), ("mlp", "ffn_hidden_size")), 4, 6)
+    # The block is split, not also the experts module inside it (its forward needs the routing: it would be refused).
+    assert infer_plan(nn.ModuleDict({"ffn": FlatBlock()}), warn=pytest.fail) == {"ffn": "experts"}
+    with pytest.raises(ValueError, match=r"ffn: each expert's 6 hidden units are not divisible by tensor_parallel_size=4"):
+        check_experts("ffn", FlatBlock(), 4)
+    assert "do not split per hidden unit" in experts_layout(FlatBlock(combine=True))

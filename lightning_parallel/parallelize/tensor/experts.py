@@ -34,6 +34,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.flat_experts import FlatExpertsLayout, flat_experts_layout, split_flat_experts
 from lightning_parallel.parallelize.tensor.expert_projections import (
     ProjectionPairLayout,
     projection_pair_layout,
@@ -96,14 +97,16 @@ class ExpertsLayout:
         return (self.intermediate, self.intermediate) if self.gated and self.concatenated else None
 
 
-def experts_layout(module: nn.Module) -> ExpertsLayout | ProjectionPairLayout | str | None:
+def experts_layout(module: nn.Module) -> ExpertsLayout | ProjectionPairLayout | FlatExpertsLayout | str | None:
     """``module``'s grouped-experts layout; a reason (``str``) where it holds experts this cannot split;
     ``None`` where it holds no grouped experts (3-D ``gate_up_proj``/``up_proj`` and ``down_proj``, or two per-expert
-    projection children: :mod:`~lightning_parallel.parallelize.tensor.expert_projections`)."""
+    projection children: :mod:`~lightning_parallel.parallelize.tensor.expert_projections`; flat ``[E·I, H]`` parameters
+    of a child: :mod:`~lightning_parallel.parallelize.tensor.flat_experts`)."""
     params = dict(module.named_parameters(recurse=False))
     up = next((name for name in UP_NAMES if name in params), None)
     if up is None or DOWN not in params or params[up].dim() != 3 or params[DOWN].dim() != 3:
-        return projection_pair_layout(module)
+        pair = projection_pair_layout(module)
+        return pair if pair is not None else flat_experts_layout(module)
     up_shape, down_shape = tuple(params[up].shape), tuple(params[DOWN].shape)
     gated = bool(getattr(module, "has_gate", up == "gate_up_proj"))
     factor = 2 if gated else 1
@@ -141,13 +144,15 @@ def find_experts(module: nn.Module) -> dict[str, ExpertsLayout | str]:
     """Every grouped-experts module under ``module``: FQN -> its layout, or why it cannot be split."""
     found: dict[str, ExpertsLayout | str] = {}
     for name, sub in module.named_modules():
+        if any(name.startswith(f"{outer}.") for outer, layout in found.items() if not isinstance(layout, str)):
+            continue  # inside experts already found (DBRX's block holds the experts module holding the weights)
         layout = experts_layout(sub)
         if layout is not None:
             found[name] = layout
     return found
 
 
-def check_experts(fqn: str, module: nn.Module, tp_size: int) -> ExpertsLayout | ProjectionPairLayout:
+def check_experts(fqn: str, module: nn.Module, tp_size: int) -> ExpertsLayout | ProjectionPairLayout | FlatExpertsLayout:
     """The layout of ``module`` (style ``experts``), checked to split ``tp_size`` ways.
 
     Raises:
@@ -170,7 +175,7 @@ def check_experts(fqn: str, module: nn.Module, tp_size: int) -> ExpertsLayout | 
     return layout
 
 
-def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout | ProjectionPairLayout, tp_mesh: Any) -> dict[str, fused_layout.FusedLayout]:
+def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout | ProjectionPairLayout | FlatExpertsLayout, tp_mesh: Any) -> dict[str, fused_layout.FusedLayout]:
     """Shard ``module``'s experts over ``tp_mesh`` and make its forward compute this rank's partial sum.
 
     Returns the fused layouts of the parameters reordered rank-major (to be marked after sharding, so that
@@ -180,6 +185,9 @@ def split_experts(fqn: str, module: nn.Module, layout: ExpertsLayout | Projectio
 
     if isinstance(layout, ProjectionPairLayout):
         split_projection_pair(module, layout, tp_mesh)  # marks its own fused layout on the opening projection
+        return {}
+    if isinstance(layout, FlatExpertsLayout):
+        split_flat_experts(module, layout, tp_mesh)  # marks its own fused layouts on the parameters' modules
         return {}
     tp_size = tp_mesh.size()
     layouts: dict[str, fused_layout.FusedLayout] = {}
