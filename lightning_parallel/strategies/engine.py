@@ -280,7 +280,11 @@ class ParallelEngineStrategy(MeshStrategy):
         if self.parameters_are_dtensors and not self.pipeline_parallel.enabled:
             # Lightning clips through the precision plugin with torch's clip_grad_norm_, which refuses the
             # mix of DTensor and plain gradients that TP leaves; give this plugin the mesh-aware version.
-            self.precision_plugin.clip_grad_by_norm = clip_optimizer_grad_norm
+            # nn.ModuleList experts divided by expert parallelism: each rank's share of their norm is summed over ep.
+            divided = self.expert_parallel.divided_apart
+            self.precision_plugin.clip_grad_by_norm = (
+                clip_optimizer_grad_norm if divided is None else partial(clip_optimizer_grad_norm, divided=divided)
+            )
         self.checkpoint_state.after_setup()
 
     @override

@@ -320,16 +320,15 @@ def test_experts_are_called_positionally_whatever_their_implementation_names_the
 
 
 @pytest.mark.parametrize(
-    ("sizes", "clip", "match"),
+    ("sizes", "match"),
     [
-        ({"expert_parallel_size": 3, "data_parallel_size": 3}, None, "its 4 experts are not divisible by expert_parallel_size=3"),
-        ({"pipeline_parallel_size": 2}, None, "pipeline_parallel_size=2 is not supported with them yet"),
-        ({"tensor_parallel_size": 2}, None, "tensor_parallel_size=2 is not supported with them yet"),
-        ({"context_parallel_size": 2}, None, "context_parallel_size=2 is not supported with them yet"),
-        ({}, 1.0, "gradient_clip_val=1.0 is not supported with them yet"),
+        ({"expert_parallel_size": 3, "data_parallel_size": 3}, "its 4 experts are not divisible by expert_parallel_size=3"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported with them yet"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported with them yet"),
+        ({"context_parallel_size": 2}, "context_parallel_size=2 is not supported with them yet"),
     ],
 )
-def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, clip, match):
+def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):
     from types import SimpleNamespace
 
     from lightning_parallel.strategies.components.expert import ExpertParallelComponent
@@ -339,9 +338,9 @@ def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, clip, m
     layout = ParallelLayout(**{"data_parallel_size": 2, "expert_parallel_size": 2, **sizes})
     component = ExpertParallelComponent(SimpleNamespace(layout=layout, lightning_module=model))
     with pytest.raises(ValueError, match=match):
-        component._check_lists(SimpleNamespace(gradient_clip_val=clip), find_expert_lists(model))
+        component._check_lists(find_expert_lists(model))
     with torch.device("meta"):
         on_meta = ListMoELM()
     ok = ExpertParallelComponent(SimpleNamespace(layout=ParallelLayout(data_parallel_size=2, expert_parallel_size=2), lightning_module=on_meta))
     with pytest.raises(ValueError, match=r"layers.0.moe.experts: experts kept as an nn.ModuleList cannot be divided while on the meta device"):
-        ok._check_lists(SimpleNamespace(gradient_clip_val=None), find_expert_lists(on_meta))
+        ok._check_lists(find_expert_lists(on_meta))

@@ -18,7 +18,10 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 def total_grad_norm(
-    parameters: Iterable[Tensor], norm_type: float = 2.0, sum_over: dist.ProcessGroup | None = None
+    parameters: Iterable[Tensor],
+    norm_type: float = 2.0,
+    sum_over: dist.ProcessGroup | None = None,
+    divided: tuple[Iterable[Tensor], dist.ProcessGroup] | None = None,
 ) -> Tensor:
     """The ``norm_type`` norm of all gradients together, as one device would compute it unsplit.
 
@@ -27,7 +30,21 @@ def total_grad_norm(
         norm_type: As in ``torch.nn.utils.clip_grad_norm_``.
         sum_over: A group whose ranks hold *different* parameters (pipeline stages): their shares are
             combined, so every rank gets the norm of the whole model.
+        divided: ``(some of parameters, group)``: those are held by one rank of ``group`` each, the others holding
+            other ones in their place (experts kept as an ``nn.ModuleList`` divided by expert parallelism): their
+            shares are combined over ``group``, the other parameters' not.
     """
+    parameters = list(parameters)
+    if divided is not None:
+        apart, group = divided
+        ids = {id(p) for p in apart}
+        share = total_grad_norm([p for p in parameters if id(p) in ids], norm_type)
+        share = share if math.isinf(norm_type) else share**norm_type
+        dist.all_reduce(share, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+        rest = total_grad_norm([p for p in parameters if id(p) not in ids], norm_type, sum_over)
+        if math.isinf(norm_type):
+            return torch.maximum(rest, share.to(rest.device))
+        return (rest**norm_type + share.to(rest.device)) ** (1.0 / norm_type)
     grads = [p.grad for p in parameters if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -57,15 +74,16 @@ def clip_grad_norm_(
     *,
     exclude_from_norm: Iterable[Tensor] = (),
     sum_over: dist.ProcessGroup | None = None,
+    divided: tuple[Iterable[Tensor], dist.ProcessGroup] | None = None,
 ) -> Tensor:
     """Scale gradients in place so that their total norm is at most ``max_norm``; returns the norm before.
 
     ``exclude_from_norm`` are scaled but not counted (copies of tied weights another rank counts);
-    ``sum_over`` as in :func:`total_grad_norm`.
+    ``sum_over`` and ``divided`` as in :func:`total_grad_norm`.
     """
     parameters = [p for p in parameters if p.grad is not None]
     excluded = {id(p) for p in exclude_from_norm}
-    norm = total_grad_norm([p for p in parameters if id(p) not in excluded], norm_type, sum_over)
+    norm = total_grad_norm([p for p in parameters if id(p) not in excluded], norm_type, sum_over, divided)
     # Same rule as torch.nn.utils.clip_grad_norm_.
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in parameters:
@@ -80,6 +98,9 @@ def _local_norm_term(tensor: Tensor, norm_type: float) -> Tensor:
     return (values**norm_type).sum()
 
 
-def clip_optimizer_grad_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-    """Clip the gradients of ``optimizer``'s parameters (the signature of Lightning's ``clip_grad_by_norm``)."""
-    clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip_val)
+def clip_optimizer_grad_norm(
+    optimizer: torch.optim.Optimizer, clip_val: float, divided: tuple[Iterable[Tensor], dist.ProcessGroup] | None = None
+) -> None:
+    """Clip the gradients of ``optimizer``'s parameters (the signature of Lightning's ``clip_grad_by_norm``;
+    ``divided`` as in :func:`total_grad_norm`)."""
+    clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], clip_val, divided=divided)

@@ -110,14 +110,14 @@ class ExpertParallelComponent(Component):
         for fqn, routed in experts.items():
             check_divisible(fqn, routed, ep)
         if lists:
-            self._check_lists(trainer, lists)
+            self._check_lists(lists)
         self._experts, self.expert_lists = experts, lists
         if engine.pipeline_parallel.enabled:
             return  # the pipeline is cut on the first batch: each rank divides its stages' experts then
         modules = dict(module.named_modules())
         self._divide({fqn: modules[fqn] for fqn in experts}, broadcast=True)
 
-    def _check_lists(self, trainer: Trainer, lists: dict[str, ExpertList]) -> None:
+    def _check_lists(self, lists: dict[str, ExpertList]) -> None:
         """Refuse what nn.ModuleList experts do not combine with yet (their block runs twice, see
         :mod:`~lightning_parallel.parallelize.expert.module_list`)."""
         engine, ep = self.engine, self.engine.layout.expert_parallel_size
@@ -134,8 +134,6 @@ class ExpertParallelComponent(Component):
                 ("context_parallel_size", layout.context_parallel_size),
             ) if size > 1
         ]
-        if getattr(trainer, "gradient_clip_val", None):
-            refused.append(f"gradient_clip_val={trainer.gradient_clip_val}")
         first = next(iter(lists))
         if refused:
             raise ValueError(
@@ -219,6 +217,16 @@ class ExpertParallelComponent(Component):
         """Where nn.ModuleList experts are divided: the expert-parallel group whose ranks hold different experts
         (each by its global name), over which checkpoints gather them; ``None``: no such experts."""
         return self._list_group
+
+    @property
+    def divided_apart(self) -> tuple[tuple[nn.Parameter, ...], dist.ProcessGroup] | None:
+        """``(this rank's nn.ModuleList expert parameters, the ep group)``: parameters whose gradient norm shares
+        are summed over the group (each rank holds other experts); ``None``: no such experts."""
+        if self._list_group is None:
+            return None
+        module = self.engine.lightning_module
+        prefixes = tuple(f"{fqn}." for fqn in self.expert_lists)
+        return tuple(p for name, p in module.named_parameters() if name.startswith(prefixes)), self._list_group
 
     @property
     def remote_expert_shapes(self) -> dict[str, tuple[int, ...]]:
