@@ -242,6 +242,14 @@ OTHER_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                              num_key_value_heads=2, num_hidden_layers=4, max_position_embeddings=16,
                                              layer_types=["conv", "full_attention", "conv", "full_attention"],
                                              tie_word_embeddings=False)),
+    # Mamba-1 mixers (in_proj d→x|z, a depthwise Conv1d, x_proj c→dt|B|C, dt_proj, A_log, D, out_proj): under tp2 split
+    # over their inner channels (x_proj's partial sums all-reduced).
+    "mamba": ("causal_lm", "MambaConfig", dict(hidden_size=32, state_size=8, expand=2, num_hidden_layers=2,
+                                               use_cache=False)),
+    # Mamba-2 mixers with one group of B/C (gathered on every rank) and a gated RMSNorm over the whole inner width
+    # (its statistic summed over the ranks): under tp2 split over their heads.
+    "mamba2": ("causal_lm", "Mamba2Config", dict(hidden_size=32, num_heads=4, head_dim=16, expand=2, n_groups=1,
+                                                 state_size=8, num_hidden_layers=2, use_cache=False)),
     # LSH-free YOSO attention (use_expectation): a custom autograd.Function whose backward is not its forward's
     # derivative, which a pipeline's trace must keep.
     "yoso": ("masked_lm", "YosoConfig", dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,

@@ -5,7 +5,8 @@ One launch of 2 ranks: BERT (attention and MLP split across sibling modules), Fa
 ``FalconLinear`` layers is split; the output of a row-wise layer is added to in place), Falcon's new decoder architecture (``query_key_value`` grouped per k/v
 head), BLOOM (ALiBi slopes per head, cut to each rank's heads), LitGPT (fused GQA ``qkv`` whose head
 counts live on its ``Config`` dataclass) and a hand-written attention whose keys and values read a SegFormer-style
-sequence reduction (:class:`tests.hf_models.ReducedKVAttention`); Falcon also with sequence parallelism. Each trains as on one device, and each rank holds at most the
+sequence reduction (:class:`tests.hf_models.ReducedKVAttention`), Mamba and Mamba-2 (state-space mixers split over
+their channels and heads); Falcon also with sequence parallelism. Each trains as on one device, and each rank holds at most the
 share of the parameters given below (the largest rank's parameters / the whole model's).
 """
 
@@ -33,6 +34,9 @@ FAMILIES = {
     # Hand-written: keys and values from a sequence reduction of the attention's input (run whole on every rank, its
     # gradient whole), a per-token gate multiplied into this rank's heads (its gradient a partial sum, reduced).
     "reduced_kv": ("reduced_kv_attention", 0.65),
+    # State-space mixers split over their inner channels (Mamba-1) and heads (Mamba-2, its one group of B/C gathered).
+    "mamba": ("hf_mamba:eager", 0.6),  # no attention: transformers refuses the default sdpa
+    "mamba2": ("hf_mamba2:eager", 0.6),
 }
 
 

@@ -453,15 +453,11 @@ class _StateSpaceRegion:
 
     def projected(self, _: nn.Module, __: Any, output: Tensor) -> Tensor:
         """``x_proj``'s partial sums all-reduced; its gradient (used on this rank's channels only) summed too."""
-        from lightning_parallel.parallelize.tensor.experts import _all_reduced
-
         self.calls.add("x_proj")
         return gradient_summed(_all_reduced(output, self.mesh), self.mesh)
 
     def closed(self, _: nn.Module, __: Any, output: Tensor) -> Tensor:
         """``out_proj``'s partial sums all-reduced (its gradient, whole on every rank, passed through)."""
-        from lightning_parallel.parallelize.tensor.experts import _all_reduced
-
         self.calls.add("out_proj")
         return _all_reduced(output, self.mesh)
 
@@ -480,3 +476,10 @@ class _StateSpaceRegion:
                 f"path (no mamba_ssm/causal_conv1d kernels), or leave {self.fqn} replicated in the plan."
             )
         return output
+
+
+def _all_reduced(partial: Tensor, mesh: Any) -> Tensor:
+    """Every rank's partial sum, summed (forward); the replicated gradient passed through (backward)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(partial, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()]).to_local()
