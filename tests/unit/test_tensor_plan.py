@@ -690,6 +690,33 @@ def test_a_token_embedding_and_head_split_over_the_vocabulary_tied_or_not():
     assert infer_plan(tied) == {}
 
 
+def test_a_head_whose_bias_its_parent_also_holds_splits_with_its_tied_embedding():
+    # BERT's LM head: cls.predictions.bias is the tensor of cls.predictions.decoder.bias; the parent holds it beside the
+    # module computing with it, and follows the split.
+    model = nn.ModuleDict({"embed": nn.Embedding(64, 16), "predictions": nn.Module()})
+    model.predictions.decoder = nn.Linear(16, 64)
+    model.predictions.bias = model.predictions.decoder.bias
+    model.predictions.decoder.weight = model.embed.weight
+    assert infer_units(model) == [{"embed": "embedding_rowwise", "predictions.decoder": "colwise_gather_output"}]
+    check_plan(model, resolve_plan(model, infer_plan(model)), 2)
+    # A holder beside the head (not above it) is a third reader: refused.
+    model.other = nn.Module()
+    model.other.bias = model.predictions.decoder.bias
+    assert infer_plan(model) == {}
+    with pytest.raises(ValueError, match=r"are tied \(one tensor\)"):
+        check_plan(model, resolve_plan(model, {"embed": "embedding_rowwise", "predictions.decoder": "colwise_gather_output"}), 2)
+
+
+def test_sibling_mlp_beside_adapters_split_on_their_own():
+    # X-MOD: the MLP's output module also holds per-language adapters (d -> d/r -> d), run on its whole output.
+    layer = EncoderLayer()
+    layer.output.adapters = nn.ModuleDict({"en": nn.Module()})
+    layer.output.adapters.en.dense1, layer.output.adapters.en.dense2 = nn.Linear(8, 4), nn.Linear(4, 8)
+    plan = infer_plan(layer)
+    assert plan["intermediate.dense"] == "colwise" and plan["output.dense"] == "rowwise"
+    assert plan["output.adapters.en.dense1"] == "colwise" and plan["output.adapters.en.dense2"] == "rowwise"
+
+
 def test_a_projection_shaped_like_a_gate_but_not_named_one_keeps_its_attention_whole():
     """Doge's dt_proj reads the values (every head), not the attention's input: widths alone cannot tell."""
     from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig

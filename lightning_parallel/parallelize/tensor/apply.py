@@ -53,7 +53,7 @@ from lightning_parallel.parallelize.tensor.sequence import (
 )
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
 from lightning_parallel.parallelize.tensor.state_space import check_state_space, split_state_space
-from lightning_parallel.parallelize.tensor.tied import check_tied_parameters, tie_again, tied_groups
+from lightning_parallel.parallelize.tensor.tied import aliases, check_tied_parameters, tie_again, tied_groups
 from lightning_parallel.parallelize.tensor.vocabulary import gather_reads_elsewhere, reduce_lookups_in
 from lightning_parallel.parallelize.tensor.plan import (
     STYLE_ALIASES,
@@ -398,7 +398,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
         SharedRegionInput(tp_mesh, arrives_as).attach(modules[region], projections, region)
     layouts = _order_fused_rank_major(modules, resolved, tp_size)
     split = {fqn for fqn, style in resolved.styles.items() if style != "replicate"}
-    tied = [holders for holders in tied_groups(module) if {fqn for fqn, _ in holders} <= split]
+    tied = [holders for holders in tied_groups(module) if {fqn for fqn, _ in holders} - aliases(holders, split) <= split
+            and any(fqn in split for fqn, _ in holders)]
     parallelize_module(module, tp_mesh, torch_plan)
     gather_key_values(modules, resolved.fused, resolved.multi_query, tp_mesh)
     tie_again(module, tied)

@@ -235,9 +235,17 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
 
 def _tied_pair(module: nn.Module, embedding: str, head: str) -> bool:
     """The head's weight is the embedding's (one tensor), no third module holds it, and neither module shares any
-    other parameter: the tie a language model's ``tie_word_embeddings`` makes."""
+    other parameter, except the head's bias with modules above it (BERT's ``cls.predictions.bias``, tied.aliases):
+    the tie a language model's ``tie_word_embeddings`` makes."""
     involved = [sorted(holders) for holders in tied_groups(module) if any(fqn in (embedding, head) for fqn, _ in holders)]
-    return involved == [sorted([(embedding, "weight"), (head, "weight")])]
+    pair = sorted([(embedding, "weight"), (head, "weight")])
+    return pair in involved and all(group == pair or _bias_above(group, head) for group in involved)
+
+
+def _bias_above(holders: list[tuple[str, str]], head: str) -> bool:
+    """``holders`` are the head's bias and modules above the head holding the same tensor."""
+    return (head, "bias") in holders and all((fqn, name) == (head, "bias") or head.startswith(f"{fqn}.") or not fqn
+                                             for fqn, name in holders)
 
 
 def _scaled_embedding(module: nn.Module) -> bool:
@@ -368,7 +376,10 @@ def _match_siblings(parent: nn.Module, prefix: str, taken: set[str]) -> list[Uni
     for (first, a), (second, b) in zip(children, children[1:]):
         if first in used:
             continue
-        found = _sibling_attention(a, b) or _sibling_mlp(a, b)
+        # Projections inside the second child that are split on their own, reading and writing the model width
+        # (X-MOD's per-language adapters after the MLP's output.dense), run on its whole output: not in the way.
+        beside = {fqn[len(f"{prefix}{second}."):] for fqn in taken if fqn.startswith(f"{prefix}{second}.")}
+        found = _sibling_attention(a, b) or _sibling_mlp(a, b, beside)
         unit = {f"{prefix}{(first, second)[side]}.{child}": style for (side, child), style in found.items()}
         if unit and not taken.intersection(unit):
             units.append(unit)
@@ -390,8 +401,9 @@ def _sibling_attention(a: nn.Module, b: nn.Module) -> dict[tuple[int, str], str]
     return {**{(0, n): "colwise" for n in names}, (1, outputs[0]): "rowwise"}
 
 
-def _sibling_mlp(a: nn.Module, b: nn.Module) -> dict[tuple[int, str], str]:
-    """``a`` holds a ``d→h`` projection, ``b`` an ``h→d`` one (and, each, parameters of width ``d``: a norm)."""
+def _sibling_mlp(a: nn.Module, b: nn.Module, split_in_b: Collection[str] = ()) -> dict[tuple[int, str], str]:
+    """``a`` holds a ``d→h`` projection, ``b`` an ``h→d`` one (and, each, parameters of width ``d``: a norm; ``b`` also
+    projections ``split_in_b`` split on their own, each reading or writing ``d``: adapters after the MLP)."""
     up = [(n, m) for n, m in a.named_children() if is_projection(m)]
     down = [(n, m) for n, m in b.named_children() if is_projection(m)]
     if len(up) != 1 or len(down) != 1:
@@ -400,17 +412,19 @@ def _sibling_mlp(a: nn.Module, b: nn.Module) -> dict[tuple[int, str], str]:
     d_model, hidden = features(up_module)
     if hidden == d_model or features(down_module) != (hidden, d_model):
         return {}
+    beside = [n for n in split_in_b if is_projection(b.get_submodule(n)) and d_model in features(b.get_submodule(n))]
     # Besides its projection, the first child may hold a norm of the model width (applied to its input:
     # RoBERTa-PreLayerNorm's intermediate); nothing of the split width.
-    if not _only_model_width_besides(a, up_name, d_model) or not _only_model_width_besides(b, down_name, d_model):
+    if not _only_model_width_besides(a, up_name, d_model) or not _only_model_width_besides(b, down_name, d_model, beside):
         return {}
     return {(0, up_name): "colwise", (1, down_name): "rowwise"}
 
 
-def _only_model_width_besides(module: nn.Module, projection: str, d_model: int) -> bool:
-    """Every parameter of ``module`` outside ``projection`` is a vector of the model width (a norm, a bias)."""
+def _only_model_width_besides(module: nn.Module, projection: str, d_model: int, split: Collection[str] = ()) -> bool:
+    """Every parameter of ``module`` outside ``projection`` (and the modules ``split``) is a vector of the model width
+    (a norm, a bias)."""
     return all(
-        name.startswith(f"{projection}.") or (param.dim() == 1 and param.numel() == d_model)
+        any(name.startswith(f"{owner}.") for owner in (projection, *split)) or (param.dim() == 1 and param.numel() == d_model)
         for name, param in module.named_parameters()
     )
 

@@ -30,16 +30,27 @@ def tied_groups(module: nn.Module) -> list[list[tuple[str, str]]]:
     return [holders for holders in owners.values() if len({fqn for fqn, _ in holders}) > 1]
 
 
+def aliases(holders: list[tuple[str, str]], split: set[str]) -> set[str]:
+    """Holders of a tied tensor that are ancestors of a split holder (BERT's LM head keeps ``cls.predictions.bias``,
+    the very tensor of its ``decoder.bias``): they hold it beside the module computing with it, and follow its split."""
+    splitting = {fqn for fqn, _ in holders if fqn in split}
+    return {fqn for fqn, _ in holders if fqn not in split and any(s.startswith(f"{fqn}.") or not fqn for s in splitting)}
+
+
 def check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
-    """A tied tensor is split only where every module holding it splits it the same way (its rows)."""
+    """A tied tensor is split only where every module holding it splits it the same way (its rows), or holds it as
+    an ancestor of such a module (:func:`aliases`)."""
     split = {fqn for fqn, style in resolved.styles.items() if style != "replicate"}
     for holders in tied_groups(module):
         modules_of = {fqn for fqn, _ in holders}
         if not modules_of & split:
             continue
-        same_rows = modules_of <= split and all(
-            pname == "weight" and resolved.styles[fqn] in _ROW_SHARDED_WEIGHT and fqn not in resolved.conv1d
-            for fqn, pname in holders
+        alias = aliases(holders, split)
+        # Column-split projections shard their bias by rows too (Shard(0)), an embedding has none.
+        same_rows = modules_of - alias <= split and all(
+            (pname == "weight" or (pname == "bias" and resolved.styles[fqn] != "embedding_rowwise"))
+            and resolved.styles[fqn] in _ROW_SHARDED_WEIGHT and fqn not in resolved.conv1d
+            for fqn, pname in holders if fqn not in alias
         )
         if not same_rows:
             names = ", ".join(f"{fqn}.{pname}" if fqn else pname for fqn, pname in holders)
@@ -61,9 +72,13 @@ def tie_again(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
     from torch.distributed.tensor import DTensor
 
     for holders in groups:
-        (first, first_name), *others = holders
+        # The first sharded holder's parameter (an ancestor holding it as an alias still has the whole tensor).
+        first, first_name = next(((f, p) for f, p in holders if isinstance(module.get_submodule(f).get_parameter(p), DTensor)),
+                                 holders[0])
         shared = module.get_submodule(first).get_parameter(first_name)
-        for fqn, pname in others:
+        for fqn, pname in holders:
+            if (fqn, pname) == (first, first_name):
+                continue
             own = module.get_submodule(fqn).get_parameter(pname)
             if isinstance(own, DTensor) and own.placements != shared.placements:
                 raise RuntimeError(
