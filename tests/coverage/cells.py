@@ -54,21 +54,23 @@ LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
 EXPERT_LAYOUTS = ("ep2",)
 
 
-def build(task: str, model_type: str, layout: str | None, accumulate: int = 1) -> tuple[CoverageModule, CoverageData, L.Trainer, Recorder]:
+def build(task: str, model_type: str, layout: str | None, accumulate: int = 1,
+          unused_parameters: bool = False) -> tuple[CoverageModule, CoverageData, L.Trainer, Recorder]:
     """Module, data and Trainer for one cell (``layout=None``: the single-device reference; ``accumulate``: each
-    training batch fed as that many accumulated parts, the same rows in the same order)."""
+    training batch fed as that many accumulated parts, the same rows in the same order; ``unused_parameters``:
+    single-device training left some parameters without a gradient)."""
     L.seed_everything(SEED, workers=True)
     model = CoverageModule(task, model_type, experts=EAGER_EXPERTS)
     replicas = 1 if layout is None else LAYOUTS[layout][0]
     data = CoverageData(task, BATCH // replicas // accumulate, VAL_BATCH // replicas, channels=channels_of(model),
                         image=image_size_of(model))
-    model.cell_settings = settings(model, layout)
+    model.cell_settings = settings(model, layout, unused_parameters)
     if layout is None:
         strategy: Any = "auto"
         single_device_order(data, SEED)
     else:
         _, name, options = LAYOUTS[layout]
-        extra = {k: v for k, v in model.cell_settings.items() if k == "sync_batchnorm"}
+        extra = {k: v for k, v in model.cell_settings.items() if k in STRATEGY_SETTINGS}
         strategy = getattr(lightning_parallel, name)(timeout=TIMEOUT, **options, **extra)
     recorder = Recorder()
     trainer = L.Trainer(
@@ -80,17 +82,26 @@ def build(task: str, model_type: str, layout: str | None, accumulate: int = 1) -
     return model, data, trainer, recorder
 
 
-def settings(model: CoverageModule, layout: str | None) -> dict[str, Any]:
+#: Settings the strategy takes (the others are the model's).
+STRATEGY_SETTINGS = ("sync_batchnorm", "find_unused_parameters")
+
+
+def settings(model: CoverageModule, layout: str | None, unused_parameters: bool = False) -> dict[str, Any]:
     """What the cell runs beyond its layout's defaults, recorded with its verdict.
 
     * ``sync_batchnorm=True`` for data parallelism over a model with BatchNorm layers: without it each
       replica normalises by its own slice (as Lightning's DDP does, and the strategy warns); with it DP
       computes what one device does, which is what the README promises and the cell checks.
+    * ``find_unused_parameters=True`` for data parallelism over a model whose forward leaves parameters without a
+      gradient (a vision tower a text-only batch never calls, a decoder's unused cross-attention): without it DDP
+      stops at the second step with the strategy's error naming this fix, which is what a user then sets.
     * ``experts_implementation`` for mixture-of-experts models (see :data:`tests.coverage.configs.EAGER_EXPERTS`).
     """
     found: dict[str, Any] = {}
     if layout is not None and LAYOUTS[layout][0] > 1 and batch_statistics_layers(model, training=True):
         found["sync_batchnorm"] = True
+    if layout is not None and LAYOUTS[layout][0] > 1 and unused_parameters:
+        found["find_unused_parameters"] = True
     implementation = getattr(model.net.config, "_experts_implementation", None)
     if any("experts" in type(m).__name__.lower() for m in model.net.modules()) and implementation is not None:
         found["experts_implementation"] = implementation
@@ -123,7 +134,9 @@ def reference(task: str, model_type: str) -> dict[str, Any]:
     experts = bool(find_routed_experts(built[0]))  # what the expert-parallel layouts apply to
     result = train(*built)
     keep = ("step_losses", "states", "grads", "validation", "local_bytes", "model_class")
-    expected = {**{k: result[k] for k in keep}, "experts": experts}
+    trained = {name for name, parameter in built[0].named_parameters() if parameter.requires_grad}
+    unused = sorted(trained - set(result["grads"][0]))
+    expected = {**{k: result[k] for k in keep}, "experts": experts, "unused_parameters": unused}
     reordered = train(*build(task, model_type, None, accumulate=2))
     # Buffers are left out: batch statistics (BatchNorm's, I-BERT's ranges) differ by design between the halves.
     expected["floor"] = compare(expected, reordered, buffers=False)[0]
@@ -178,7 +191,8 @@ def compare(expected: dict[str, Any], actual: dict[str, Any], buffers: bool = Tr
 
 _LIBRARY = os.sep + "lightning_parallel" + os.sep
 #: The first lines of torch errors that lightning_parallel rewrites (``DataParallelComponent.on_exception``).
-EXPLAINED = ("Your LightningModule has parameters that did not take part in the loss",)
+EXPLAINED = ("Your LightningModule has parameters that did not take part in the loss",
+             "A parameter of your LightningModule got its gradient outside the autograd graph DDP saw")
 _TORCH = os.sep + "torch" + os.sep
 
 

@@ -66,7 +66,8 @@ def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     recorder = None
     try:
-        model, data, trainer, recorder = build(cell["task"], cell["model_type"], cell["layout"])
+        unused = bool(torch.load(cell["reference"], weights_only=False).get("unused_parameters"))
+        model, data, trainer, recorder = build(cell["task"], cell["model_type"], cell["layout"], unused_parameters=unused)
         result = train(model, data, trainer, recorder)
         return {"ok": True, "result": result, "seconds": time.perf_counter() - start}
     except Exception as error:  # noqa: BLE001 - every failure is a finding

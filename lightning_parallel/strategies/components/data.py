@@ -279,6 +279,17 @@ class DataParallelComponent(Component):
                 "(on the command line: strategy.find_unused_parameters=true)."
             ),
         )
+        _augment_message(
+            exception,
+            pattern=".*Expected to mark a variable ready only once.*",
+            new_message=(
+                "A parameter of your LightningModule got its gradient outside the autograd graph DDP saw in forward "
+                "(a custom autograd Function that recomputes its layer in backward: reversible layers, reentrant "
+                "activation checkpointing), which DDP cannot follow with find_unused_parameters=True. If the model uses "
+                "the same parameters every step, pass static_graph=True to the strategy instead (on the command line: "
+                "strategy.static_graph=true strategy.find_unused_parameters=false)."
+            ),
+        )
 
     def teardown(self) -> None:
         engine = self.engine
