@@ -254,10 +254,10 @@ def op_seconds(repeats: int = 40, length: int = 50) -> float:
     return best / counter.ops
 
 
-def memory_bytes_per_second(elements: int = 2**19, repeats: int = 20) -> float:
-    """Bytes per second the non-matmul operators of a training step move with this process's threads: a mix of a
-    residual add, an activation, a softmax and a layer norm on activations of 2 MiB (float32) cycling through
-    :data:`WORKING_SET_BYTES`, counted as :class:`StepOperators` counts them (inputs and outputs)."""
+def memory_step(elements: int = 2**19) -> tuple[Callable[[], None], int]:
+    """One round of the non-matmul operators of a training step (a residual add, an activation, a softmax and a layer
+    norm on activations of 2 MiB float32, cycling through :data:`WORKING_SET_BYTES`), and the bytes it moves as
+    :class:`StepOperators` counts them (inputs and outputs)."""
     operands = _rotating(lambda: (torch.randn(elements // 128, 128), torch.randn(elements // 128, 128)), 8 * elements)
     weight, bias = torch.ones(128), torch.zeros(128)
     step = [
@@ -266,17 +266,26 @@ def memory_bytes_per_second(elements: int = 2**19, repeats: int = 20) -> float:
         (lambda x, y: torch.softmax(x, dim=-1), 2),
         (lambda x, y: nn.functional.layer_norm(x, (128,), weight, bias), 2),
     ]
-    for run, _ in step:
-        run(*operands())  # warm-up
+
+    def run() -> None:
+        for operator, _ in step:
+            operator(*operands())
+
+    return run, sum(tensors * elements * 4 for _, tensors in step)
+
+
+def memory_bytes_per_second(elements: int = 2**19, repeats: int = 20) -> float:
+    """Bytes per second the non-matmul operators of a training step move with this process's threads
+    (:func:`memory_step`, the best of three rounds)."""
+    run, moved = memory_step(elements)
+    run()  # warm-up
     best = float("inf")
     for _ in range(3):
         start = time.perf_counter()
         for _ in range(repeats):
-            for run, _ in step:
-                run(*operands())
+            run()
         best = min(best, time.perf_counter() - start)
-    moved = repeats * sum(tensors * elements * 4 for _, tensors in step)
-    return moved / best
+    return repeats * moved / best
 
 
 def optimizer_op_seconds(mesh: Any = None, tensors: int = 16, repeats: int = 20) -> float:

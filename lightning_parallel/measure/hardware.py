@@ -30,6 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,10 +40,11 @@ from lightning_parallel.measure.dispatch import (
     dtensor_op_seconds,
     matmul_efficiency,
     memory_bytes_per_second,
+    memory_step,
     op_seconds,
     optimizer_op_seconds,
 )
-from lightning_parallel.measure.peak import measured_matmul_tflops
+from lightning_parallel.measure.peak import TORCH_DTYPES, measured_matmul_tflops
 from lightning_parallel.measure.runtime_memory import pipeline_runtime_bytes
 
 #: Set to 1 to measure again instead of reading the cache.
@@ -56,6 +58,9 @@ CROWDED_PROCESSES = (4, 8)
 #: At most this many one-thread processes measure the node's shared figures together; on a bigger host their sum is
 #: scaled to every core (each process imports torch: hundreds of MiB apiece).
 SHARED_PROCESSES_MAX = 16
+#: Seconds the node's processes compute together per measured figure (their common window, after a barrier).
+NODE_WORK_SECONDS = 0.6
+MATMUL_SIZE = 512
 _BACKEND = "gloo"  # the CPU processes' backend; GPU profiles stay datasheet-based
 
 
@@ -77,8 +82,8 @@ class LocalMeasurements:
     op_us: float  # host time of one plain operator of forward or backward (dispatch and autograd)
     alone_memory_gbps: float  # bytes the non-matmul operators move per second, one process on every core
     per_thread_memory_gbps: float  # the same on one thread
-    # one process per core at once, one thread each, summed: what the node's processes get together (shared caches,
-    # memory bus and SMT siblings make it less than cores × one thread alone)
+    # one process per core at once, one thread each, the work of all over their common window: what the node's
+    # processes get together (shared caches, memory bus and SMT siblings make it less than cores × one thread alone)
     shared_tflops: dict[str, float]
     shared_memory_gbps: float
     matmul_efficiency: dict[str, float]  # matmul/attention kind -> throughput relative to the peak (one thread)
@@ -90,6 +95,9 @@ class LocalMeasurements:
     optimizer_dtensor_op_us: float
     # resident memory the first pipeline trace adds to a process (measure.runtime_memory)
     pipeline_runtime_bytes: float
+    # processes on the node (more than its cores) -> what they compute together, as ``shared_tflops`` (per dtype) and
+    # ``memory_gbps``: time slices, cache refills and switches cost the crowded node part of its throughput
+    crowded_rates: dict[str, dict[str, float]]
 
     def describe(self) -> str:
         return (
@@ -101,6 +109,7 @@ class LocalMeasurements:
             f"{self.alone_memory_gbps:.3g} GB/s for one process, {self.per_thread_memory_gbps:.3g} per thread; "
             f"{self.pipeline_runtime_bytes / 2**20:.0f} MiB of pipeline tracing runtime per process"
             + "".join(f"; {us / 1e3:.1f} ms per all-reduce among {n} processes" for n, us in self.crowded_latency_us.items())
+            + "".join(f"; {rates['fp32']:.3g} TFLOP/s fp32 for {n} processes together" for n, rates in self.crowded_rates.items())
         )
 
 
@@ -169,8 +178,9 @@ def measure_here() -> LocalMeasurements:
     latency_s, large_s, dtensor_op_s, optimizer_dtensor_op_s = _all_reduce_seconds()
     crowded = {str(n): _crowded_all_reduce_seconds(n) * 1e6 for n in CROWDED_PROCESSES if n > cores}
     sharing = min(cores, SHARED_PROCESSES_MAX)
-    shared = _shared_rates(sharing)
+    shared = _node_rates(sharing, cores, per_thread, per_thread_memory)
     scale = cores / sharing
+    crowded_rates = {str(n): _node_rates(n, cores, per_thread, per_thread_memory) for n in CROWDED_PROCESSES if n > cores}
     return LocalMeasurements(
         host=socket.gethostname(),
         cores=cores,
@@ -187,13 +197,14 @@ def measure_here() -> LocalMeasurements:
         op_us=op_s * 1e6,
         alone_memory_gbps=alone_memory / 1e9,
         per_thread_memory_gbps=per_thread_memory / 1e9,
-        shared_tflops={dtype: scale * sum(rates[dtype] for rates in shared) for dtype in MEASURED_DTYPES},
-        shared_memory_gbps=scale * sum(rates["memory_gbps"] for rates in shared),
+        shared_tflops={dtype: scale * shared[dtype] for dtype in MEASURED_DTYPES},
+        shared_memory_gbps=scale * shared["memory_gbps"],
         matmul_efficiency=efficiency,
         crowded_latency_us=crowded,
         optimizer_op_us=optimizer_op_s * 1e6,
         optimizer_dtensor_op_us=optimizer_dtensor_op_s * 1e6,
         pipeline_runtime_bytes=pipeline_runtime_bytes(),
+        crowded_rates=crowded_rates,
     )
 
 
@@ -253,18 +264,51 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _shared_rates(processes: int) -> list[dict[str, float]]:
-    """Matmul TFLOP/s per dtype and non-matmul GB/s of each of ``processes`` one-thread processes running at once."""
+def _node_rates(processes: int, cores: int, per_thread_tflops: dict[str, float], per_thread_memory: float) -> dict[str, float]:
+    """What ``processes`` one-thread processes compute together: matmul TFLOP/s per dtype and non-matmul GB/s
+    (``memory_gbps``), each the work of all over the window from their common start (a barrier) to the last one's end.
+
+    A fixed amount of work each, sized for about :data:`NODE_WORK_SECONDS` together, not each process's best window:
+    where processes outnumber the cores, a short window of one process may fall inside its time slice and measure a
+    core of its own, which no step of a training run gets.
+    """
+    share = min(1.0, cores / processes)  # of a core, per process
+    flops = 2 * MATMUL_SIZE**3
+    _, moved = memory_step()
+    work = {dtype: max(1, round(NODE_WORK_SECONDS * share * rate * 1e12 / flops)) for dtype, rate in per_thread_tflops.items()}
+    work["memory_gbps"] = max(1, round(NODE_WORK_SECONDS * share * per_thread_memory / moved))
+    context = mp.get_context("spawn")
+    barrier = context.Barrier(processes)
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
-        mp.start_processes(_shared_worker, args=(scratch,), nprocs=processes, start_method="spawn")
-        return [json.loads(path.read_text()) for path in sorted(Path(scratch).glob("rates-*.json"))]
+        mp.start_processes(_node_worker, args=(barrier, scratch, work), nprocs=processes, start_method="spawn")
+        spans = [json.loads(path.read_text()) for path in sorted(Path(scratch).glob("spans-*.json"))]
+    units = {"memory_gbps": moved / 1e9, **{dtype: flops / 1e12 for dtype in per_thread_tflops}}
+    rates = {}
+    for name, unit in units.items():
+        window = max(span[name][1] for span in spans) - min(span[name][0] for span in spans)
+        rates[name] = processes * work[name] * unit / max(window, 1e-9)
+    return rates
 
 
-def _shared_worker(rank: int, scratch: str) -> None:
+def _node_worker(rank: int, barrier: Any, scratch: str, work: dict[str, int]) -> None:
     torch.set_num_threads(1)
-    rates: dict[str, float] = {dtype: measured_matmul_tflops(dtype) for dtype in MEASURED_DTYPES}
-    rates["memory_gbps"] = memory_bytes_per_second() / 1e9
-    Path(scratch, f"rates-{rank}.json").write_text(json.dumps(rates))
+    runs = {dtype: _matmul_run(dtype) for dtype in work if dtype != "memory_gbps"}
+    runs["memory_gbps"] = memory_step()[0]
+    spans = {}
+    for name, run in runs.items():
+        run()  # warm-up (kernels, pages)
+        barrier.wait()
+        start = time.monotonic()  # one clock for every process of the host
+        for _ in range(work[name]):
+            run()
+        spans[name] = (start, time.monotonic())
+    Path(scratch, f"spans-{rank}.json").write_text(json.dumps(spans))
+
+
+def _matmul_run(dtype: str) -> Any:
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, generator=torch.Generator().manual_seed(0)).to(TORCH_DTYPES[dtype])
+    b = a.clone()
+    return lambda: a @ b
 
 
 def _crowded_all_reduce_seconds(world_size: int, repeats: int = 40) -> float:
@@ -332,6 +376,8 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
         "node_memory_gbps": found.shared_memory_gbps,
         "matmul_efficiency": found.matmul_efficiency,
         "crowded_latency_us": {int(n): us for n, us in found.crowded_latency_us.items()},
+        "crowded_node_tflops": {int(n): rates["fp32"] for n, rates in found.crowded_rates.items()},
+        "crowded_node_memory_gbps": {int(n): rates["memory_gbps"] for n, rates in found.crowded_rates.items()},
         "host_cores": found.cores,
         "description": found.describe() + f" (cached in {cache_path()})",
     }

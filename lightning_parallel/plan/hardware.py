@@ -62,6 +62,11 @@ class HardwareProfile:
         crowded_latency_us: Processes on the node (more than ``host_cores``) -> fixed cost of one collective among
             them, microseconds: a rank blocked in a collective waits until every peer has been scheduled again.
             Measured on CPUs (``measured: true``); empty where every process has a core of its own.
+        crowded_node_tflops: Processes on the node (more than ``host_cores``) -> the node's compute they get together,
+            TFLOP/s (as ``node_tflops``, which is for ``host_cores`` processes): time slices, cache refills and
+            switches cost a crowded node part of its throughput. Between the counts given it is interpolated, past the
+            last it stays the last. Measured on CPUs (``measured: true``).
+        crowded_node_memory_gbps: The same for ``node_memory_gbps``.
         pipeline_runtime_bytes: Memory the pipeline's tracing runtime keeps in each process for the run (torch.export,
             FX graphs: tens of MiB whatever the model), counted beside a pipeline rank's tensors where the device's
             memory is the host's. Measured on CPUs (``measured: true``,
@@ -95,6 +100,8 @@ class HardwareProfile:
     optimizer_op_us: float = 0.0
     optimizer_dtensor_op_us: float = 0.0
     pipeline_runtime_bytes: float = 0.0
+    crowded_node_tflops: Mapping[int, float] | None = None
+    crowded_node_memory_gbps: Mapping[int, float] | None = None
     description: str = ""
 
     def __post_init__(self) -> None:
@@ -143,7 +150,8 @@ class HardwareProfile:
         """Achievable FLOP/s of one process when ``processes_on_node`` share a node."""
         peak = self.peak_tflops
         if self.node_tflops is not None and processes_on_node > 1:  # alone, a process has the whole node
-            peak = min(peak, self.node_tflops / processes_on_node)
+            node = self._crowded(self.node_tflops, self.crowded_node_tflops, processes_on_node)
+            peak = min(peak, node / processes_on_node)
         return peak * 1e12 * self.achievable_fraction
 
     def matmul_flops_per_device(self, processes_on_node: int) -> float:
@@ -165,8 +173,20 @@ class HardwareProfile:
             raise ValueError(f"hardware {self.name!r} has no memory_gbps (a datasheet profile: FLOPs only).")
         bandwidth = self.memory_gbps
         if self.node_memory_gbps is not None and processes_on_node > 1:
-            bandwidth = min(bandwidth, self.node_memory_gbps / processes_on_node)
+            node = self._crowded(self.node_memory_gbps, self.crowded_node_memory_gbps, processes_on_node)
+            bandwidth = min(bandwidth, node / processes_on_node)
         return bandwidth * 1e9
+
+    def _crowded(self, node: float, crowded: Mapping[int, float] | None, processes_on_node: int) -> float:
+        """A node figure (``node`` for ``host_cores`` processes) for ``processes_on_node``: interpolated between the
+        crowded counts measured, the last one's past them."""
+        if not crowded or not self.host_cores or processes_on_node <= self.host_cores:
+            return node
+        points = sorted({self.host_cores: node, **{int(n): value for n, value in crowded.items()}}.items())
+        for (n0, v0), (n1, v1) in pairwise(points):
+            if processes_on_node <= n1:
+                return v0 + (v1 - v0) * (processes_on_node - n0) / (n1 - n0)
+        return points[-1][1]
 
     def _crowding(self, processes_on_node: int) -> float:
         return max(1.0, processes_on_node / self.host_cores) if self.host_cores else 1.0

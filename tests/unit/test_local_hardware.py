@@ -14,6 +14,7 @@ FIGURES = hardware.LocalMeasurements(
     alone_memory_gbps=20.0, per_thread_memory_gbps=8.0, shared_tflops={"fp32": 0.2, "fp64": 0.1}, shared_memory_gbps=24.0,
     matmul_efficiency={"matmul/32": 0.5, "attention/32": 0.25, "matmul/512": 1.0}, crowded_latency_us={"8": 6000.0},
     optimizer_op_us=3.0, optimizer_dtensor_op_us=15.0, pipeline_runtime_bytes=35 * 2**20,
+    crowded_rates={"8": {"fp32": 0.16, "fp64": 0.08, "memory_gbps": 16.0}},
 )
 
 
@@ -52,7 +53,11 @@ def test_a_measured_profile_takes_this_machines_figures_and_keeps_what_it_writes
     # Alone a process has the whole node; two share it (each cores // 2 threads); eight share one thread's worth.
     assert profile.flops_per_device(1) == pytest.approx(0.2e12)
     assert profile.flops_per_device(2) == pytest.approx(0.1e12)
-    assert profile.flops_per_device(8) == pytest.approx(0.025e12)
+    # Eight processes on the 4 cores got 0.16 together (time slices, cache refills): 0.02 each, not 0.2 / 8.
+    assert profile.flops_per_device(8) == pytest.approx(0.02e12)
+    assert profile.flops_per_device(6) == pytest.approx(0.18e12 / 6)  # between 4 (the node's 0.2) and 8, linearly
+    assert profile.flops_per_device(16) == pytest.approx(0.01e12)  # past 8: the node keeps the last figure
+    assert profile.memory_bytes_per_second(8) == pytest.approx(2e9)
     # The roofline's other figures: memory bandwidth alone and shared, operator host time, matmul efficiency.
     assert profile.memory_bytes_per_second(1) == pytest.approx(20e9) and profile.memory_bytes_per_second(4) == pytest.approx(6e9)
     assert profile.op_seconds(2) == pytest.approx(2e-6) and profile.op_seconds(8) == pytest.approx(4e-6)
