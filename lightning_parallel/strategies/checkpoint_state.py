@@ -103,7 +103,7 @@ class CheckpointState:
             for group in (engine.device_mesh["pp"].get_group() if self._staged else None, engine.expert_parallel.list_group):
                 if group is not None:
                     merged = all_pipeline_parts({"state": {}, "param_groups": state["param_groups"]}, group)
-                    state = {"state": state["state"], "param_groups": merged["param_groups"]}
+                    state = {"state": state["state"], "param_groups": self._in_whole_order(merged["param_groups"])}
             return state
         if self._staged:
             return gather_pipeline_parts(named_optimizer_state(module, optimizer), engine.device_mesh["pp"].get_group())
@@ -137,7 +137,15 @@ class CheckpointState:
             return state
         groups = [dict(g, params=list(g["params"]) + [n for n in extra["params"] if n not in g["params"]])
                   for g, extra in zip(state["param_groups"], gathered["param_groups"])]
-        return {"state": {**state["state"], **gathered["state"]}, "param_groups": groups}
+        return {"state": {**state["state"], **gathered["state"]}, "param_groups": self._in_whole_order(groups)}
+
+    def _in_whole_order(self, groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Param groups whose names are listed in the whole model's order (a single-device optimizer maps a
+        name-keyed state by position); unchanged without nn.ModuleList experts divided by expert parallelism."""
+        experts = self.engine.expert_parallel
+        if experts.list_group is None:
+            return groups
+        return [dict(g, params=experts.whole_order(list(g["params"]))) for g in groups]
 
     def _local_expert_names(self) -> set[str]:
         prefixes = tuple(f"{fqn}." for fqn in self.engine.expert_parallel.expert_lists)

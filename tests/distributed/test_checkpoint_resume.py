@@ -46,6 +46,11 @@ LAYOUTS = {
     "moe_dp4ep4": {"strategy": "hybrid", "batch_size": 1, "model_kwargs": {"model": "gpt_moe"},
                    "strategy_kwargs": {"data_parallel_size": 4, "expert_parallel_size": 4}},
     "moe_dp4": {"strategy": "data", "batch_size": 1, "model_kwargs": {"model": "gpt_moe"}},
+    # A hand-written MoE whose experts are an nn.ModuleList (each rank holds its own experts, by global name).
+    "list_moe_single": {"strategy": "single", "batch_size": 4, "model_kwargs": {"model": "list_moe"}},
+    "list_dp2ep2": {"strategy": "hybrid", "batch_size": 2, "model_kwargs": {"model": "list_moe"},
+                    "strategy_kwargs": {"data_parallel_size": 2, "expert_parallel_size": 2}},
+    "list_dp2": {"strategy": "data", "batch_size": 2, "model_kwargs": {"model": "list_moe"}},
 }
 
 #: Layouts that train and save at step 4 (how), per world size and accumulation.
@@ -54,15 +59,17 @@ SAVES = {
     "dp2": {},
     "tp2": {"async_save": True},
     "pp2": {"save_format": "full"},
+    "list_dp2ep2": {},  # sharded: each rank writes its own experts
     # world size 4, accumulate 2
     "dp2xtp2": {},
     "moe_dp4ep2": {},
 }
 #: (source, target) pairs resumed in each job; a pair with equal names is the bitwise same-layout check.
-RESUMES_2 = [("single", "dp2"), ("dp2", "pp2"), ("pp2", "tp2"), ("tp2", "pp2"), ("tp2", "dp2"), ("dp2", "dp2")]
+RESUMES_2 = [("single", "dp2"), ("dp2", "pp2"), ("pp2", "tp2"), ("tp2", "pp2"), ("tp2", "dp2"), ("dp2", "dp2"),
+             ("list_dp2ep2", "list_dp2")]
 RESUMES_4 = [("dp2xtp2", "dp2xpp2"), ("dp2xtp2", "dp4"), ("dp2xtp2", "dp2xtp2"),
              ("moe_dp4ep2", "moe_dp4ep4"), ("moe_dp4ep2", "moe_dp4")]
-RESUMES_SINGLE = [("pp2", "single", 1), ("tp2", "single", 1), ("dp2xtp2", "single", 2)]
+RESUMES_SINGLE = [("pp2", "single", 1), ("tp2", "single", 1), ("dp2xtp2", "single", 2), ("list_dp2ep2", "list_moe_single", 1)]
 
 
 def layout_run(name: str, layout: str, accumulate: int, **extra) -> Run:
@@ -135,7 +142,8 @@ def test_saving_layouts_train_like_single_device(root, devices):
 
 @pytest.mark.parametrize(("source", "target"), [p for p in RESUMES_2 if p[0] != p[1]])
 def test_resume_across_layouts_two_ranks(root, source, target):
-    assert_continues_reference(torchrun_job(root, 2)[f"{source}->{target}"], reference(root, 1))
+    """Also a MoE with nn.ModuleList experts saved divided over ep=2, resumed replicated (plain dp2)."""
+    assert_continues_reference(torchrun_job(root, 2)[f"{source}->{target}"], reference_of(root, source, 1))
 
 
 @pytest.mark.parametrize(("source", "target"), [p for p in RESUMES_4 if p[0] != p[1]])
@@ -160,4 +168,4 @@ def test_resume_on_one_device_from_any_layout(root, source, target, accumulate):
     torchrun_job(root, 2 if accumulate == 1 else 4)
     base = root / f"acc{accumulate}"
     resumed = run(layout_run(f"{source}->{target}", target, accumulate, resume=checkpoint_of(base, source)), devices=1)
-    assert_continues_reference(resumed, reference(root, accumulate))
+    assert_continues_reference(resumed, reference_of(root, source, accumulate))

@@ -157,7 +157,7 @@ class TwoPassForward:
         self._outputs: dict[tuple[int, torch.dtype], tuple[int, torch.dtype]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        device = _first_tensor((args, kwargs))
+        device = _device_of((args, kwargs))
         recorder = _Recorder(self)
         before = _rng_state(device)
         with self._experts_replaced_by(recorder.call):
@@ -370,7 +370,7 @@ def _tensors(tree: Any) -> Iterator[Tensor]:
             yield from _tensors(item)
 
 
-def _first_tensor(tree: Any) -> torch.device:
+def _device_of(tree: Any) -> torch.device:
     return next((t.device for t in _tensors(tree)), torch.device("cpu"))
 
 

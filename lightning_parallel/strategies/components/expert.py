@@ -228,6 +228,20 @@ class ExpertParallelComponent(Component):
         prefixes = tuple(f"{fqn}." for fqn in self.expert_lists)
         return tuple(p for name, p in module.named_parameters() if name.startswith(prefixes)), self._list_group
 
+    def whole_order(self, names: list[str]) -> list[str]:
+        """``names`` (parameter names of the whole model) in the whole model's order: the nn.ModuleList experts that
+        other ranks hold in their list's place, by index (the order an optimizer over the whole model lists them)."""
+        order: dict[str, int] = {}
+        lists = {f"{fqn}.": listed for fqn, listed in self.expert_lists.items()}
+        for name, _ in self.engine.lightning_module.named_parameters():
+            prefix = next((p for p in lists if name.startswith(p)), None)
+            if prefix is None:
+                order.setdefault(name, len(order))
+            elif f"{prefix}0.{lists[prefix].parameters[0]}" not in order:
+                for whole in lists[prefix].parameter_names(range(lists[prefix].num_experts)):
+                    order.setdefault(whole, len(order))
+        return sorted(names, key=lambda n: order.get(n, len(order)))
+
     @property
     def remote_expert_shapes(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of the state-dict entries of the nn.ModuleList experts other ranks hold."""
