@@ -285,7 +285,37 @@ def trace_and_compare(model: nn.Module, traced: nn.Module, x: torch.Tensor, expe
     return stages
 
 
-@pytest.mark.parametrize("experts", [LoopingExperts, ScaledLoopingExperts], ids=["experts", "per_expert_submodule"])
+class StackedGLU(nn.Module):
+    """Every expert's weights stacked in 2-D in a submodule of the experts (DBRX's ``DbrxExpertGLU``)."""
+
+    def __init__(self, experts: int = 4, hidden: int = D, inner: int = 6) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts * inner, hidden, dtype=torch.float64) / hidden)
+        self.w2 = nn.Parameter(torch.randn(experts * inner, hidden, dtype=torch.float64) / inner)
+
+
+class NestedStackedExperts(nn.Module):
+    """Routed experts holding no parameter themselves, recognised by their call ``(hidden, top_k_index, top_k_weights)``."""
+
+    def __init__(self, experts: int = 4, inner: int = 6) -> None:
+        super().__init__()
+        self.inner = inner
+        self.mlp = StackedGLU(experts, D, inner)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in top_k_index.unique().tolist():
+            token, choice = torch.where(top_k_index == expert)
+            w1 = self.mlp.w1.view(-1, self.inner, D)[expert]
+            w2 = self.mlp.w2.view(-1, self.inner, D)[expert]
+            value = nn.functional.silu(hidden_states[token] @ w1.T) @ w2
+            out = out.index_add(0, token, value * top_k_weights[token, choice, None])
+        return out
+
+
+@pytest.mark.parametrize(
+    "experts", [LoopingExperts, ScaledLoopingExperts, NestedStackedExperts], ids=["experts", "per_expert_submodule", "nested_2d"]
+)
 def test_routed_experts_trace_as_one_operator_calling_the_live_module(experts):
     """The experts' data-dependent loop stops torch.export; marked, each experts call is an opaque operator whose
     stages compute the module's own values and gradients (router included), also when traced from a meta copy,
@@ -415,3 +445,102 @@ def test_the_previous_steps_gradients_are_freed_only_where_lightning_would_zero_
     manual.automatic_optimization = manual_inside_window.automatic_optimization = False
     assert not _zeroed_after_step(manual) and not _accumulating_in_place(manual_inside_window)
     assert not _zeroed_after_step(nn.Linear(2, 2)) and not _accumulating_in_place(nn.Linear(2, 2))
+
+
+def test_a_split_layer_whose_submodules_are_called_from_its_forward_traces():
+    """torch's ``split_spec`` replaces the split layer's forward on the instance, and export then names the layer's
+    submodules relative to it ("attn", not "layers.1.attn"): OpenAI GPT's block failed to unflatten. The split
+    points are marked by a forward pre-hook instead, and the stages compute the model's values."""
+    from transformers import OpenAIGPTConfig
+    from transformers.models.openai.modeling_openai import Block
+
+    config = OpenAIGPTConfig(n_embd=8, n_head=2, n_positions=8, attn_pdrop=0.0, resid_pdrop=0.0)
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block(8, config, scale=True) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)[0]
+            return x
+
+    torch.manual_seed(0)
+    model, x = Blocks().double(), torch.randn(B, L, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="not a descendant"):
+        pipeline(model, (x,), None, split_spec={"layers.1": SplitPoint.BEGINNING})
+    model.layers[1].__dict__.pop("_orig_forward"), model.layers[1].__dict__.pop("forward")
+    pipe = _trace(model, (x,), {}, ["layers.1"], training=True)
+    stages = [pipe.get_stage_module(s) for s in range(2)]
+    torch.testing.assert_close(stages[1](stages[0](x)), model(x), rtol=0, atol=1e-12)
+    assert not any(hook for layer in model.layers for hook in layer._forward_pre_hooks.values())  # hooks removed
+
+
+class NoGradRefinement(nn.Module):
+    """A block that first refines its input without gradient (as HRM's cycles do), then once with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            z = torch.tanh(self.mix(h))
+        return h + torch.tanh(self.mix(h + z))
+
+
+class NoGradStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(NoGradRefinement() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_no_grad_block_in_forward_runs_in_its_stage_without_gradient():
+    """Export records ``torch.no_grad()`` as an operator holding a subgraph, which torch's split lost ("no attribute
+    'submod_1'"); bound into the call it runs in its stage, values and gradients those of the module, also traced
+    from a meta copy (the subgraph's meta device retargeted)."""
+    from lightning_parallel.parallelize.pipeline.build import meta_copy
+
+    torch.manual_seed(0)
+    model, x = NoGradStack(), torch.randn(B, L, D, dtype=torch.float64)
+    expected = model(x)
+    expected.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    for traced in (model, meta_copy(model)):
+        trace_and_compare(model, traced, x, expected, grads)
+
+
+class RescalingStack(NoGradStack):
+    """Writes into a parameter under ``torch.no_grad()`` in forward (RWKV rescales its weights so)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.layers[0].mix.weight.mul_(1.0)
+        return super().forward(x)
+
+
+def test_a_forward_writing_into_its_parameters_is_refused_with_the_module_and_parameter_named():
+    model, x = RescalingStack(), torch.randn(B, L, D, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"writes into its parameters under torch.no_grad\(\) \(layers.0.mix.weight"):
+        _trace(model, (x,), {}, ["layers.1"], training=True)
+
+
+class CyclingStack(NoGradStack):
+    """Runs its layers twice (HRM's recurrent cycles over the same blocks)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(super().forward(x))
+
+
+def test_a_split_point_that_runs_twice_per_forward_is_refused_with_its_count():
+    model, x = CyclingStack(), torch.randn(B, L, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="layers.1 runs 2 times"):
+        _trace(model, (x,), {}, ["layers.1"], training=True)
+    assert not model.layers[1]._forward_pre_hooks

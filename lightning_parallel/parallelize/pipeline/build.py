@@ -1,6 +1,6 @@
 """Cut a module into pipeline stages and keep this rank's: torch's tracing frontend, or ``nn.Sequential`` slicing.
 
-Tracing (``torch.distributed.pipelining.pipeline`` with ``SplitPoint.BEGINNING`` at each split point)
+Tracing (``torch.distributed.pipelining.pipeline``, a stage beginning where each split point is called)
 handles any ``forward`` torch.export can capture: loops over ``nn.ModuleList``, residuals, embeddings and
 heads, tied weights (replicated onto each stage that uses them). Export bakes train/eval behaviour
 (dropout, batch norm, ``if self.training``) into the graph, so the module is traced twice, once per mode,
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
-from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.distributed.pipelining import PipelineStage, pipe_split, pipeline
 from torch.export.unflatten import InterpreterModule
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.parallelize.pipeline.graph import check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
+from lightning_parallel.parallelize.pipeline.graph import bind_subgraphs, check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
 from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts, opaque_routed_experts
 from lightning_parallel.parallelize.pipeline.opaque_functions import opaque_autograd_functions
 from lightning_parallel.parallelize.pipeline.schedule import stages_on
@@ -291,14 +291,19 @@ def _trace(
         device: Where the stages will run, for a trace of the meta skeleton: the meta device the trace
             recorded in factory calls and ``.to()`` becomes this one.
     """
-    marked = [module.get_submodule(name) for name in split_points]
-    saved = [m.__dict__.get("forward") for m in marked]
+    # A stage begins where a split point is called: a forward pre-hook marks it. (torch's split_spec instead
+    # replaces forward on the instance, and export then records the split module's children, reached through
+    # the unwrapped module, under paths relative to it: "attn", not "h.2.attn". Unflattening the stage refuses
+    # those paths, for any split layer whose submodules are not themselves wrapped.)
+    calls = dict.fromkeys(split_points, 0)
+    hooks = [module.get_submodule(name).register_forward_pre_hook(_begin_stage(calls, name)) for name in split_points]
     was_training = module.training
     module.train(training)
     try:
         # Data-dependent routing, and custom backwards that a trace through the forward would lose: one operator each.
         with opaque_routed_experts(module), opaque_autograd_functions():
-            pipe = pipeline(module, args, kwargs or None, split_spec={name: SplitPoint.BEGINNING for name in split_points})
+            pipe = pipeline(module, args, kwargs or None, split_policy=bind_subgraphs)
+        _check_called_once(calls, type(module).__name__)
         check_stage_inputs(pipe)
         contiguous_boundaries(pipe)  # p2p sends need contiguous activations and gradients
         for submodule in pipe.split_gm.modules():
@@ -309,13 +314,30 @@ def _trace(
         return pipe
     finally:
         module.train(was_training)
-        # pipeline() marks split points by patching forward on the instances; undo it.
-        for submodule, forward in zip(marked, saved):
-            submodule.__dict__.pop("_orig_forward", None)
-            if forward is None:
-                submodule.__dict__.pop("forward", None)
-            else:
-                submodule.forward = forward
+        for hook in hooks:
+            hook.remove()
+
+
+def _begin_stage(calls: dict[str, int], name: str) -> Any:
+    """Forward pre-hook of the split point ``name``: the traced graph is cut here (a no-op when run eagerly)."""
+
+    def begin_stage(_: nn.Module, __: Any) -> None:
+        calls[name] += 1
+        pipe_split()
+
+    return begin_stage
+
+
+def _check_called_once(calls: dict[str, int], module_name: str) -> None:
+    """A stage begins where its split point runs: one that runs several times per forward cuts several stages."""
+    repeated = {name: count for name, count in calls.items() if count > 1}
+    if repeated:
+        listed = ", ".join(f"{name} runs {count} times" for name, count in repeated.items())
+        raise ValueError(
+            f"split_points cut {module_name} where a module runs more than once per forward ({listed}: the model "
+            f"calls these layers again, e.g. in recurrent cycles over the same blocks), and each call would begin a "
+            f"stage. Name split points that run once per forward, or set pipeline_parallel_size=1 for this model."
+        )
 
 
 def _split_over_tensor_parallel(

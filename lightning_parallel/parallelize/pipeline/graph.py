@@ -2,7 +2,8 @@
 
 Export's graphs need a little cleaning before the stages run them as generated Python code (metadata
 assertions DTensor has no rule for, empty cache tensors in ``cat``, writes into cache tensors nothing reads, a
-node named ``self``, a meta trace's device); a split can be checked for stages that read values they are never given, and V-shaped schedules
+node named ``self``, a meta trace's device), and ``torch.no_grad()`` blocks their subgraph bound into the call (a forward
+writing into its parameters there is refused); a split can be checked for stages that read values they are never given, and V-shaped schedules
 for a plain chain. When export fails, the error names the innermost module code it was in. No Lightning here.
 """
 
@@ -51,6 +52,115 @@ def check_stage_inputs(pipe: Any) -> None:
                 )
 
 
+def bind_subgraphs(traced: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give each operator that runs a subgraph of ``traced`` (export's ``wrap_with_set_grad_enabled`` for a
+    ``torch.no_grad()`` block, ``wrap_with_autocast``) the subgraph itself instead of a ``get_attr`` of it.
+
+    torch 2.13's pipeline split reads the subgraph as an attribute of the stage, then rebuilds each stage from its
+    module hierarchy without copying that attribute over: any forward with such a block failed with "object has no
+    attribute 'submod_1'". Bound into the call, the subgraph travels with the node to whichever stage runs it, and
+    runs exactly as the operator would (grad mode set, restored after).
+    """
+    changed = False
+    for node in list(traced.graph.nodes):
+        if node.op != "call_function":
+            continue
+        held = {
+            index: getattr(traced, arg.target)
+            for index, arg in enumerate(node.args)
+            if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and isinstance(getattr(traced, arg.target, None), torch.fx.GraphModule)
+        }
+        if not held:
+            continue
+        _refuse_parameter_writes(traced, node, held)
+        attributes = [node.args[index] for index in held]
+        node.args = tuple(arg for index, arg in enumerate(node.args) if index not in held)
+        node.target = _with_subgraphs(node.target, held, len(node.args) + len(held))
+        for attribute in attributes:
+            if not attribute.users:
+                traced.graph.erase_node(attribute)
+                if not any(n.op == "get_attr" and n.target == attribute.target for n in traced.graph.nodes):
+                    delattr(traced, attribute.target)
+        changed = True
+    if changed:
+        _renumber_module_calls(traced.graph)
+        traced.recompile()
+    return traced
+
+
+def _renumber_module_calls(graph: torch.fx.Graph) -> None:
+    """Number each module's calls in the graph ``m``, ``m@1``, ... again, in the order they appear.
+
+    Export numbers them over the whole forward, so a module called first inside a ``torch.no_grad()`` block (now
+    inside the bound subgraph) and again after it appears only as ``m@1``: unflattening then puts its parameters
+    under ``m@1``, a name the model does not have, and the stage's copy would never be bound to the model's.
+    """
+    renamed: dict[str, str] = {}
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        for key in stack:
+            if key not in renamed:
+                base = key.split("@", 1)[0]
+                renamed[key] = base if base not in calls else f"{base}@{calls[base]}"
+                calls[base] = calls.get(base, 0) + 1
+        if any(renamed[key] != key for key in stack):
+            node.meta["nn_module_stack"] = {renamed[key]: value for key, value in stack.items()}
+
+
+def _refuse_parameter_writes(traced: torch.fx.GraphModule, node: torch.fx.Node, held: dict[int, torch.fx.GraphModule]) -> None:
+    """Refuse a ``torch.no_grad()`` block that writes into a parameter (RWKV rescales its weights in place when it
+    switches between training and evaluation): export turns the write into a new tensor the rest of the graph reads,
+    so a traced stage would repeat the write on every call and train a copy that no gradient reaches."""
+    if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled or node.args[0] is not False or len(held) != 1:
+        return
+    (body,) = held.values()
+    operands = [arg for index, arg in enumerate(node.args) if index not in held][1:]
+    bound = dict(zip((n for n in body.graph.nodes if n.op == "placeholder"), operands))
+    results = next(n for n in body.graph.nodes if n.op == "output").args[0]
+    written = []
+    for value in results if isinstance(results, (tuple, list)) else [results]:
+        # An output computed from a parameter operand in its shape: the parameter's new value.
+        source = value.args[0] if isinstance(value, torch.fx.Node) and value.op == "call_function" and value.args else None
+        operand = bound.get(source) if isinstance(source, torch.fx.Node) else None
+        if isinstance(operand, torch.fx.Node) and operand.op == "get_attr":
+            parameter = _attribute(traced, str(operand.target))
+            result = value.meta.get("val")
+            if isinstance(parameter, nn.Parameter) and isinstance(result, Tensor) and result.shape == parameter.shape:
+                written.append(str(operand.target))
+    if written:
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        where = f" in {stack[-1][0]} ({stack[-1][1].rsplit('.', 1)[-1]})" if stack else ""
+        raise TypeError(
+            f"forward{where} writes into its parameters under torch.no_grad() ({', '.join(written[:4])}"
+            f"{' ...' if len(written) > 4 else ''}), e.g. rescaling weights when switching between training and "
+            "evaluation: a traced stage would repeat the write on every call and compute with a copy no gradient "
+            "reaches. Move the write out of forward (or disable it in the config), or set pipeline_parallel_size=1"
+        )
+
+
+def _attribute(module: nn.Module, target: str) -> Any:
+    try:
+        return module.get_parameter(target)
+    except AttributeError:
+        return None
+
+
+def _with_subgraphs(op: Any, held: dict[int, torch.fx.GraphModule], arity: int) -> Any:
+    """``op`` with the subgraphs ``held`` (argument position -> module) bound: the call passes every other argument."""
+
+    def run_with_subgraphs(*args: Any, **kwargs: Any) -> Any:
+        rest = iter(args)
+        full = [held[index] if index in held else next(rest) for index in range(arity)]
+        return op(*full, *rest, **kwargs)
+
+    run_with_subgraphs.__name__ = f"{getattr(op, '__name__', 'op')}_with_subgraphs"
+    run_with_subgraphs.subgraphs = list(held.values())  # type: ignore[attr-defined]  (passes reach them here)
+    return run_with_subgraphs
+
+
 _ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
@@ -70,12 +180,22 @@ def clean_graph(submodule: InterpreterModule, device: torch.device | None) -> No
         elif node.op == "call_function" and node.target is torch.ops.aten.cat.default and _drop_empty_cat_inputs(node):
             changed = True
         elif device is not None and node.op == "call_function":
-            args, kwargs = tree_map(lambda a: device if _is_meta_device(a) else a, (node.args, node.kwargs))
-            if (args, kwargs) != (node.args, node.kwargs):
-                node.args, node.kwargs = args, kwargs
-                changed = True
+            changed = _retarget(node, device) or changed
     if changed:
         submodule.finalize()
+
+
+def _retarget(node: torch.fx.Node, device: torch.device) -> bool:
+    """The meta device in ``node``'s arguments (and in the graphs of subgraphs bound into it) becomes ``device``."""
+    changed = False
+    for body in getattr(node.target, "subgraphs", ()):
+        if any([_retarget(inner, device) for inner in body.graph.nodes if inner.op == "call_function"]):
+            body.recompile()
+    args, kwargs = tree_map(lambda a: device if _is_meta_device(a) else a, (node.args, node.kwargs))
+    if (args, kwargs) != (node.args, node.kwargs):
+        node.args, node.kwargs = args, kwargs
+        changed = True
+    return changed
 
 
 def _rename_nodes_named_self(graph: torch.fx.Graph) -> bool:

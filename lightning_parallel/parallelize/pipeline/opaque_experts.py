@@ -74,13 +74,20 @@ LIBRARY.impl("routed_experts", lambda hidden, *_: torch.empty_like(hidden), "Met
 def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts | str]:
     """Give every routed-experts module under ``module`` a key naming it as the live module its stages call.
 
-    Also those expert parallelism cannot divide (a reason instead of a layout): the operator needs only the
-    ``experts(hidden, index, weights)`` call, and takes every parameter below the module as an input.
+    A routed-experts module is one expert parallelism recognises (transformers' 3-D layout, also those it cannot
+    divide: a reason instead of a layout), or any module holding parameters whose ``forward`` takes the routed
+    experts' call, ``(hidden_states, expert indices, routing weights)``: DBRX keeps its experts' weights in a
+    submodule, stacked in 2-D. The operator needs only that call, and takes every parameter below the module as an
+    input. The outermost such module is marked (its own submodules run inside its call).
     Call it on the module the stages will train, before copying it (a meta skeleton keeps the keys).
     """
-    marked = {}
+    marked: dict[str, RoutedExperts | str] = {}
     for name, sub in module.named_modules():
+        if any(name.startswith(f"{outer}.") for outer in marked):
+            continue
         experts = routed_experts(sub)
+        if experts is None and takes_routed_call(sub):
+            experts = "its forward takes the routed experts' call (hidden states, expert indices, routing weights)"
         if experts is None:
             continue
         key = getattr(sub, KEY_ATTRIBUTE, None)
@@ -91,6 +98,27 @@ def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts | str]:
         _LIVE[key] = weakref.ref(sub)
         marked[name] = experts
     return marked
+
+
+#: Words naming a routed-experts call's second argument (which experts: ``top_k_index``, ``router_indices``,
+#: ``selected_experts``) and third (their weights: ``top_k_weights``, ``routing_weights``).
+_INDEX_WORDS = ("index", "indices", "selected")
+_WEIGHT_WORDS = ("weight",)
+
+
+def takes_routed_call(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters and its ``forward`` takes exactly ``(hidden, expert indices, weights)``."""
+    if next(module.parameters(), None) is None:
+        return False
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(parameters) != 3 or any(p.kind not in positional for p in parameters):
+        return False
+    index, weights = parameters[1].name.lower(), parameters[2].name.lower()
+    return any(word in index for word in _INDEX_WORDS) and any(word in weights for word in _WEIGHT_WORDS)
 
 
 @contextmanager
