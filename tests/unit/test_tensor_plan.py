@@ -707,6 +707,19 @@ def test_a_head_whose_bias_its_parent_also_holds_splits_with_its_tied_embedding(
         check_plan(model, resolve_plan(model, {"embed": "embedding_rowwise", "predictions.decoder": "colwise_gather_output"}), 2)
 
 
+def test_other_tables_as_large_as_the_vocabulary_split_over_their_rows_smaller_ones_stay_whole():
+    # RoCBert: shape and pronunciation tables beside the token embedding; positions and token types are small.
+    model = nn.ModuleDict({"embed": nn.Embedding(64, 16), "shape": nn.Embedding(64, 16), "hashes": nn.Embedding(256, 16),
+                           "positions": nn.Embedding(32, 16), "types": nn.Embedding(2, 16), "head": nn.Linear(16, 64, bias=False)})
+    model.head.weight = model.embed.weight  # tied: the token embedding among the tables of the head's shape
+    units = infer_units(model)
+    assert units == [{"embed": "embedding_rowwise", "head": "colwise_gather_output"},
+                     {"shape": "embedding_rowwise"}, {"hashes": "embedding_rowwise"}]
+    # Without an output head there is no vocabulary to compare with: every table stays whole.
+    del model["head"]
+    assert infer_units(model) == []
+
+
 def test_sibling_mlp_beside_adapters_split_on_their_own():
     # X-MOD: the MLP's output module also holds per-language adapters (d -> d/r -> d), run on its whole output.
     layer = EncoderLayer()
@@ -1085,10 +1098,13 @@ def test_the_token_embedding_tied_to_the_head_splits_beside_another_embedding_of
     model.lm_head.weight = model.embed_tokens.weight
     plan = infer_plan(model)
     assert plan["embed_tokens"] == "embedding_rowwise" and plan["lm_head"] == "colwise_gather_output"
-    assert "embed_per_layer" not in plan
+    # The other table, as large as the vocabulary, splits over its rows on its own (not as the head's pair).
+    assert {"embed_tokens", "lm_head"} in [set(unit) for unit in infer_units(model)]
+    assert plan["embed_per_layer"] == "embedding_rowwise"
     model.lm_head.weight = nn.Parameter(torch.zeros(64, 16))
     plan = infer_plan(model)
-    assert not {"embed_tokens", "embed_per_layer", "lm_head"} & set(plan)
+    # Untied: which embedding is the head's pair is ambiguous, the head stays whole; the tables split on their own.
+    assert "lm_head" not in plan and plan["embed_tokens"] == plan["embed_per_layer"] == "embedding_rowwise"
 
 
 class _ReadsItsTokenTable(nn.Module):

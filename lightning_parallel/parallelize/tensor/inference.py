@@ -230,7 +230,22 @@ def _vocabulary_pair(module: nn.Module, taken: Collection[str], tied: Collection
             # One tensor in two modules: both split its vocabulary rows (Shard(0) in either style), as one group,
             # and apply_tensor_parallel ties the two modules to the one sharded parameter again.
             units.append({embedding: "embedding_rowwise", head: "colwise_gather_output"})
-    return units
+    return units + _tables_of_the_vocabulary(embeddings, heads, {fqn for unit in units for fqn in unit}, untaken, free)
+
+
+def _tables_of_the_vocabulary(embeddings: Mapping[tuple[int, ...], list[str]], heads: Mapping[tuple[int, ...], list[str]],
+                              split: Collection[str], untaken: Callable[[str], bool], free: Callable[[str], bool]) -> list[Unit]:
+    """Other embedding tables at least as large as the vocabulary the output head writes (RoCBert's shape and
+    pronunciation tables beside its token embedding, BLT's hash n-gram tables): split over their rows too, each its own
+    group. Smaller tables (positions, token types) stay whole: their lookup's all-reduce would cost more than they hold.
+    A model reading such a table's weight outside its forward gets it gathered whole (vocabulary.gather_reads_elsewhere)."""
+    # Heads: projections of an embedding's shape [vocabulary, width] that no attention or MLP took.
+    vocabularies = [shape[0] for shape in embeddings for head in heads.get(shape, []) if untaken(head) and shape[0] > shape[1]]
+    if not vocabularies:
+        return []
+    smallest = min(vocabularies)
+    return [{fqn: "embedding_rowwise"} for shape, found in embeddings.items() if shape[0] >= smallest and shape[0] > shape[1]
+            for fqn in found if fqn not in split and free(fqn)]
 
 
 def _tied_pair(module: nn.Module, embedding: str, head: str) -> bool:
