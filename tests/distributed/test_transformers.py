@@ -93,7 +93,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp4 ep2": ("qwen2_moe",),
     "dp2 ep2×tp2": ("qwen2_moe",),
     "dp2 ep2×pp2": ("mixtral",),
-    "dp2 ep2×cp2": ("qwen2_moe",),
+    "dp2 ep2×cp2": ("qwen2_moe", "list_moe"),
 }
 #: Layouts a family cannot use, and why in the README's words (the errors: test_demo_transformer_*_is_refused).
 UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceable", (DEMO, "dp2×tp2×pp2"): "not traceable",

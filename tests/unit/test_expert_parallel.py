@@ -325,7 +325,6 @@ def test_experts_are_called_positionally_whatever_their_implementation_names_the
         ({"expert_parallel_size": 3, "data_parallel_size": 3}, "its 4 experts are not divisible by expert_parallel_size=3"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported with them yet"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported with them yet"),
-        ({"context_parallel_size": 2}, "context_parallel_size=2 is not supported with them yet"),
     ],
 )
 def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):

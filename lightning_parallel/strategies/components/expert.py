@@ -131,14 +131,13 @@ class ExpertParallelComponent(Component):
         refused = [
             f"{name}={size}" for name, size in (
                 ("pipeline_parallel_size", layout.pipeline_parallel_size), ("tensor_parallel_size", layout.tensor_parallel_size),
-                ("context_parallel_size", layout.context_parallel_size),
             ) if size > 1
         ]
         first = next(iter(lists))
         if refused:
             raise ValueError(
-                f"{first}: experts kept as an nn.ModuleList are divided by expert parallelism with data parallelism "
-                f"only; {', '.join(refused)} is not supported with them yet. Set it to its default, keep the experts as "
+                f"{first}: experts kept as an nn.ModuleList are divided by expert parallelism with data and context "
+                f"parallelism only; {', '.join(refused)} is not supported with them yet. Set it to its default, keep the experts as "
                 f"one module with 3-D weights (transformers 5's layout), or set expert_parallel_size=1."
             )
         if any(has_meta_tensors(engine.lightning_module.get_submodule(fqn)) for fqn in lists):
