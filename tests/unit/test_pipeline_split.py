@@ -100,6 +100,28 @@ def test_trunk_is_the_longest_layer_list():
         find_trunk(nn.Linear(2, 2))
 
 
+class WithUnusedEncoder(nn.Module):
+    """A text model beside a longer encoder that a text-only batch never runs (a multimodal model's audio tower)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList(nn.Linear(4, 4) for _ in range(6))
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_the_trunk_is_the_longest_layer_list_forward_runs():
+    model = WithUnusedEncoder()
+    assert find_trunk(model)[0] == "encoder"  # by structure alone
+    plan = plan_split(model, 2, (torch.randn(2, 4),), {}, "params")
+    assert plan.split_points == ("layers.1",) or plan.split_points == ("layers.2",)
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
 def test_parameter_balance_counts_embeddings_and_head_with_their_stages():
     model = small_gpt()
     idx = torch.randint(0, 64, (2, 8))

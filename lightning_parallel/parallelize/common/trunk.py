@@ -5,11 +5,18 @@ Pipelines cut between the trunk's layers; activation checkpointing and ``torch.c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 
 
-def find_trunk(module: nn.Module) -> tuple[str, nn.Module]:
+def find_trunk(module: nn.Module, calls: Mapping[int, int] | None = None) -> tuple[str, nn.Module]:
     """The longest ``ModuleList``/``Sequential`` in ``module`` (ties: more parameters), with its name.
+
+    Args:
+        calls: How many times one forward ran each module (``id(module) -> count``): where given, lists whose layers
+            each run exactly once win over the others (a multimodal model's longest list may be an encoder that a
+            text-only batch never runs: a stage cannot begin at a layer forward does not call).
 
     Raises:
         ValueError: If the module has no list of at least two layers to split between.
@@ -19,6 +26,9 @@ def find_trunk(module: nn.Module) -> tuple[str, nn.Module]:
         for name, child in module.named_modules()
         if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
     ]
+    if calls is not None:
+        running = [c for c in candidates if all(calls.get(id(layer), 0) == 1 for layer in c[3].children())]
+        candidates = running or candidates
     if not candidates:
         raise ValueError(
             f"{type(module).__name__} has no nn.ModuleList or nn.Sequential of layers to split into pipeline stages. "

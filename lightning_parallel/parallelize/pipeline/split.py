@@ -95,7 +95,7 @@ def plan_split(
     Raises:
         ValueError: If there are fewer trunk layers than stages.
     """
-    trunk_name, trunk = find_trunk(module)
+    trunk_name, trunk = find_trunk(module, call_counts(module, example_args, example_kwargs))
     layers = trunk_layer_names(trunk_name, trunk)
     if num_stages > len(layers):
         raise ValueError(
@@ -128,6 +128,32 @@ def layer_costs(
     costs[0] += profile.before_params
     costs[-1] += profile.after_params
     return costs
+
+
+def call_counts(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, int]:
+    """How many times one forward on the example runs each submodule (``id -> count``), in eval mode, without
+    gradients, with the RNG state restored (a meta-built module's routed experts only report their output's shape)."""
+    counts: dict[int, int] = {}
+
+    def count(mod: nn.Module, _: Any) -> None:
+        counts[id(mod)] = counts.get(id(mod), 0) + 1
+
+    handles = [mod.register_forward_pre_hook(count) for mod in module.modules()]
+    was_training = module.training
+    on_meta = any(p.is_meta for p in module.parameters())
+    if on_meta:
+        mark_routed_experts(module)
+    cuda_devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+    try:
+        module.eval()
+        with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
+            with opaque_routed_experts(module) if on_meta else nullcontext():
+                module(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+        module.train(was_training)
+    return counts
 
 
 @dataclass
