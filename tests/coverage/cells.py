@@ -82,6 +82,8 @@ def build(task: str, model_type: str, layout: str | None, accumulate: int = 1,
     return model, data, trainer, recorder
 
 
+#: Strategies whose layouts reduce gradients through DDP (over data- or context-parallel ranks).
+GRADIENT_REDUCING = ("DataParallelStrategy", "HybridParallelStrategy")
 #: Settings the strategy takes (the others are the model's).
 STRATEGY_SETTINGS = ("sync_batchnorm", "find_unused_parameters")
 
@@ -92,7 +94,7 @@ def settings(model: CoverageModule, layout: str | None, unused_parameters: bool 
     * ``sync_batchnorm=True`` for data parallelism over a model with BatchNorm layers: without it each
       replica normalises by its own slice (as Lightning's DDP does, and the strategy warns); with it DP
       computes what one device does, which is what the README promises and the cell checks.
-    * ``find_unused_parameters=True`` for data parallelism over a model whose forward leaves parameters without a
+    * ``find_unused_parameters=True`` for data or context parallelism over a model whose forward leaves parameters without a
       gradient (a vision tower a text-only batch never calls, a decoder's unused cross-attention): without it DDP
       stops at the second step with the strategy's error naming this fix, which is what a user then sets.
     * ``experts_implementation`` for mixture-of-experts models (see :data:`tests.coverage.configs.EAGER_EXPERTS`).
@@ -100,7 +102,7 @@ def settings(model: CoverageModule, layout: str | None, unused_parameters: bool 
     found: dict[str, Any] = {}
     if layout is not None and LAYOUTS[layout][0] > 1 and batch_statistics_layers(model, training=True):
         found["sync_batchnorm"] = True
-    if layout is not None and LAYOUTS[layout][0] > 1 and unused_parameters:
+    if layout is not None and unused_parameters and LAYOUTS[layout][1] in GRADIENT_REDUCING:
         found["find_unused_parameters"] = True
     implementation = getattr(model.net.config, "_experts_implementation", None)
     if any("experts" in type(m).__name__.lower() for m in model.net.modules()) and implementation is not None:
