@@ -343,3 +343,16 @@ def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):
     ok = ExpertParallelComponent(SimpleNamespace(layout=ParallelLayout(data_parallel_size=2, expert_parallel_size=2), lightning_module=on_meta))
     with pytest.raises(ValueError, match=r"layers.0.moe.experts: experts kept as an nn.ModuleList cannot be divided while on the meta device"):
         ok._check_lists(find_expert_lists(on_meta))
+
+
+def test_module_list_experts_rank_without_tokens_still_exchanges(one_rank_group):
+    """A rank whose block calls no expert (no token here) still runs both exchanges, forward and backward (its
+    peers wait for it there), and its output keeps the gradient path to the block's input."""
+    _, divided = _moe_and_copy()
+    model = nn.ModuleDict({"moe": divided})
+    divide_expert_list(model, next(iter(find_expert_lists(model).values())), one_rank_group)
+    x = torch.zeros(0, 6, dtype=torch.float64, requires_grad=True)
+    out = model["moe"](x)
+    assert out.shape == (0, 6) and out.requires_grad
+    out.sum().backward()
+    assert x.grad is not None and x.grad.shape == (0, 6)
