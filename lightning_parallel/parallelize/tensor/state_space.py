@@ -133,7 +133,8 @@ def state_space_layout(sub: nn.Module) -> StateSpaceLayout | str | None:
     channels = depthwise_channels(conv_module)
     if any(p.dim() > 2 for p in own.values()):
         # Zamba's per-head x_proj/dt_proj weights ([heads, ...] parameters of the mixer): a layout of its own.
-        return "its projections are parameters of the mixer itself, one per mixer head (3-D), a layout this split does not know"
+        return ("its projections are parameters of the mixer itself, one per mixer head (3-D), a layout this split "
+                "does not know")
     if len(projections) == 4:
         return _mamba1(sub, projections, conv, channels, own)
     if len(projections) == 2:
@@ -141,7 +142,9 @@ def state_space_layout(sub: nn.Module) -> StateSpaceLayout | str | None:
     return None
 
 
-def _mamba1(sub: nn.Module, projections: Mapping[str, nn.Module], conv: str, c: int, own: Mapping[str, Tensor]) -> StateSpaceLayout | str | None:
+def _mamba1(
+    sub: nn.Module, projections: Mapping[str, nn.Module], conv: str, c: int, own: Mapping[str, Tensor]
+) -> StateSpaceLayout | str | None:
     widths = {name: features(m) for name, m in projections.items()}
     opening = [n for n, (_, out) in widths.items() if out == 2 * c]
     state = [n for n, p in own.items() if p.dim() == 2 and p.shape[0] == c]
@@ -176,7 +179,9 @@ def _mamba1(sub: nn.Module, projections: Mapping[str, nn.Module], conv: str, c: 
     )
 
 
-def _mamba2(sub: nn.Module, projections: Mapping[str, nn.Module], conv: str, conv_dim: int, own: Mapping[str, Tensor]) -> StateSpaceLayout | str | None:
+def _mamba2(
+    sub: nn.Module, projections: Mapping[str, nn.Module], conv: str, conv_dim: int, own: Mapping[str, Tensor]
+) -> StateSpaceLayout | str | None:
     if any(p.dim() != 1 for p in own.values()) or len({p.shape[0] for p in own.values()}) != 1:
         return None
     heads = next(iter(own.values())).shape[0]
@@ -276,8 +281,10 @@ def check_state_space(fqn: str, module: nn.Module, tp_size: int) -> StateSpaceLa
             f"{fqn}: style 'state_space' splits a Mamba-1 or Mamba-2 mixer, but {type(module).__name__} is not one this "
             f"split knows: {why}. Leave {fqn} replicated in the plan."
         )
-    for what, size in (("inner channels", layout.inner), ("heads", layout.in_blocks[-1] if layout.kind == "mamba2" else layout.inner),
-                       ("B/C rows", layout.in_blocks[2] if layout.kind == "mamba2" else tp_size)):
+    sizes = {"inner channels": layout.inner}
+    if layout.kind == "mamba2":
+        sizes.update({"heads": layout.in_blocks[-1], "B/C rows": layout.in_blocks[2]})
+    for what, size in sizes.items():
         if size % tp_size:
             raise ValueError(
                 f"{fqn}: its {size} {what} are not divisible by tensor_parallel_size={tp_size}. Choose a "
@@ -292,7 +299,9 @@ def check_state_space(fqn: str, module: nn.Module, tp_size: int) -> StateSpaceLa
     return layout
 
 
-def split_state_space(fqn: str, module: nn.Module, layout: StateSpaceLayout, tp_mesh: Any) -> dict[str, dict[str, fused_layout.FusedLayout]]:
+def split_state_space(
+    fqn: str, module: nn.Module, layout: StateSpaceLayout, tp_mesh: Any
+) -> dict[str, dict[str, fused_layout.FusedLayout]]:
     """Shard ``module``'s parameters, divide its widths and install the hooks that run its forward on this rank's
     parts; returns the fused layouts (by module FQN) whose checkpoints are converted to the module's own order."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -463,11 +472,11 @@ class _StateSpaceRegion:
 
     def leave(self, module: nn.Module, _: Any, output: Any) -> Any:
         layout = self.layout
-        for owner, names in ((module, (*layout.per_channel, *layout.buffers)),
-                             *((self.children[c], ("weight", "bias", "forward")) for c in
-                               (layout.in_proj, layout.conv, layout.dt_proj, layout.x_proj, layout.out_proj, layout.norm) if c)):
-            for name in names:
-                owner.__dict__.pop(name, None)
+        for name in (*layout.per_channel, *layout.buffers):
+            module.__dict__.pop(name, None)
+        for child in (layout.in_proj, layout.conv, layout.dt_proj, layout.x_proj, layout.out_proj, layout.norm):
+            for name in ("weight", "bias", "forward") if child else ():
+                self.children[child].__dict__.pop(name, None)
         needed = {"out_proj"} | ({"x_proj"} if layout.x_proj else set())
         if not needed <= self.calls:
             raise RuntimeError(
