@@ -104,3 +104,10 @@ def test_mixers_with_per_head_projection_parameters_stay_whole_named():
     notes = []
     plan = infer_plan(PerHeadMixer(), warn=notes.append)
     assert plan == {} and any("one per mixer head (3-D)" in note for note in notes)
+
+
+def test_a_mixer_on_the_meta_device_is_recognised():
+    # Deferred initialisation resolves the plan on meta modules: the gated norm is checked on a CPU copy.
+    with torch.device("meta"):
+        model = _mamba2()
+    assert isinstance(state_space_layout(model.backbone.layers[0].mixer), StateSpaceLayout)

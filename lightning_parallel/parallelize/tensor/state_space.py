@@ -243,25 +243,31 @@ def _gated_norm(hidden: Tensor, gate: Tensor | None, weight: Tensor, eps: float,
 
 def recognise_gated_norm(norm: nn.Module, groups: int) -> bool | None:
     """Whether ``norm`` normalises before gating (``True``) or after (``False``), found by running its own forward on
-    a random input of its width with a gate; ``None`` if it is neither gated RMSNorm over ``groups`` groups."""
+    a random input of its width with a gate; ``None`` if it is neither gated RMSNorm over ``groups`` groups.
+
+    Run on a CPU copy with random weights (as the MLP probe does), so that a module still on the meta device (deferred
+    initialisation) is recognised too, and a weight of ones cannot hide how it is applied."""
+    import copy
+
     eps = _eps(norm)
-    weight = norm.weight
-    if eps is None or weight.device.type == "meta":
+    if eps is None or any(True for _ in norm.buffers()):
         return None
-    width = weight.shape[0]
-    generator = torch.Generator(device=weight.device).manual_seed(0)
-    sample = torch.randn(2, 3, width, generator=generator, device=weight.device, dtype=weight.dtype) * 3 + 0.5
-    gate = torch.randn(2, 3, width, generator=generator, device=weight.device, dtype=weight.dtype)
+    width = norm.weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    probe = copy.deepcopy(norm).to_empty(device="cpu").to(torch.float64)
+    sample = torch.randn(2, 3, width, generator=generator, dtype=torch.float64) * 3 + 0.5
+    gate = torch.randn(2, 3, width, generator=generator, dtype=torch.float64)
     with torch.no_grad():
+        probe.weight.copy_(torch.rand(width, generator=generator, dtype=torch.float64) + 0.5)
         try:
-            expected = type(norm).forward(norm, sample, gate)
+            expected = type(probe).forward(probe, sample, gate)
         except Exception:  # noqa: BLE001  (a module of another signature is simply not this norm)
             return None
         if not isinstance(expected, Tensor) or expected.shape != sample.shape:
             return None
         scale = expected.abs().max().clamp_min(1e-30)
         for before in (False, True):
-            got = _gated_norm(sample, gate, weight, eps, groups, width // groups, before, lambda t: t)
+            got = _gated_norm(sample, gate, probe.weight, eps, groups, width // groups, before, lambda t: t)
             if float((got - expected).abs().max() / scale) < 1e-5:
                 return before
     return None
