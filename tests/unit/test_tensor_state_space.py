@@ -111,3 +111,16 @@ def test_a_mixer_on_the_meta_device_is_recognised():
     with torch.device("meta"):
         model = _mamba2()
     assert isinstance(state_space_layout(model.backbone.layers[0].mixer), StateSpaceLayout)
+
+
+def test_other_modules_with_a_depthwise_convolution_are_no_mixers():
+    class ConvBlock(torch.nn.Module):  # a ConvNeXt-like block: depthwise conv, an MLP, a layer scale and a 3-D table
+        def __init__(self):
+            super().__init__()
+            self.dwconv = torch.nn.Conv1d(8, 8, 3, groups=8, padding=1)
+            self.pwconv1, self.pwconv2 = torch.nn.Linear(8, 32), torch.nn.Linear(32, 8)
+            self.gamma = torch.nn.Parameter(torch.ones(8))
+            self.table = torch.nn.Parameter(torch.zeros(2, 3, 4))
+
+    assert state_space_layout(ConvBlock()) is None
+    assert infer_plan(ConvBlock()) == {"pwconv1": "colwise", "pwconv2": "rowwise"}

@@ -131,8 +131,14 @@ def state_space_layout(sub: nn.Module) -> StateSpaceLayout | str | None:
     projections = {name: child for name, child in sub.named_children() if is_projection(child)}
     (conv, conv_module), = convs.items()
     channels = depthwise_channels(conv_module)
+    widths = sorted(features(m) for m in projections.values())
     if any(p.dim() > 2 for p in own.values()):
-        # Zamba's per-head x_proj/dt_proj weights ([heads, ...] parameters of the mixer): a layout of its own.
+        # Zamba's per-head x_proj/dt_proj weights ([heads, ...] parameters of the mixer) beside d→2c and c→d
+        # projections: a Mamba-1 mixer of a layout of its own. Anything else with such parameters is no mixer.
+        opening = [f for f in widths if f[1] == 2 * channels]
+        closing = [f for f in widths if f[0] == channels]
+        if len(widths) != 2 or len(opening) != 1 or len(closing) != 1 or closing[0][1] != opening[0][0]:
+            return None
         return ("its projections are parameters of the mixer itself, one per mixer head (3-D), a layout this split "
                 "does not know")
     if len(projections) == 4:
