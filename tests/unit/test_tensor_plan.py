@@ -730,17 +730,25 @@ def test_sibling_mlp_beside_adapters_split_on_their_own():
     assert plan["output.adapters.en.dense1"] == "colwise" and plan["output.adapters.en.dense2"] == "rowwise"
 
 
-def test_a_projection_shaped_like_a_gate_but_not_named_one_keeps_its_attention_whole():
-    """Doge's dt_proj reads the values (every head), not the attention's input: widths alone cannot tell."""
+def test_a_per_head_projection_of_every_heads_values_splits_by_heads_with_its_input_gathered():
+    """Doge's dt_proj reads the values (every head), or, shaped alike, a projection may read the attention's input:
+    widths alone cannot tell, so it is split by heads and gathers its input only where that arrives as this rank's
+    heads (tensor.gathered_input); either way each rank computes its heads' values."""
     from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+    from lightning_parallel.parallelize.tensor.gathered_input import GatherSplitInput
 
     attention = GatedAttention()
     del attention.gate_proj, attention.g_proj
     attention.dt_proj = nn.Linear(16, 4, bias=False)
     model = nn.ModuleDict({"attn": attention, "mlp": SwiGLU(16, 32)})
     resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
-    assert "attn.q_proj" not in resolved.styles and "mlp.w1" in resolved.styles
-    assert "attn.dt_proj: a projection left replicated" in resolved.kept_whole["attn"]
+    assert resolved.styles["attn.q_proj"] == "colwise" and resolved.styles["attn.dt_proj"] == "colwise_gather_input"
+    assert not resolved.kept_whole
+    # A whole input passes; one of neither width is refused with the numbers.
+    hook = GatherSplitInput("attn.dt_proj", 16, type("Mesh", (), {"size": lambda self: 2})())
+    assert hook(attention.dt_proj, (torch.zeros(2, 16),)) is None
+    with pytest.raises(RuntimeError, match=r"attn.dt_proj .* got an input of 5 features: neither its whole 16 nor this rank's 8"):
+        hook(attention.dt_proj, (torch.zeros(2, 5),))
 
 
 def test_modernbert_style_output_name_and_chunked_gate_up_projection_are_recognised():

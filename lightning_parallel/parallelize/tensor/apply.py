@@ -24,6 +24,7 @@ from torch import nn
 from lightning_parallel.parallelize.tensor import fused as fused_layout
 from lightning_parallel.parallelize.tensor.channels import check_channelwise, split_channels
 from lightning_parallel.parallelize.tensor.experts import check_experts, split_experts
+from lightning_parallel.parallelize.tensor.gathered_input import gather_split_inputs
 from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
 from lightning_parallel.parallelize.tensor.latent import LatentRegion, latent_projections
@@ -289,7 +290,7 @@ def resolve_plan(
 
 #: Styles that split a projection's output features (its input is whole on every rank).
 COLUMN_STYLES = ("colwise", "colwise_gather_output", "fused_qkv", "fused_gate_up", "fused_blocks", "loss_parallel")
-_PROJECTION_STYLES = (*COLUMN_STYLES, "rowwise")
+_PROJECTION_STYLES = (*COLUMN_STYLES, "rowwise", "colwise_gather_input")
 
 
 def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
@@ -402,6 +403,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
             and any(fqn in split for fqn, _ in holders)]
     parallelize_module(module, tp_mesh, torch_plan)
     gather_key_values(modules, resolved.fused, resolved.multi_query, tp_mesh)
+    gather_split_inputs(modules, resolved.styles, tp_mesh)
     tie_again(module, tied)
     split_channels(modules, resolved.styles, tp_mesh)
     for fqn, style in resolved.styles.items():

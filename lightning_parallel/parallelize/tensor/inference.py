@@ -325,7 +325,9 @@ def _match_block(
     if attention:
         *qkv_names, out_name = attention
         gates = _head_gates(sub, projections, out_name, attention)
-        return {**{child: "colwise" for child in (*qkv_names, *gates)}, out_name: "rowwise"}
+        readers = _per_head_readers(sub, projections, qkv_names, {*attention, *gates})
+        return {**{child: "colwise" for child in (*qkv_names, *gates)}, out_name: "rowwise",
+                **{child: "colwise_gather_input" for child in readers}}
     named = _named_gated_mlp(projections)
     if named:
         return named
@@ -483,6 +485,17 @@ def _head_gates(attention: nn.Module, projections: Mapping[str, nn.Module], out:
     per_head = {heads_width} | ({heads[0]} if heads is not None else set())
     return [name for name, sub in projections.items()
             if name not in taken and _gate_name(name) and features(sub)[0] == model_width and features(sub)[1] in per_head]
+
+
+def _per_head_readers(attention: nn.Module, projections: Mapping[str, nn.Module], qkv: Collection[str],
+                      taken: Collection[str]) -> list[str]:
+    """Projections beside the attention's reading as many features as one of its q/k/v projections writes (every head's
+    values: Doge's ``dt_proj``) and writing one value per head: split by heads, their input gathered whole where it
+    arrives as this rank's heads (tensor.gathered_input; the attention's own input passes as it is)."""
+    counts = {c[0] for c in (head_count(attention, QUERY_HEADS), head_count(attention, KEY_VALUE_HEADS)) if c is not None}
+    widths = {features(projections[name])[1] for name in qkv}
+    return [name for name, sub in projections.items()
+            if name not in taken and features(sub)[0] in widths and features(sub)[1] in counts and features(sub)[1] < features(sub)[0]]
 
 
 def _gate_name(name: str) -> bool:

@@ -29,6 +29,8 @@ STYLES: dict[str, str] = {
     "its region (a short convolution's B|C|x): each block split along output features",
     "channelwise": "depthwise convolution (groups = channels) inside a split region: weight and bias split over the "
     "channels with the projections around it, its channel counts divided",
+    "colwise_gather_input": "Linear split along output features (per head) reading every head's values: an input "
+    "arriving as this rank's slice is all-gathered first (Doge's dt_proj)",
     "rowwise": "Linear split along input features (input sharded, output all-reduced)",
     "embedding_rowwise": "Embedding split over the vocabulary (output all-reduced)",
     "vocab_parallel": "another name for embedding_rowwise",
@@ -118,7 +120,7 @@ def parallel_style(style: str, *, rowwise_output: Placement | None = None, conv1
 
     style = STYLE_ALIASES.get(style, style)
     colwise, rowwise = _conv1d_styles() if conv1d else (ColwiseParallel, RowwiseParallel)
-    if style in ("colwise", "fused_qkv", "fused_gate_up", "fused_blocks"):
+    if style in ("colwise", "fused_qkv", "fused_gate_up", "fused_blocks", "colwise_gather_input"):
         # Fused projections are reordered rank-major first (fused.py): a plain column split then gives
         # each rank its part of every block.
         return colwise()
