@@ -174,7 +174,9 @@ def build_local_pipeline(
     if train_pipe.num_stages != num_stages:
         raise ValueError(
             f"split_points {list(split_points)} cut {type(module).__name__} into {train_pipe.num_stages} stages, not "
-            f"{num_stages}: every split point must be a module that forward calls, in the order it calls them."
+            f"{num_stages}: every split point must be a module that forward calls, in the order it calls them, and not "
+            f"from inside an operation the trace keeps whole (a custom torch.autograd.Function running several layers, "
+            f"such as reversible layers, is one operator in the graph)."
         )
     eval_pipe = _trace(traced, *inputs, split_points, training=False, device=retarget)
     originals = _originals(module)
