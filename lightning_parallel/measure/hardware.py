@@ -277,10 +277,8 @@ def _node_rates(processes: int, cores: int, per_thread_tflops: dict[str, float],
     _, moved = memory_step()
     work = {dtype: max(1, round(NODE_WORK_SECONDS * share * rate * 1e12 / flops)) for dtype, rate in per_thread_tflops.items()}
     work["memory_gbps"] = max(1, round(NODE_WORK_SECONDS * share * per_thread_memory / moved))
-    context = mp.get_context("spawn")
-    barrier = context.Barrier(processes)
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
-        mp.start_processes(_node_worker, args=(barrier, scratch, work), nprocs=processes, start_method="spawn")
+        mp.start_processes(_node_worker, args=(processes, scratch, work), nprocs=processes, start_method="spawn")
         spans = [json.loads(path.read_text()) for path in sorted(Path(scratch).glob("spans-*.json"))]
     units = {"memory_gbps": moved / 1e9, **{dtype: flops / 1e12 for dtype in per_thread_tflops}}
     rates = {}
@@ -290,19 +288,29 @@ def _node_rates(processes: int, cores: int, per_thread_tflops: dict[str, float],
     return rates
 
 
-def _node_worker(rank: int, barrier: Any, scratch: str, work: dict[str, int]) -> None:
+def _node_worker(rank: int, processes: int, scratch: str, work: dict[str, int]) -> None:
     torch.set_num_threads(1)
     runs = {dtype: _matmul_run(dtype) for dtype in work if dtype != "memory_gbps"}
     runs["memory_gbps"] = memory_step()[0]
+    # A file store's counter as the barrier (a multiprocessing Barrier's semaphores outlive spawned processes and
+    # make the resource tracker warn at exit, on the user's first screen).
+    store = dist.FileStore(str(Path(scratch, "barrier")), processes)
     spans = {}
     for name, run in runs.items():
         run()  # warm-up (kernels, pages)
-        barrier.wait()
+        _barrier(store, name, processes)
         start = time.monotonic()  # one clock for every process of the host
         for _ in range(work[name]):
             run()
         spans[name] = (start, time.monotonic())
     Path(scratch, f"spans-{rank}.json").write_text(json.dumps(spans))
+
+
+def _barrier(store: dist.Store, name: str, processes: int) -> None:
+    """Return once every one of ``processes`` has arrived at ``name`` (within a millisecond of each other)."""
+    store.add(name, 1)
+    while store.add(name, 0) < processes:
+        time.sleep(0.001)
 
 
 def _matmul_run(dtype: str) -> Any:

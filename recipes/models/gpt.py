@@ -149,35 +149,17 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class GPTLightningModule(L.LightningModule):
-    """Next-token prediction with a small GPT.
+class NextTokenLightningModule(L.LightningModule):
+    """Next-token prediction with any causal LM held as ``self.model`` (``forward`` returns its logits).
 
     Logs ``train/loss`` every step, and ``val/loss`` and ``val/accuracy`` (next-token, torchmetrics) over
-    the validation set.
+    the validation set; AdamW with weight decay on matrices only, as in GPT-2/nanoGPT. Subclasses save the
+    hyperparameters ``vocab_size``, ``lr``, ``weight_decay`` and ``betas``, then build ``self.model`` and call
+    :meth:`_track_accuracy`.
     """
 
-    def __init__(
-        self,
-        vocab_size: int = 128,
-        block_size: int = 64,
-        n_layer: int = 4,
-        n_head: int = 4,
-        n_embd: int = 128,
-        dropout: float = 0.0,
-        tie_weights: bool = True,
-        lr: float = 3e-4,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.95),
-        n_experts: int = 0,
-        experts_per_token: int = 2,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights, n_experts, experts_per_token)
-        self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=vocab_size, average="micro")
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+    def _track_accuracy(self) -> None:
+        self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=self.hparams.vocab_size, average="micro")
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         idx, targets = batch
@@ -198,7 +180,6 @@ class GPTLightningModule(L.LightningModule):
         self.log("val/accuracy", self.val_accuracy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # Weight decay on matrices only, as in GPT-2/nanoGPT.
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         groups = [
@@ -206,3 +187,30 @@ class GPTLightningModule(L.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         return torch.optim.AdamW(groups, lr=self.hparams.lr, betas=tuple(self.hparams.betas))
+
+
+class GPTLightningModule(NextTokenLightningModule):
+    """Next-token prediction with a small GPT (:class:`GPT`)."""
+
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 64,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        tie_weights: bool = True,
+        lr: float = 3e-4,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        n_experts: int = 0,
+        experts_per_token: int = 2,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights, n_experts, experts_per_token)
+        self._track_accuracy()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)

@@ -62,6 +62,22 @@ def test_tensor_parallel_dry_run_splits_what_the_plan_splits():
         four.step(4)
 
 
+def test_dry_run_of_a_transformers_model_as_users_build_it():
+    # transformers' mask helpers ask the position ids for values ((...).all()) unless the model is being compiled:
+    # the dry run runs it as a trace, so meta tensors need none.
+    pytest.importorskip("transformers")
+    from lightning_parallel.plan.profile import profile_model
+    from recipes.models.transformers_lm import TransformersCausalLM
+
+    config = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    batch = (torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16)))
+    profiled = profile_model(lambda: TransformersCausalLM("llama", vocab_size=64, block_size=16, config=config), batch, (1, 2))
+    whole, split = profiled.step(1), profiled.step(2)
+    assert profiled.segments[1:3] == ("model.model.layers.0", "model.model.layers.1")
+    q = "model.model.layers.0.self_attn.q_proj.weight"
+    assert split.parameter_bytes[q] * 2 == whole.parameter_bytes[q] and sum(split.flops.values()) < sum(whole.flops.values())
+
+
 def test_precision_sets_the_parameter_dtype():
     assert parameter_dtype("64-true") is torch.float64
     assert parameter_dtype("bf16-true") is torch.bfloat16
