@@ -222,19 +222,6 @@ EXPERT_LAYOUTS = {
 }
 
 
-#: transformers families under tp2 × pp2 whose plans use styles the recipe GPT's does not: name -> (family, split
-#: point). LFM2's short convolutions (layers 0 and 2: in_proj fused_blocks, a channelwise depthwise convolution,
-#: out_proj) split inside the stages; its cache, built in training, writes a conv state nothing reads.
-TRANSFORMERS_TP_PP = {"tp2xpp2_lfm2_short_convolutions": ("lfm2", "net.model.layers.2")}
-FAMILY_STEPS = 3
-
-
-def family_job(family: str, split_point: str) -> JobSpec:
-    return JobSpec(model=f"hf_{family}", strategy="hybrid", devices=4, batch_size=GLOBAL_BATCH, steps=FAMILY_STEPS,
-                   validate=True, strategy_kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2,
-                                                   "microbatches": 4, "split_points": [split_point]})
-
-
 def expert_job(name: str) -> JobSpec:
     strategy, empty_init, _ = EXPERT_LAYOUTS[name]
     return replace(hybrid_job(4, accumulate=2, empty_init=empty_init, **strategy), model="gpt_moe")
@@ -253,7 +240,6 @@ def four_rank_results(tmp_path_factory):
     specs.update({name: sharded_pipeline_job(strategy, tied) for name, (strategy, _, tied) in SHARDED_PIPELINES.items()})
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, strategy in CONTEXT_PIPELINES.items()})
     specs.update({name: expert_job(name) for name in EXPERT_LAYOUTS})
-    specs.update({name: family_job(*family) for name, family in TRANSFORMERS_TP_PP.items()})
     return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=660)
 
 
@@ -306,21 +292,6 @@ def test_expert_parallelism_with_pipelines_and_hsdp_matches_single_device(name, 
     experts = {name: numel for name, numel in result["local_numel"].items() if ".experts." in name}
     assert experts == {f"model.blocks.{b}.mlp.experts.{p}": 2 * 4 * 16 * 16 for b in blocks for p in ("up_proj", "down_proj")}
     assert_planner_predicts_state(expert_job(name), result)
-
-
-@pytest.mark.parametrize("name", list(TRANSFORMERS_TP_PP))
-def test_transformers_families_under_tensor_and_pipeline_parallelism_match_single_device(name, four_rank_results):
-    family, split_point = TRANSFORMERS_TP_PP[name]
-    ref = run_job(JobSpec(model=f"hf_{family}", batch_size=GLOBAL_BATCH, steps=FAMILY_STEPS, validate=True))
-    result = four_rank_results[name]
-    assert_same_training(ref, result, steps=FAMILY_STEPS)
-    assert result["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
-    # Rank 0 (stage 0: layers 0 and 1) holds half of layer 0's short convolution.
-    numel = result["local_numel"]
-    whole = ref["states"][0]
-    for part in ("in_proj", "conv", "out_proj"):
-        name = f"net.model.layers.0.conv.{part}.weight"
-        assert numel[name] == whole[name].numel() // 2, name
 
 
 def auto_job(**strategy) -> JobSpec:
