@@ -14,6 +14,7 @@ from tests.distributed.test_transformers import (
     DEMO,
     GPT_MOE,
     LAYOUTS,
+    LIST_MOE,
     MATRIX,
     MOE,
     ROUND_TRIP,
@@ -41,6 +42,8 @@ DESCRIPTIONS = {
     "qwen2_moe": "Qwen2-MoE (`Qwen2MoeForCausalLM`: MoE beside a shared expert with a sigmoid gate)",
     ROUTER_LOSS: "Mixtral with its load-balancing loss (`output_router_logits=True`, made the global batch's)",
     GPT_MOE: "the recipe GPT with a MoE layer per block (`model=gpt_moe`: our own 3-D experts)",
+    "list_moe": "hand-written MoE, experts as an `nn.ModuleList` of SwiGLU MLPs looped over in the block (+clipping)",
+    "old_mixtral": "transformers 4.x Mixtral's sparse block written by hand (`nn.ModuleList` experts, `index_add_`)",
 }
 
 
@@ -50,13 +53,13 @@ def render() -> str:
         "| model | " + " | ".join(layouts) + " |",
         "|---|" + "---|" * len(layouts),
     ]
-    for family in (*FAMILIES, DEMO, VIEW, REF, *MOE, ROUTER_LOSS):
+    for family in (*FAMILIES, DEMO, VIEW, REF, *MOE, ROUTER_LOSS, *LIST_MOE):
         cells = []
         for layout in layouts:
             if family in MATRIX[layout]:
                 extras = [word for word, cases in (("accumulate", ACCUMULATE), ("checkpoint", ROUND_TRIP)) if (family, layout) in cases]
                 cells.append("tested" + (f" (+{', '.join(extras)})" if extras else ""))
-            elif "ep" in layout and family not in (*MOE, ROUTER_LOSS):
+            elif "ep" in layout and family not in (*MOE, ROUTER_LOSS, *LIST_MOE):
                 cells.append("— (no experts)")
             elif (family, layout) in UNSUPPORTED:
                 cells.append(f"refused: {UNSUPPORTED[family, layout]}")
