@@ -31,13 +31,12 @@ from torch import Tensor, nn
 from lightning_parallel.parallelize.tensor import fused as fused_layout
 from lightning_parallel.parallelize.tensor.partial_gradients import gradient_summed
 from lightning_parallel.parallelize.tensor.per_head import LocalView
+from lightning_parallel.parallelize.tensor.probe import random_tensors, whole_and_split_difference
 
 #: Attributes a per-expert projection module keeps its expert count under.
 EXPERT_COUNTS = ("num_experts", "num_local_experts")
 #: Largest relative difference between the block run whole and split still counted as the same (float32 sums).
 TOLERANCE = 1e-4
-#: Blocks with more parameters than this are not run (a random copy would take more than 1 GiB): left whole.
-MAX_PROBED_PARAMETERS = 2**28
 
 
 @dataclass(frozen=True)
@@ -136,19 +135,18 @@ def _split_difference(module: nn.Module, layout: ProjectionPairLayout, tp_size: 
     """Relative difference between ``module`` run whole and split over ``tp_size`` simulated ranks (``None``: not run)."""
     from torch.func import functional_call
 
-    if any(b.is_meta for b in module.buffers()) or sum(p.numel() for p in module.parameters()) > MAX_PROBED_PARAMETERS:
-        return None
     if layout.intermediate % tp_size:
         return 0.0  # the degree check refuses it with its own message
-    generator = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5 for name, p in module.named_parameters()}
-    buffers = {name: b.detach().to("cpu", torch.float32 if b.is_floating_point() else b.dtype) for name, b in module.named_buffers()}
+    probed = random_tensors(module)
+    if probed is None:
+        return None
+    weights, buffers, generator = probed
     width = module.get_submodule(layout.opening).weight.shape[2]
     hidden = torch.randn(2, 3, width, generator=generator)
     closing = module.get_submodule(layout.closing)
     opening_weight, closing_weight = f"{layout.opening}.weight", f"{layout.closing}.weight"
 
-    def run(tensors: dict[str, Tensor], summed: list[Tensor]) -> tuple[Any, list[Tensor]]:
+    def run(tensors: dict[str, Tensor], summed: list[Tensor], split: bool) -> tuple[Any, list[Tensor]]:
         outputs: list[Tensor] = []
 
         def replace(_: nn.Module, __: Any, output: Tensor) -> Tensor:
@@ -168,26 +166,4 @@ def _split_difference(module: nn.Module, layout: ProjectionPairLayout, tp_size: 
         part = layout.intermediate // tp_size
         ranks.append({**weights, **buffers, opening_weight: weights[opening_weight].index_select(1, rows),
                       closing_weight: weights[closing_weight].narrow(2, rank * part, part)})
-    try:
-        with torch.no_grad():
-            whole = _first_tensor(run({**weights, **buffers}, [])[0])
-            summed: list[Tensor] = []
-            while True:
-                runs = [run(tensors, summed) for tensors in ranks]
-                if len(runs[0][1]) == len(summed) or len(summed) > 64:
-                    break
-                summed.append(sum(outputs[len(summed)] for _, outputs in runs))
-            split = _first_tensor(runs[0][0])
-    except Exception:  # noqa: BLE001 - a forward needing more than the hidden states (an attention's experts): not run
-        return None
-    if whole is None or split is None or whole.shape != split.shape:
-        return None
-    return float((whole - split).abs().max() / whole.abs().max().clamp_min(1e-12))
-
-
-def _first_tensor(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
-        return output[0]
-    return None
+    return whole_and_split_difference(run, {**weights, **buffers}, ranks)

@@ -27,13 +27,12 @@ from torch import Tensor, nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
 from lightning_parallel.parallelize.tensor.partial_gradients import gradient_summed
+from lightning_parallel.parallelize.tensor.probe import random_tensors, whole_and_split_difference
 
 #: Attributes an experts module keeps its expert count under.
 EXPERT_COUNTS = ("num_experts", "moe_num_experts", "num_local_experts")
 #: Largest relative difference between the block run whole and split still counted as the same (float32 sums).
 TOLERANCE = 1e-4
-#: Blocks with more parameters than this are not run (a random copy would take more than 1 GiB): left whole.
-MAX_PROBED_PARAMETERS = 2**28
 
 
 @dataclass(frozen=True)
@@ -138,13 +137,12 @@ def _split_difference(block: nn.Module, layout: FlatExpertsLayout, tp_size: int 
     """Relative difference between ``block`` run whole and split over ``tp_size`` simulated ranks (``None``: not run)."""
     from torch.func import functional_call
 
-    if any(b.is_meta for b in block.buffers()) or sum(p.numel() for p in block.parameters()) > MAX_PROBED_PARAMETERS:
-        return None
     if layout.intermediate % tp_size:
         return 0.0  # the degree check refuses it with its own message
-    generator = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5 for name, p in block.named_parameters()}
-    buffers = {name: b.detach().to("cpu", torch.float32 if b.is_floating_point() else b.dtype) for name, b in block.named_buffers()}
+    probed = random_tensors(block)
+    if probed is None:
+        return None
+    weights, buffers, generator = probed
     experts = block.get_submodule(layout.experts)
     width = next(p for p in experts.parameters()).shape[1]
     hidden = torch.randn(2, 3, width, generator=generator)
@@ -173,26 +171,4 @@ def _split_difference(block: nn.Module, layout: FlatExpertsLayout, tp_size: int 
             for module, attr in modules:
                 setattr(module, attr, layout.intermediate)
 
-    try:
-        with torch.no_grad():
-            whole = _first_tensor(run({**weights, **buffers}, [], False)[0])
-            summed: list[Tensor] = []
-            while True:
-                runs = [run(tensors, summed, True) for tensors in ranks]
-                if len(runs[0][1]) == len(summed) or len(summed) > 64:
-                    break
-                summed.append(sum(outputs[len(summed)] for _, outputs in runs))
-            split = _first_tensor(runs[0][0])
-    except Exception:  # noqa: BLE001 - a forward needing more than the hidden states: not run, left whole
-        return None
-    if whole is None or split is None or whole.shape != split.shape:
-        return None
-    return float((whole - split).abs().max() / whole.abs().max().clamp_min(1e-12))
-
-
-def _first_tensor(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
-        return output[0]
-    return None
+    return whole_and_split_difference(run, {**weights, **buffers}, ranks)

@@ -16,7 +16,7 @@ parameters is not run (it splits as before). No Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -69,7 +69,7 @@ def _mlp_regions(resolved: ResolvedPlan) -> dict[str, dict[str, str]]:
     attentions = set(resolved.head_attributes) | set(resolved.per_head) | set(resolved.latent)
     return {
         parent: children for parent, children in by_parent.items()
-        if parent and parent not in attentions and set(children.values()) <= {*_OPENING, *_CLOSING}
+        if parent and parent not in attentions and set(children.values()) <= {*_OPENING, *_CLOSING, "replicate"}
         and any(s in _OPENING for s in children.values()) and any(s in _CLOSING for s in children.values())
     }
 
@@ -86,34 +86,66 @@ def _split_difference(mlp: nn.Module, children: Mapping[str, str], fused: Mappin
     projections = {name: mlp.get_submodule(name) for name in children}
     if not all(is_projection(p) for p in projections.values()):
         return None
-    buffers = dict(mlp.named_buffers())
-    if any(b.is_meta for b in buffers.values()) or sum(p.numel() for p in mlp.parameters()) > MAX_PROBED_PARAMETERS:
+    probed = random_tensors(mlp)
+    if probed is None:
         return None
-    generator = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5 for name, p in mlp.named_parameters()}
-    buffers = {name: b.detach().to("cpu", torch.float32 if b.is_floating_point() else b.dtype) for name, b in buffers.items()}
+    weights, buffers, generator = probed
     width = next(features(projections[n])[0] for n, s in children.items() if s in _OPENING)
     hidden = torch.randn(2, 3, width, generator=generator)
     closing = [projections[name] for name, style in children.items() if style in _CLOSING]
+    widths = _widths(projections, children, tp_size)
+
+    def run(tensors: dict[str, Tensor], summed: list[Tensor], split: bool) -> tuple[Any, list[Tensor]]:
+        return _run(mlp, tensors, hidden, projections, widths if split else {}, closing, summed)
+
+    ranks = [{**weights, **_slices(weights, projections, children, fused, rank, tp_size), **buffers} for rank in range(tp_size)]
+    return whole_and_split_difference(run, {**weights, **buffers}, ranks)
+
+
+def random_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor], torch.Generator] | None:
+    """Random float32 weights of ``module``'s parameter shapes (scaled by their fan-in) and its buffers on the CPU, with
+    the generator that drew them (for the input); ``None`` where it cannot be run so (buffers on the meta device, more
+    than :data:`MAX_PROBED_PARAMETERS` parameters)."""
+    if any(b.is_meta for b in module.buffers()) or sum(p.numel() for p in module.parameters()) > MAX_PROBED_PARAMETERS:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weights = {name: torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5 for name, p in module.named_parameters()}
+    buffers = {name: b.detach().to("cpu", torch.float32 if b.is_floating_point() else b.dtype) for name, b in module.named_buffers()}
+    return weights, buffers, generator
+
+
+def whole_and_split_difference(run: Callable[[dict[str, Tensor], list[Tensor], bool], tuple[Any, list[Tensor]]],
+                               whole: dict[str, Tensor], ranks: list[dict[str, Tensor]]) -> float | None:
+    """Relative difference between a module run with ``whole`` tensors and with each rank's slices of them.
+
+    ``run(tensors, summed, split)`` runs it and returns its output and the partial outputs of its row-wise (closing)
+    calls, in call order, the first of which it replaces by ``summed``. Those are all-reduced where they are
+    computed, so each call's partial outputs are summed over the ranks and the ranks run again with the sums in their
+    place, until no call is left. ``None``: it could not be run on the hidden states alone (an attention's experts).
+    """
     try:
         with torch.no_grad():
-            whole = _run(mlp, {**weights, **buffers}, hidden, projections, {}, closing, [])[0]
-            ranks = [{**weights, **_slices(weights, projections, children, fused, rank, tp_size), **buffers} for rank in range(tp_size)]
-            widths = _widths(projections, children, tp_size)
-            # The row-wise projections' outputs are all-reduced where they are computed: sum each call's partial
-            # outputs over the ranks, in call order, and run again with the sums in their place.
+            whole_output = _first_tensor(run(whole, [], False)[0])
             summed: list[Tensor] = []
             while True:
-                runs = [_run(mlp, tensors, hidden, projections, widths, closing, summed) for tensors in ranks]
+                runs = [run(tensors, summed, True) for tensors in ranks]
                 if len(runs[0][1]) == len(summed) or len(summed) > 64:
                     break
                 summed.append(sum(outputs[len(summed)] for _, outputs in runs))
-            split = runs[0][0]
-    except Exception:  # noqa: BLE001 - a forward needing more than the hidden states: not run, split as before
+            split = _first_tensor(runs[0][0])
+    except Exception:  # noqa: BLE001 - a forward needing more than the hidden states: not run, left as planned
         return None
-    if not isinstance(whole, Tensor) or not isinstance(split, Tensor) or whole.shape != split.shape:
+    if whole_output is None or split is None or whole_output.shape != split.shape:
         return None
-    return float((whole - split).abs().max() / whole.abs().max().clamp_min(1e-12))
+    return float((whole_output - split).abs().max() / whole_output.abs().max().clamp_min(1e-12))
+
+
+def _first_tensor(output: Any) -> Tensor | None:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], Tensor):
+        return output[0]
+    return None
 
 
 def _run(mlp: nn.Module, tensors: dict[str, Tensor], hidden: Tensor, projections: Mapping[str, nn.Module],
@@ -161,7 +193,7 @@ def _slices(weights: Mapping[str, Tensor], projections: Mapping[str, nn.Module],
             sliced[f"{name}.weight"] = weight.index_select(out_dim, rows)
             if bias is not None:
                 sliced[f"{name}.bias"] = bias[rows]
-        else:
+        elif style in _CLOSING:  # "replicate": a read-out of the chain (inference._match_chained_mlp), whole
             width = features(projection)[0] // tp_size
             sliced[f"{name}.weight"] = weight.narrow(1 - out_dim, rank * width, width)
             if bias is not None and rank:
