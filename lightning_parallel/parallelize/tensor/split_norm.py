@@ -42,7 +42,7 @@ def norm_like(module: nn.Module) -> bool:
         return False
     if "bias" in params and params["bias"].shape != weight.shape:
         return False
-    return _eps(module) is not None
+    return norm_eps(module) is not None
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class SplitWidthNorm:
         weight = self.module.weight.narrow(0, start, local)
         bias = getattr(self.module, "bias", None)
         bias = bias.narrow(0, start, local) if isinstance(bias, Tensor) else None
-        return _normalise(hidden, math, _eps(self.module), weight, bias, self._summed, local * self.tp_size)
+        return _normalise(hidden, math, norm_eps(self.module), weight, bias, self._summed, local * self.tp_size)
 
     def _summed(self, partial: Tensor) -> Tensor:
         from torch.distributed.nn.functional import all_reduce
@@ -128,7 +128,7 @@ def recognise_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormM
             for offset in (0.0, 1.0):
                 for compute_dtype in (torch.float32, None):
                     math = NormMath(rms, offset, compute_dtype)
-                    got = _normalise(sample, math, _eps(module), weight, getattr(module, "bias", None), lambda t: t, sample.shape[-1])
+                    got = _normalise(sample, math, norm_eps(module), weight, getattr(module, "bias", None), lambda t: t, sample.shape[-1])
                     if float((got - expected).abs().max() / scale) < 1e-5:
                         return math
     return None
@@ -149,7 +149,8 @@ def _normalise(
     return out + bias if bias is not None else out
 
 
-def _eps(module: nn.Module) -> float | None:
+def norm_eps(module: nn.Module) -> float | None:
+    """The epsilon a norm module keeps (under any of :data:`EPS_ATTRIBUTES`), or ``None``."""
     for name in EPS_ATTRIBUTES:
         value = getattr(module, name, None)
         if isinstance(value, float):

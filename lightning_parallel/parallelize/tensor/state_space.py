@@ -50,7 +50,7 @@ from lightning_parallel.parallelize.tensor.channels import depthwise_channels
 from lightning_parallel.parallelize.tensor.partial_gradients import gradient_summed
 from lightning_parallel.parallelize.tensor.projections import features, is_projection
 from lightning_parallel.parallelize.tensor.split_region import PartialSumParameters
-from lightning_parallel.parallelize.tensor.split_norm import EPS_ATTRIBUTES
+from lightning_parallel.parallelize.tensor.split_norm import norm_eps
 
 #: Attribute names a mixer keeps its widths under, by what they count; divided on the mixer once it is split.
 INNER_ATTRIBUTES = ("intermediate_size", "d_inner", "mamba_d_inner")
@@ -223,14 +223,6 @@ def _mamba2(
     )
 
 
-def _eps(module: nn.Module) -> float | None:
-    for name in EPS_ATTRIBUTES:
-        value = getattr(module, name, None)
-        if isinstance(value, float):
-            return value
-    return None
-
-
 def _gated_norm(hidden: Tensor, gate: Tensor | None, weight: Tensor, eps: float, groups: int, width: int,
                 before: bool, summed: Any) -> Tensor:
     """A gated RMSNorm of ``hidden`` (``groups`` groups here, each of ``width`` features whole, its sum of squares
@@ -255,7 +247,7 @@ def recognise_gated_norm(norm: nn.Module, groups: int) -> bool | None:
     initialisation) is recognised too, and a weight of ones cannot hide how it is applied."""
     import copy
 
-    eps = _eps(norm)
+    eps = norm_eps(norm)
     if eps is None or any(True for _ in norm.buffers()):
         return None
     width = norm.weight.shape[0]
@@ -455,7 +447,7 @@ class _StateSpaceRegion:
     def _norm_forward(self, norm: nn.Module) -> Any:
         layout = self.layout
         weight = norm._parameters["weight"].to_local()
-        eps = _eps(norm)
+        eps = norm_eps(norm)
         width = layout.inner // layout.groups  # one group's features, whole
         groups = 1 if self.gather else layout.groups // self.tp
 
