@@ -1143,3 +1143,36 @@ def test_a_model_reading_its_split_token_table_gets_the_whole_table_and_trains_a
     torch.testing.assert_close(out, expected_out)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(grads[name], grad, msg=name)
+
+
+class MultiHeadNorm(nn.Module):
+    """Normalises each head alone and scales ``heads·head_dim`` features (xLSTM's multi-head norm)."""
+
+    def __init__(self, num_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
+
+
+class MatrixMemoryAttention(nn.Module):
+    """q/k/v/out_proj with a per-head gate and a per-head child norm (xLSTM's mLSTM layer's layout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads, self.qk_dim, self.v_dim = 4, 8, 16
+        self.q, self.k, self.v = nn.Linear(16, 8, bias=False), nn.Linear(16, 8, bias=False), nn.Linear(16, 16, bias=False)
+        self.igate_preact = nn.Linear(16, 4)
+        self.multihead_norm = MultiHeadNorm(4, 4)
+        self.out_proj = nn.Linear(16, 16, bias=False)
+
+
+def test_a_child_working_head_by_head_is_sharded_with_the_heads():
+    model = nn.ModuleDict({"attn": MatrixMemoryAttention()})
+    plan = infer_plan(model)
+    assert plan == {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise", "attn.igate_preact": "colwise",
+                    "attn.out_proj": "rowwise"}
+    resolved = resolve_plan(model, plan)
+    assert resolved.per_head["attn.multihead_norm"] == ("weight",)
+    assert resolved.head_attributes["attn.multihead_norm"] == ("num_heads",)
+    assert {"num_heads", "qk_dim", "v_dim"} <= set(resolved.head_attributes["attn"])
+    check_plan(model, resolved, 2)  # the norm's width is no longer a norm over every head: nothing refused

@@ -29,7 +29,11 @@ from lightning_parallel.parallelize.tensor.guards import explain_split_failures,
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
 from lightning_parallel.parallelize.tensor.latent import LatentRegion, latent_projections
 from lightning_parallel.parallelize.tensor.multi_query import gather_key_values, is_multi_query, multi_query_attributes
-from lightning_parallel.parallelize.tensor.per_head import find_per_head_parameters, shard_per_head_parameters
+from lightning_parallel.parallelize.tensor.per_head import (
+    find_per_head_children,
+    find_per_head_parameters,
+    shard_per_head_parameters,
+)
 from lightning_parallel.parallelize.tensor.probe import check_mlp_splits
 from lightning_parallel.parallelize.tensor.inference import (
     grouped_qkv_heads,
@@ -77,10 +81,10 @@ HEAD_ATTRIBUTES: tuple[str, ...] = (
     "num_kv_heads", "split_size", "all_head_size", "n_query_groups",
 )
 #: Widths an attention module may keep under a name that elsewhere means the model width (XGLM's, MVP's,
-#: TrOCR's ``embed_dim``, Hiera's ``hidden_size_output``, which they reshape the heads' output by): divided only on
-#: the module itself, and only where the value is the whole output width of one of its column-split q/k/v
-#: projections (for a fused q|k|v of equal blocks, of one block).
-SPLIT_WIDTH_ATTRIBUTES: tuple[str, ...] = ("embed_dim", "hidden_size_output")
+#: TrOCR's ``embed_dim``, Hiera's ``hidden_size_output``, xLSTM's ``qk_dim``/``v_dim``, which they reshape the heads'
+#: output by): divided only on the module itself, and only where the value is the whole output width of one of its
+#: column-split q/k/v projections (for a fused q|k|v of equal blocks, of one block).
+SPLIT_WIDTH_ATTRIBUTES: tuple[str, ...] = ("embed_dim", "hidden_size_output", "qk_dim", "v_dim")
 
 @dataclass(frozen=True)
 class TensorParallelConfig:
@@ -269,12 +273,16 @@ def resolve_plan(
         if parent in head_attrs:
             head_attrs[parent] = multi_query_attributes(modules[parent], head_attrs[parent], fused[fqn][0], heads[fqn][0])
     per_head = {}
-    for fqn in head_attrs:
+    for fqn in list(head_attrs):
         split_children = [f for f, s in styles.items() if f.rpartition(".")[0] == fqn and s in ("colwise", "fused_qkv")]
         if any(styles[f] == "fused_qkv" or is_attention_projection(f.rpartition(".")[2]) for f in split_children):
             names = find_per_head_parameters(modules[fqn], fqn)
             if names:
                 per_head[fqn] = names
+            children = find_per_head_children(modules[fqn], fqn)
+            for child, (params, counts) in children.items():
+                per_head[child] = params
+            head_attrs.update({child: counts for child, (_, counts) in children.items()})
     return ResolvedPlan(
         styles=styles,
         head_attributes=head_attrs,

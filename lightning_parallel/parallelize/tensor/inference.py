@@ -53,6 +53,7 @@ _ATTENTION_NAMES: tuple[tuple[str, str, str, str], ...] = (
     ("to_q", "to_k", "to_v", "to_out"),
     ("query_proj", "key_proj", "value_proj", "out_proj"),
     ("q_lin", "k_lin", "v_lin", "out_lin"),  # XLM, FlauBERT, DistilBERT
+    ("q", "k", "v", "out_proj"),  # xLSTM's mLSTM layer
     # A query projection fused with the per-head output gate (gated attention), beside separate k/v. Laid out per
     # head, as every such projection transformers has (MiniCPM5-MoE's ``q_gate_proj``, like Qwen3-Next's doubled
     # ``q_proj``, is viewed as ``[..., heads, 2·head_dim]`` and chunked on the last dim): head h's rows are

@@ -85,3 +85,27 @@ class LocalView:
     def leave(self, module: nn.Module, *_: Any) -> None:
         for name in self.names:
             module.__dict__.pop(name, None)
+
+
+def find_per_head_children(attention: nn.Module, fqn: str = "") -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Children of ``attention`` that work head by head: ``{child FQN: (parameter names, head-count attributes)}``.
+
+    A child (not a projection) keeping a head count of its own equal to the attention's query heads and a head width
+    (``num_heads`` and ``head_dim``: xLSTM's multi-head norm, which checks its input has that many heads and scales
+    ``heads·head_dim`` features), all of whose own parameters are vectors of ``heads·head_dim`` features, normalises or
+    scales each head alone: its parameters shard with the heads (``Shard(0)``, read locally in its forward) and its
+    head count is divided, so it runs on this rank's heads as on one device.
+    """
+    heads = head_count(attention, QUERY_HEADS)
+    if heads is None:
+        return {}
+    found = {}
+    for child, sub in attention.named_children():
+        own = {name: value for name in QUERY_HEADS if isinstance(value := vars(sub).get(name), int) and not isinstance(value, bool)}
+        width = next((value for name in HEAD_WIDTHS if isinstance(value := vars(sub).get(name), int)), None)
+        params = list(sub.named_parameters(recurse=False))
+        if not own or set(own.values()) != {heads[0]} or width is None or not params or any(True for _ in sub.children()):
+            continue
+        if all(param.dim() == 1 and param.shape[0] == heads[0] * width for _, param in params):
+            found[f"{fqn}.{child}" if fqn else child] = (tuple(name for name, _ in params), tuple(own))
+    return found

@@ -130,8 +130,8 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
         # on every rank alike): only the call order tells, so SplitRegionParameters refuses that case at its call.
         inputs = {features(modules[f"{name}.{child}"])[0] for child in opening}
         for child, sub in region.named_children():
-            if is_projection(sub) or f"{name}.{child}" in resolved.styles:
-                continue
+            if is_projection(sub) or f"{name}.{child}" in resolved.styles or f"{name}.{child}" in resolved.per_head:
+                continue  # split itself, or sharded with the heads (per_head.find_per_head_children)
             if norm_like(sub) and (sub.weight.device.type == "meta" or recognise_norm(sub) is not None):
                 continue  # its statistic is summed over the ranks on a slice (split_norm.SplitWidthNorm)
             for pname, param in sub.named_parameters():
@@ -298,7 +298,8 @@ def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: Re
         split = set(opening) | set(closing)
         candidates = {
             child: sub for child, sub in region.named_children()
-            if child not in split and f"{name}.{child}" not in resolved.styles and any(True for _ in sub.parameters())
+            if child not in split and f"{name}.{child}" not in resolved.styles and f"{name}.{child}" not in resolved.per_head
+            and any(True for _ in sub.parameters())
         }
         if candidates:
             install_split_width_norms(region, name, candidates, tp_mesh)
