@@ -1176,3 +1176,58 @@ def test_a_child_working_head_by_head_is_sharded_with_the_heads():
     assert resolved.head_attributes["attn.multihead_norm"] == ("num_heads",)
     assert {"num_heads", "qk_dim", "v_dim"} <= set(resolved.head_attributes["attn"])
     check_plan(model, resolved, 2)  # the norm's width is no longer a norm over every head: nothing refused
+
+
+class ChainedMLP(nn.Module):
+    """Zaya's router MLP: norm, fc1 (d→d), fc2 (d→d), then a read-out to fewer features."""
+
+    def __init__(self, width: int = 16, classes: int = 5, swapped: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.out_proj = nn.Linear(width, classes, bias=False)
+        self.swapped = swapped
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.fc2, self.fc1) if self.swapped else (self.fc1, self.fc2)
+        return self.out_proj(torch.nn.functional.gelu(second(torch.nn.functional.gelu(first(self.norm(x))))))
+
+
+def test_chained_square_projections_split_as_an_mlp_with_the_read_out_whole():
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+
+    resolved = TensorParallelConfig().resolve(nn.ModuleDict({"router": ChainedMLP()}), warn=lambda _: None, tp_size=2)
+    assert {k: v for k, v in resolved.styles.items() if v != "replicate"} == {"router.fc1": "colwise", "router.fc2": "rowwise"}
+    # Called in the other order than registered: the probe's run differs, the MLP stays whole, named.
+    swapped = TensorParallelConfig().resolve(
+        nn.ModuleDict({"router": ChainedMLP(swapped=True), "mlp": SwiGLU(16, 32)}), warn=lambda _: None, tp_size=2)
+    assert "router.fc1" not in swapped.styles and "differs from the whole MLP" in swapped.kept_whole["router"]
+
+
+class SharedBlockModel(nn.Module):
+    """Zamba's layout: one block's weights held by a module at each of several depths (tied tensors)."""
+
+    def __init__(self, adapter: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.depths = nn.ModuleList([LlamaishBlock() for _ in range(2)])
+        for name, param in self.depths[0].named_parameters():
+            owner, _, pname = name.rpartition(".")
+            self.depths[1].get_submodule(owner).register_parameter(pname, param)
+        if adapter:  # Zamba2's per-depth adapter added to the shared gate projection's whole output
+            for depth in self.depths:
+                depth.feed_forward.adapters = nn.ModuleList([nn.Sequential(nn.Linear(16, 4, bias=False), nn.Linear(4, 48, bias=False))])
+
+
+def test_a_block_tied_across_depths_is_split_once_for_all_its_uses():
+    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+
+    resolved = TensorParallelConfig().resolve(SharedBlockModel(), warn=lambda _: None, tp_size=2)
+    assert resolved.styles["depths.0.attention.wq"] == resolved.styles["depths.1.attention.wq"] == "colwise"
+    assert resolved.styles["depths.0.feed_forward.w2"] == resolved.styles["depths.1.feed_forward.w2"] == "rowwise"
+    # A replicated adapter writing the split projection's width beside it: that MLP whole at every depth, the
+    # attention still split at every depth.
+    adapted = TensorParallelConfig().resolve(SharedBlockModel(adapter=True), warn=lambda _: None, tp_size=2)
+    assert "depths.0.feed_forward.w1" not in adapted.styles and "depths.1.feed_forward.w1" not in adapted.styles
+    assert adapted.styles["depths.1.attention.wq"] == "colwise"
+    assert any("a projection left replicated below" in why for why in adapted.kept_whole.values())

@@ -58,7 +58,7 @@ from lightning_parallel.parallelize.tensor.sequence import (
 )
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
 from lightning_parallel.parallelize.tensor.state_space import check_state_space, split_state_space
-from lightning_parallel.parallelize.tensor.tied import aliases, check_tied_parameters, tie_again, tied_groups
+from lightning_parallel.parallelize.tensor.tied import aliases, check_tied_parameters, merge_tied_units, tie_again, tied_groups
 from lightning_parallel.parallelize.tensor.vocabulary import gather_reads_elsewhere, reduce_lookups_in
 from lightning_parallel.parallelize.tensor.plan import (
     STYLE_ALIASES,
@@ -166,7 +166,7 @@ class TensorParallelConfig:
         if tp_size is not None and tp_size > 1 and _split_error(module, whole_plan, self.head_attributes, tp_size):
             # Some group does not divide: find which, one group at a time (most models skip this).
             kept: list[dict[str, str]] = []
-            for unit in units:
+            for unit in merge_tied_units(module, units):
                 error = _split_error(module, unit, self.head_attributes, tp_size)
                 if error is None:
                     kept.append(unit)

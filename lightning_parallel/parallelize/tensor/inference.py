@@ -578,6 +578,26 @@ def _match_mlp(linears: Mapping[str, nn.Module], widening_only: bool = False) ->
             shapes = dict(items)
             if {shapes[n][1] for n in expand} == {shapes[reduce[0]][0]}:
                 return {expand[0]: "colwise", expand[1]: "colwise", reduce[0]: "rowwise"}
+    if len(items) >= 3 and not widening_only:
+        return _match_chained_mlp(items)
+    return {}
+
+
+def _match_chained_mlp(items: list[tuple[str, tuple[int, int]]]) -> dict[str, str]:
+    """A chain of projections, each reading what the one registered before it writes (``a→b, b→c, c→e``), holding an
+    MLP ``d→h, h→d`` (Zaya's router: ``fc1``, ``fc2``, then a read-out ``out_proj``): the first such pair splits
+    column- then row-wise, the others (before or after it in the chain, so reading or writing whole values) are named
+    ``replicate``. Shapes cannot tell the call order of square projections; registration order is taken, and the split
+    is checked by running the module (:func:`~lightning_parallel.parallelize.tensor.probe.check_mlp_splits`: another
+    order is left whole, named). Projections of one square shape (BERT's ``query``/``key``/``value``, each reading the
+    same input) or named as an attention's are no chain."""
+    if any(a[1][1] != b[1][0] for a, b in zip(items, items[1:])):
+        return {}
+    if len({shape for _, shape in items}) == 1 or any(is_attention_projection(name) for name, _ in items):
+        return {}
+    for (first, (a_in, _)), (second, (_, b_out)) in zip(items, items[1:]):
+        if a_in == b_out:
+            return {**{name: "replicate" for name, _ in items}, first: "colwise", second: "rowwise"}
     return {}
 
 

@@ -99,7 +99,10 @@ def _split_difference(mlp: nn.Module, children: Mapping[str, str], fused: Mappin
         return _run(mlp, tensors, hidden, projections, widths if split else {}, closing, summed)
 
     ranks = [{**weights, **_slices(weights, projections, children, fused, rank, tp_size), **buffers} for rank in range(tp_size)]
-    return whole_and_split_difference(run, {**weights, **buffers}, ranks)
+    # A chain split by registration order (inference._match_chained_mlp; its read-out "replicate") that runs whole but
+    # not on the slices is called in another order: a difference, left whole.
+    chained = float("inf") if "replicate" in children.values() else None
+    return whole_and_split_difference(run, {**weights, **buffers}, ranks, chained)
 
 
 def random_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor], torch.Generator] | None:
@@ -115,17 +118,23 @@ def random_tensors(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tens
 
 
 def whole_and_split_difference(run: Callable[[dict[str, Tensor], list[Tensor], bool], tuple[Any, list[Tensor]]],
-                               whole: dict[str, Tensor], ranks: list[dict[str, Tensor]]) -> float | None:
+                               whole: dict[str, Tensor], ranks: list[dict[str, Tensor]],
+                               split_failure: float | None = None) -> float | None:
     """Relative difference between a module run with ``whole`` tensors and with each rank's slices of them.
 
     ``run(tensors, summed, split)`` runs it and returns its output and the partial outputs of its row-wise (closing)
     calls, in call order, the first of which it replaces by ``summed``. Those are all-reduced where they are
     computed, so each call's partial outputs are summed over the ranks and the ranks run again with the sums in their
-    place, until no call is left. ``None``: it could not be run on the hidden states alone (an attention's experts).
+    place, until no call is left. ``None``: it could not be run on the hidden states alone (an attention's experts);
+    ``split_failure`` where it ran whole but not on the slices.
     """
     try:
         with torch.no_grad():
             whole_output = _first_tensor(run(whole, [], False)[0])
+    except Exception:  # noqa: BLE001 - a forward needing more than the hidden states: not run, left as planned
+        return None
+    try:
+        with torch.no_grad():
             summed: list[Tensor] = []
             while True:
                 runs = [run(tensors, summed, True) for tensors in ranks]
@@ -133,8 +142,8 @@ def whole_and_split_difference(run: Callable[[dict[str, Tensor], list[Tensor], b
                     break
                 summed.append(sum(outputs[len(summed)] for _, outputs in runs))
             split = _first_tensor(runs[0][0])
-    except Exception:  # noqa: BLE001 - a forward needing more than the hidden states: not run, left as planned
-        return None
+    except Exception:  # noqa: BLE001
+        return split_failure
     if whole_output is None or split is None or whole_output.shape != split.shape:
         return None
     return float((whole_output - split).abs().max() / whole_output.abs().max().clamp_min(1e-12))

@@ -19,6 +19,8 @@ attentions and MLPs whole (named with the reason) and an explicit plan stops wit
   (multi-head latent attention's ``q_a_proj``/``kv_a_proj_with_mqa``, whose region then computes partial-sum
   gradients: :mod:`~lightning_parallel.parallelize.tensor.latent`): its output may reach each rank's heads without
   passing a split projection, so its gradient would be a partial sum that nothing reduces;
+- a projection below another child of the region (not a direct child) writing a split projection's whole width,
+  left replicated (Zamba2's per-depth LoRA adapters added to its shared block's q/k/v and gate|up outputs);
 - a fused projection laid out in interleaved model-parallel groups (CodeGen's ``mp_num``) that the degree
   does not divide into whole groups.
 
@@ -104,6 +106,19 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
                     f"head, as multi-head latent attention has), and its gradient would then be a partial sum. Split "
                     f"every projection of {where} or leave {where} replicated in the plan."
                 )
+    for name, (opening, _) in regions.items():
+        # A projection below another child of the region (Zamba2's per-depth adapters beside its shared block's
+        # projections) writing as many features as a split projection does is added to that projection's whole
+        # output, which a rank holds a slice of.
+        split_widths = {features(modules[f"{name}.{child}"])[1]: child for child in opening}
+        for fqn, sub in modules[name].named_modules(prefix=name):
+            if fqn.count(".") > name.count(".") + 1 - (not name) and is_projection(sub) and fqn not in resolved.styles \
+                    and features(sub)[1] in split_widths and not _within_any(fqn, resolved.styles):
+                raise ValueError(
+                    f"{fqn}: a projection left replicated below {name}, writing {features(sub)[1]} features as the split "
+                    f"{name}.{split_widths[features(sub)[1]]} does: its whole output would meet that projection's "
+                    f"slice on each rank. Leave {name} replicated in the plan."
+                )
     for name, (opening, closing) in regions.items():
         inputs = {features(modules[f"{name}.{child}"])[0] for child in opening}
         outs = {child: features(modules[f"{name}.{child}"])[1] for child in closing}
@@ -151,6 +166,12 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
                 f"tensor_parallel_size={tp_size} cannot divide into whole groups per rank. Choose a "
                 f"tensor_parallel_size that divides {groups}, or leave {fqn.rpartition('.')[0]} replicated in the plan."
             )
+
+
+def _within_any(fqn: str, names: Mapping[str, str]) -> bool:
+    """``fqn`` lies below a module the plan names (split by a style of its own: experts, a mixer)."""
+    parts = fqn.split(".")
+    return any(".".join(parts[:i]) in names for i in range(1, len(parts)))
 
 
 class PartialSumParameters:

@@ -1,7 +1,7 @@
 """Tied weights under tensor parallelism: one tensor held by several modules (a tied embedding and head).
 
-Such a tensor may be split only where every holder splits it the same way, by rows
-(:func:`check_tied_parameters`); after torch's ``parallelize_module`` gave each holder its own DTensor,
+Such a tensor may be split only where every holder splits it the same way: by rows, or by one style on every holder
+(a block whose weights are used at several depths) (:func:`check_tied_parameters`); after torch's ``parallelize_module`` gave each holder its own DTensor,
 :func:`tie_again` points them all at one. No Lightning here.
 """
 
@@ -37,6 +37,31 @@ def aliases(holders: list[tuple[str, str]], split: set[str]) -> set[str]:
     return {fqn for fqn, _ in holders if fqn not in split and any(s.startswith(f"{fqn}.") or not fqn for s in splitting)}
 
 
+def merge_tied_units(module: nn.Module, units: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``units`` (groups split whole or not at all), those holding one tied tensor merged: a block whose weights are
+    used at several depths is split at every depth or at none."""
+    unit_of: dict[str, int] = {}
+    for index, unit in enumerate(units):
+        for fqn in unit:
+            unit_of[fqn] = index
+    parent = list(range(len(units)))
+
+    def root(index: int) -> int:
+        while parent[index] != index:
+            index = parent[index]
+        return index
+
+    for holders in tied_groups(module):
+        indices = {unit_of[fqn] for fqn, _ in holders if fqn in unit_of}
+        first, *rest = sorted(map(root, indices)) or [None]
+        for other in rest:
+            parent[other] = first
+    merged: dict[int, dict[str, str]] = {}
+    for index, unit in enumerate(units):
+        merged.setdefault(root(index), {}).update(unit)
+    return list(merged.values())
+
+
 def check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
     """A tied tensor is split only where every module holding it splits it the same way (its rows), or holds it as
     an ancestor of such a module (:func:`aliases`)."""
@@ -52,7 +77,7 @@ def check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
             and resolved.styles[fqn] in _ROW_SHARDED_WEIGHT and fqn not in resolved.conv1d
             for fqn, pname in holders if fqn not in alias
         )
-        if not same_rows:
+        if not same_rows and not _same_split(holders, alias, split, resolved):
             names = ", ".join(f"{fqn}.{pname}" if fqn else pname for fqn, pname in holders)
             styles = ", ".join(f"{fqn}: {resolved.styles.get(fqn, 'replicated')}" for fqn in sorted(modules_of))
             raise ValueError(
@@ -60,6 +85,22 @@ def check_tied_parameters(module: nn.Module, resolved: ResolvedPlan) -> None:
                 f"module holding it ({styles}). Split them all by rows (an embedding 'embedding_rowwise' with its "
                 f"head 'colwise_gather_output'), leave all of them replicated, or untie the weights."
             )
+
+
+#: Styles whose split of a module's parameters depends only on the module's own shapes (and the plan's recorded blocks
+#: and heads): two modules holding one tensor and split by the same entry hold the same shard of it.
+_SAME_SPLIT_STYLES = ("colwise", "rowwise", "colwise_gather_output", "fused_qkv", "fused_gate_up", "fused_blocks")
+
+
+def _same_split(holders: list[tuple[str, str]], alias: set[str], split: set[str], resolved: ResolvedPlan) -> bool:
+    """Every holder of a tied tensor splits it the same way: one module's weights used at several depths (Zamba's and
+    Zamba2's shared transformer block, one set of tensors in each hybrid layer) split once, consistently, for all uses."""
+    own = [(fqn, pname) for fqn, pname in holders if fqn not in alias]
+    if not {fqn for fqn, _ in own} <= split:
+        return False
+    ways = {(resolved.styles[fqn], pname, fqn in resolved.conv1d, resolved.fused.get(fqn), resolved.heads.get(fqn),
+             fqn in resolved.multi_query) for fqn, pname in own}
+    return len(ways) == 1 and next(iter(ways))[0] in _SAME_SPLIT_STYLES
 
 
 def tie_again(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
