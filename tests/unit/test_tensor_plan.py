@@ -1231,3 +1231,40 @@ def test_a_block_tied_across_depths_is_split_once_for_all_its_uses():
     assert "depths.0.feed_forward.w1" not in adapted.styles and "depths.1.feed_forward.w1" not in adapted.styles
     assert adapted.styles["depths.1.attention.wq"] == "colwise"
     assert any("a projection left replicated below" in why for why in adapted.kept_whole.values())
+
+
+class BlockDiagonalRecurrence(nn.Module):
+    """Per-channel decay and block-diagonal gates over ``heads`` blocks (RecurrentGemma's RG-LRU)."""
+
+    def __init__(self, heads: int, width: int) -> None:
+        super().__init__()
+        self.num_attention_heads, self.block_width = heads, width
+        self.recurrent_param = nn.Parameter(torch.zeros(heads * width))
+        self.input_gate_weight = nn.Parameter(torch.zeros(heads, width, width))
+        self.input_gate_bias = nn.Parameter(torch.zeros(heads, width))
+
+
+class GatedRecurrenceBlock(nn.Module):
+    """Two d→w branches, a depthwise convolution and a blockwise recurrence, w→d out (Griffin's recurrent block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lru_width = 16
+        self.linear_y, self.linear_x, self.linear_out = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.conv_1d = nn.Conv1d(16, 16, kernel_size=4, groups=16, padding=3)
+        self.rg_lru = BlockDiagonalRecurrence(4, 4)
+
+
+def test_a_gated_recurrence_block_is_split_over_its_channels_and_blocks():
+    model = nn.ModuleDict({"block": GatedRecurrenceBlock()})
+    plan = infer_plan(model)
+    assert plan == {"block.linear_y": "colwise", "block.linear_x": "colwise", "block.conv_1d": "channelwise",
+                    "block.linear_out": "rowwise"}
+    resolved = resolve_plan(model, plan)
+    assert resolved.per_head["block.rg_lru"] == ("recurrent_param", "input_gate_weight", "input_gate_bias")
+    assert resolved.head_attributes["block.rg_lru"] == ("num_attention_heads",)
+    assert resolved.head_attributes["block"] == ("lru_width",)
+    check_plan(model, resolved, 2)
+    # A child that mixes the blocks (a full matrix over the channels) is no blockwise recurrence: left whole.
+    model.block.rg_lru.input_gate_weight = nn.Parameter(torch.zeros(16, 16))
+    assert infer_plan(model) == {}

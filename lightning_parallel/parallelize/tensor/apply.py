@@ -22,7 +22,8 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
-from lightning_parallel.parallelize.tensor.channels import check_channelwise, split_channels
+from lightning_parallel.parallelize.tensor.channels import check_channelwise, depthwise_channels, split_channels
+from lightning_parallel.parallelize.tensor.recurrent_block import CHANNEL_WIDTH_ATTRIBUTES, blockwise_children
 from lightning_parallel.parallelize.tensor.experts import check_experts, split_experts
 from lightning_parallel.parallelize.tensor.gathered_input import gather_split_inputs
 from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
@@ -283,6 +284,17 @@ def resolve_plan(
             for child, (params, counts) in children.items():
                 per_head[child] = params
             head_attrs.update({child: counts for child, (_, counts) in children.items()})
+    for fqn, style in styles.items():
+        if style == "channelwise" and depthwise_channels(modules[fqn]) is not None:
+            # A gated recurrence's blockwise children and channel widths (tensor.recurrent_block).
+            parent = fqn.rpartition(".")[0]
+            channels = depthwise_channels(modules[fqn])
+            children = blockwise_children(modules[parent], channels, f"{parent}." if parent else "")
+            per_head.update({child: params for child, (params, _) in children.items()})
+            head_attrs.update({child: counts for child, (_, counts) in children.items()})
+            widths = tuple(a for a in CHANNEL_WIDTH_ATTRIBUTES if getattr(modules[parent], a, None) == channels)
+            if widths:
+                head_attrs[parent] = tuple(dict.fromkeys(head_attrs.get(parent, ()) + widths))
     return ResolvedPlan(
         styles=styles,
         head_attributes=head_attrs,

@@ -39,6 +39,7 @@ from lightning_parallel.parallelize.tensor.projections import (
     is_projection,
 )
 from lightning_parallel.parallelize.tensor.published_plan import published_plan
+from lightning_parallel.parallelize.tensor.recurrent_block import match_gated_recurrence
 from lightning_parallel.parallelize.tensor.split_region import interleaved_groups
 from lightning_parallel.parallelize.tensor.state_space import find_state_space
 from lightning_parallel.parallelize.tensor.tied import tied_groups
@@ -335,6 +336,9 @@ def _match_block(
     short_convolution = _match_short_convolution(sub, projections)
     if short_convolution:
         return short_convolution
+    recurrence = match_gated_recurrence(sub, projections)
+    if recurrence:
+        return recurrence
     # Beside blocks of its own (a decoder layer holding its attention), a module's direct projections are its
     # MLP only if they widen the model (OPT's, BART's fc1/fc2): two that narrow it are a side path whose
     # hidden values may meet a replicated tensor of that width (Gemma4's per-layer input gate and
