@@ -426,11 +426,20 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     gather_split_inputs(modules, resolved.styles, tp_mesh)
     tie_again(module, tied)
     split_channels(modules, resolved.styles, tp_mesh)
-    for fqn, style in resolved.styles.items():
-        if style == "embedding_rowwise":
-            reduce_lookups_in(modules[fqn])  # an embedding that scales its rows (Gemma) loses the lookup's mask
-            ancestors = [modules[".".join(fqn.split(".")[:i])] for i in range(fqn.count(".") + 1)]
-            gather_reads_elsewhere(fqn, modules[fqn], ancestors, log.warning)
+    def ancestors(fqn: str) -> list[nn.Module]:
+        return [modules[".".join(fqn.split(".")[:i])] for i in range(fqn.count(".") + 1)]
+
+    vocabulary_split = {fqn for fqn, style in resolved.styles.items() if style == "embedding_rowwise"}
+    for fqn in vocabulary_split:
+        reduce_lookups_in(modules[fqn])  # an embedding that scales its rows (Gemma) loses the lookup's mask
+        gather_reads_elsewhere(fqn, modules[fqn], ancestors(fqn), log.warning)
+    # A head tied to a vocabulary-split table may be read, not called, by the model's code (MobileBERT's prediction
+    # head multiplies by torch.cat([decoder.weight.t(), dense.weight])): it gets the whole weight the same way.
+    for holders in tied:
+        if any(fqn in vocabulary_split for fqn, _ in holders):
+            for fqn, name in holders:
+                if fqn not in vocabulary_split and name == "weight" and fqn in modules:
+                    gather_reads_elsewhere(fqn, modules[fqn], ancestors(fqn), log.warning)
     for fqn, style in resolved.styles.items():
         if style == "experts":
             experts_layouts = split_experts(fqn, modules[fqn], check_experts(fqn, modules[fqn], tp_size), tp_mesh)

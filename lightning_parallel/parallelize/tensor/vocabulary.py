@@ -55,8 +55,9 @@ def reduce_lookups_in(module: nn.Embedding) -> None:
 
 
 
-def gather_reads_elsewhere(fqn: str, embedding: nn.Embedding, ancestors: list[nn.Module], warn: Any) -> None:
-    """Let the model's own code read a vocabulary-split embedding's ``weight`` outside the embedding's forward.
+def gather_reads_elsewhere(fqn: str, embedding: nn.Module, ancestors: list[nn.Module], warn: Any) -> None:
+    """Let the model's own code read a vocabulary-split embedding's (or tied head's) ``weight`` (and ``bias``) outside
+    its own forward.
 
     Some models read the token table directly (Gemma 4 takes its pad token's row, ``embed_tokens.weight[pad_id]``, to
     blank multimodal positions): on a rank's rows that read is a DTensor beside plain tensors, and the step stops
@@ -85,17 +86,22 @@ def gather_reads_elsewhere(fqn: str, embedding: nn.Embedding, ancestors: list[nn
     # (FSDP2's lazy init, this library) keep the split parameter.
     model_files = {type(ancestor).__module__ for ancestor in ancestors}
 
-    def weight(self: nn.Embedding) -> Tensor:
-        param = self._parameters["weight"]
-        if not (state["ancestors"] and not state["inside"] and isinstance(param, DTensor)):
-            return param
-        if sys._getframe(1).f_globals.get("__name__") not in model_files:
-            return param
-        if not state["warned"]:
-            state["warned"] = True
-            warn(f"{fqn}: the model reads its weight outside {fqn}'s own forward; split over the vocabulary by tensor "
-                 f"parallelism, the whole table is gathered for each such read ({tuple(param.shape)}).")
-        return param.full_tensor()
+    def read(name: str) -> property:
+        def whole_outside_forward(self: nn.Module) -> Tensor:
+            param = self._parameters[name]
+            if not (state["ancestors"] and not state["inside"] and isinstance(param, DTensor)):
+                return param
+            if sys._getframe(1).f_globals.get("__name__") not in model_files:
+                return param
+            if not state["warned"]:
+                state["warned"] = True
+                warn(f"{fqn}: the model reads its {name} outside {fqn}'s own forward; split over the vocabulary by "
+                     f"tensor parallelism, it is gathered whole for each such read ({tuple(param.shape)}).")
+            return param.full_tensor()
 
+        return property(whole_outside_forward)
+
+    # A tied head's bias is split with its weight (MobileBERT adds ``decoder.bias`` itself): read whole alike.
+    names = [name for name in ("weight", "bias") if isinstance(embedding._parameters.get(name), DTensor)]
     base = type(embedding)
-    embedding.__class__ = type(base.__name__, (base,), {"weight": property(weight), "__module__": base.__module__})
+    embedding.__class__ = type(base.__name__, (base,), {**{name: read(name) for name in names}, "__module__": base.__module__})
