@@ -38,6 +38,7 @@ from lightning_parallel.parallelize.tensor.projections import (
     head_count,
     is_projection,
 )
+from lightning_parallel.parallelize.tensor.projector import match_projector
 from lightning_parallel.parallelize.tensor.published_plan import published_plan
 from lightning_parallel.parallelize.tensor.recurrent_block import match_gated_recurrence
 from lightning_parallel.parallelize.tensor.split_region import interleaved_groups
@@ -344,7 +345,9 @@ def _match_block(
     # hidden values may meet a replicated tensor of that width (Gemma4's per-layer input gate and
     # projection), which a column split would cut: left replicated.
     beside_blocks = any(_holds_projection(child) for child in sub.children() if not is_projection(child))
-    return _match_mlp(projections, widening_only=beside_blocks)
+    mlp = _match_mlp(projections, widening_only=beside_blocks)
+    # Not an MLP: a two-layer projector a→h, h→e (a multimodal adaptor), split once a run confirms it (tensor.projector).
+    return mlp or ({} if beside_blocks else match_projector(sub, projections))
 
 
 def _weighted_heads(sub: nn.Module, projections: Mapping[str, nn.Module]) -> dict[str, str]:
