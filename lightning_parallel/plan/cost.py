@@ -191,6 +191,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
             f"{workload.accumulate} accumulated batches × {layout.microbatches} micro-batches."
         )
     step = profile.step(layout.tp)
+    unsplit = profile.step(1)
     micro = batch / layout.microbatches
     # Processes outnumbering the cores make each message of a collective wait for its receiver to be scheduled again.
     hardware = hardware.sharing_node(min(workload.devices_per_node, world))
@@ -211,9 +212,10 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         params = sum(step.parameter_bytes[n] for n in dense)
         gradients = sum(step.parameter_bytes[n] for n in dense - step.frozen)
         optimizer = sum(step.optimizer_bytes.get(n, 0) for n in dense)
-        expert_params = sum(step.parameter_bytes[n] for n in experts) / layout.ep
-        expert_gradients = sum(step.parameter_bytes[n] for n in experts - step.frozen) / layout.ep
-        expert_optimizer = sum(step.optimizer_bytes.get(n, 0) for n in experts) / layout.ep
+        # Tensor parallelism leaves divided experts whole (its plan excludes them): their bytes are the unsplit ones.
+        expert_params = sum(unsplit.parameter_bytes[n] for n in experts) / layout.ep
+        expert_gradients = sum(unsplit.parameter_bytes[n] for n in experts - step.frozen) / layout.ep
+        expert_optimizer = sum(unsplit.optimizer_bytes.get(n, 0) for n in experts) / layout.ep
         flops = sum(step.flops[s] for s in segments) + (
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
@@ -222,7 +224,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         seconds = _compute_seconds(hardware, step, segments, flops, micro * tokens, share, processes)
         # Sharded parameters are DTensors (FSDP2); divided experts are plain local tensors.
         optimizer_seconds.append(_optimizer_seconds(hardware, step, dense - step.frozen, shards, processes, sharded=shards > 1)
-                                 + _optimizer_seconds(hardware, step, experts - step.frozen, layout.ep, processes, sharded=False))
+                                 + _optimizer_seconds(hardware, unsplit, experts - step.frozen, layout.ep, processes, sharded=False))
         if layout.pp > 1 and step.tp_bytes_by_segment:  # each stage's own traffic (embeddings, head included)
             tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
         else:

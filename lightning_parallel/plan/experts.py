@@ -6,18 +6,28 @@ routed-experts module (:func:`~lightning_parallel.parallelize.expert.experts.fin
 instead what a balanced router costs: every expert gets ``⌈tokens × k / E⌉`` tokens, through its up and down
 weights (one batched matmul each), so FLOPs, saved activations and gradients are those of training at even
 load; its output keeps the gradient paths to the hidden states and the routing weights.
+
+Experts kept as an ``nn.ModuleList`` (:func:`~lightning_parallel.parallelize.expert.module_list.find_expert_lists`)
+are chosen by the MoE block's own loop, which indexes by values. There the block's forward runs once on the CPU
+with random values (its parameters and buffers outside the experts, and its inputs, of the meta call's shapes), each
+expert call recorded instead of computed: that gives the (token, choice) pairs a dropless router sends to the
+experts, whatever its top-k or routing code. On the meta device the block then costs its router's matmul and each
+expert run on ``⌈pairs / E⌉`` tokens; its output has the recorded shapes and keeps the gradient paths to the
+hidden states, the router and every expert.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from lightning_parallel.parallelize.expert.experts import RoutedExperts, find_routed_experts
+from lightning_parallel.parallelize.expert.module_list import ExpertList, find_expert_lists, router_of
 
 _UP_NAMES = ("gate_up_proj", "up_proj")
 
@@ -31,6 +41,7 @@ class RoutedTraffic:
         calls: MoE layer calls in the step's forward.
         parameters: Full names (relative to the dry-run module) of the routed-experts parameters.
         counts: Routed experts per MoE layer (every count an expert-parallel size must divide).
+        lists: Some MoE block keeps its experts as an ``nn.ModuleList``.
     """
 
     def __init__(self) -> None:
@@ -38,6 +49,7 @@ class RoutedTraffic:
         self.calls = 0
         self.parameters: set[str] = set()
         self.counts: set[int] = set()
+        self.lists = False
 
 
 @contextmanager
@@ -52,6 +64,13 @@ def balanced_routing(module: nn.Module) -> Iterator[RoutedTraffic]:
             patched.append(sub)
             traffic.parameters.update(f"{fqn}.{name}" if fqn else name for name in routed.parameters)
             traffic.counts.add(routed.num_experts)
+    for listed in find_expert_lists(module).values():
+        block = module.get_submodule(listed.block)
+        block.forward = _BalancedExpertList(block, listed, traffic)
+        patched.append(block)
+        traffic.parameters.update(listed.parameter_names(range(listed.num_experts)))
+        traffic.counts.add(listed.num_experts)
+        traffic.lists = True
     try:
         yield traffic
     finally:
@@ -79,3 +98,116 @@ class _BalancedExperts:
         out = torch.bmm(inner[..., :units], down.reshape(experts, units, width))
         # Shape of the real output; the gradient reaches the tokens, the weights and both projections.
         return flat + (out.sum() + top_k_weights.sum()) * 0
+
+
+class _BalancedExpertList:
+    """An MoE block whose experts are an ``nn.ModuleList``, as :class:`_BalancedExperts` for fused ones (see the
+    module doc): the pairs counted by one CPU run of the block's own forward, the experts computed on meta."""
+
+    def __init__(self, block: nn.Module, listed: ExpertList, traffic: RoutedTraffic) -> None:
+        self.block, self.listed, self.traffic = block, listed, traffic
+        self.experts: nn.ModuleList = getattr(block, listed.attribute)
+        router = router_of(block, self.experts)
+        assert router is not None  # found with its router
+        self.router = router
+        #: (input shapes) -> (pairs, expert input width, output): one CPU run per shape.
+        self._seen: dict[Any, tuple[int, int, Any]] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t, (args, kwargs))
+        key = repr(key)
+        if key not in self._seen:
+            self._seen[key] = self._count(args, kwargs)
+        pairs, width, shapes = self._seen[key]
+        hidden = next(t for t in _tensors((args, kwargs)) if t.is_floating_point())
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        self.traffic.pair_bytes += pairs * width * hidden.element_size()
+        self.traffic.calls += 1
+        router = self.router
+        logits = flat @ (router.t() if router.shape[1] == flat.shape[-1] else router)  # the router's FLOPs
+        per_expert = max(1, -(-pairs // self.listed.num_experts))
+        tokens = flat[:1].expand(per_expert, width) if width == flat.shape[-1] else flat.new_zeros(per_expert, width)
+        tie = logits.sum() + sum(expert(tokens).sum() for expert in self.experts)
+        # Shapes of the real output; the gradient reaches the hidden states, the router and every expert.
+        return tree_map(lambda s: hidden.new_zeros(s[0], dtype=s[1]) + tie.to(s[1]) * 0 if s[1].is_floating_point
+                        else hidden.new_zeros(s[0], dtype=s[1]), shapes, is_leaf=_is_shape)
+
+    def _count(self, args: Any, kwargs: Any) -> tuple[int, int, Any]:
+        """The block's forward on the CPU with random values, its expert calls recorded: (pairs, input width, the
+        output's (shape, dtype) tree)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        calls: list[tuple[int, int]] = []
+        experts = self.experts
+        saved = dict(experts._modules)
+
+        outputs: dict[tuple[int, torch.dtype], Tensor] = {}
+        hidden = next(t for t in _tensors((args, kwargs)) if t.is_floating_point())
+        # The output's width and dtype: an expert on 0 rows (on meta, with its hooks: tensor parallelism's).
+        outputs[(hidden.shape[-1], hidden.dtype)] = saved["0"](hidden.reshape(-1, hidden.shape[-1])[:0])
+
+        def record(index: int, x: Tensor) -> Tensor:
+            calls.append((x.numel() // x.shape[-1], x.shape[-1]))
+            out = outputs.get((x.shape[-1], x.dtype))
+            if out is None:
+                raise TypeError(
+                    f"{self.listed.fqn}: the planner runs each expert on the MoE block's hidden states "
+                    f"(width {hidden.shape[-1]}, {hidden.dtype}), but the block called expert {index} with "
+                    f"{list(x.shape)} {x.dtype}. Plan with expert_parallel_size=1 (pin ep=1)."
+                )
+            return torch.zeros((*x.shape[:-1], out.shape[-1]), dtype=out.dtype)
+
+        values = {name: _random_like(t) for name, t in self.block.named_parameters() if not name.startswith(f"{self.listed.attribute}.")}
+        values.update({name: torch.zeros_like(t, device="cpu") for name, t in self.block.named_buffers()})
+        forward = self.block.__dict__.pop("forward")
+        # Not part of the step: no FLOPs, operators, memory or parameter use counted (modes and hooks off).
+        with _disable_current_modes(), _without_hooks(self.block), torch.no_grad():
+            try:
+                for key in saved:
+                    experts._modules[key] = _Recording(int(key), record)
+                cpu = tree_map(lambda t: _random_like(t) if isinstance(t, Tensor) else t, (args, kwargs))
+                out = torch.func.functional_call(self.block, values, cpu[0], cpu[1], strict=False)
+            finally:
+                experts._modules.clear()
+                experts._modules.update(saved)
+                self.block.forward = forward
+        shapes = tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t, out)
+        return sum(n for n, _ in calls), max((w for _, w in calls), default=0), shapes
+
+
+class _Recording(nn.Module):
+    def __init__(self, index: int, record: Callable[[int, Tensor], Tensor]) -> None:
+        super().__init__()
+        self.index, self.record = index, record
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.record(self.index, x)
+
+
+@contextmanager
+def _without_hooks(module: nn.Module) -> Iterator[None]:
+    """The forward hooks of ``module`` and its submodules off (the dry run's trackers see the meta call only)."""
+    saved = [(sub, sub._forward_pre_hooks, sub._forward_hooks) for sub in module.modules()]
+    for sub, _, _ in saved:
+        sub._forward_pre_hooks, sub._forward_hooks = type(sub._forward_pre_hooks)(), type(sub._forward_hooks)()
+    try:
+        yield
+    finally:
+        for sub, pre, post in saved:
+            sub._forward_pre_hooks, sub._forward_hooks = pre, post
+
+
+def _random_like(t: Tensor) -> Tensor:
+    if t.is_floating_point():
+        return torch.randn(t.shape, dtype=t.dtype)
+    return torch.zeros(t.shape, dtype=t.dtype)
+
+
+def _is_shape(item: Any) -> bool:
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.dtype)
+
+
+def _tensors(tree: Any) -> Iterator[Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return (leaf for leaf in tree_leaves(tree) if isinstance(leaf, Tensor))

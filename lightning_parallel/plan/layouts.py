@@ -182,6 +182,7 @@ def enumerate_layouts(
     devices_per_node: int,
     fixed: dict[str, int] | None = None,
     experts: int = 0,
+    expert_lists: bool = False,
 ) -> tuple[list[Layout], dict[str, str]]:
     """Every valid layout, and for each (dp, tp, pp) left out, why.
 
@@ -194,6 +195,8 @@ def enumerate_layouts(
         experts: What every expert-parallel size must divide (the MoE layers' expert counts' common divisor);
             0 for a model without routed experts. Expert parallelism divides dp's ranks; inside pipelines only
             with replicated dp and without tp or cp (what the strategy combines it with).
+        expert_lists: Some MoE block keeps its experts as an ``nn.ModuleList``: expert parallelism then runs without
+            pipelines, on a model not built on the meta device (the strategy refuses the rest).
     """
     fixed = dict(fixed or {})
     pinned_ep = fixed.pop("ep", None)
@@ -228,7 +231,7 @@ def enumerate_layouts(
             found = list(_variants(dp, tp, pp, batch, trunk_layers, devices_per_node, cp))
             if not found:
                 rejected[key] = f"no pipeline schedule fits {batch} samples per batch into enough micro-batches for pp={pp}"
-            sizes = _expert_parallel_sizes(dp, pp, cp, experts, pinned_ep)
+            sizes = _expert_parallel_sizes(dp, pp, cp, experts, pinned_ep, expert_lists and (pp > 1 or workload.empty_init))
             if isinstance(sizes, str):
                 rejected[key] = sizes
                 continue
@@ -245,15 +248,19 @@ def _expert_parallel_combines(layout: Layout) -> bool:
     return layout.pp == 1 or (layout.tp == 1 and layout.cp == 1 and layout.data_parallel_mode == "replicate")
 
 
-def _expert_parallel_sizes(dp: int, pp: int, cp: int, experts: int, pinned: int | None) -> tuple[int, ...] | str:
-    """The expert-parallel sizes to compare for one (dp, pp, cp), or why a pinned one cannot apply."""
-    possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and (pp == 1 or cp == 1)))
+def _expert_parallel_sizes(dp: int, pp: int, cp: int, experts: int, pinned: int | None, lists_refused: bool = False) -> tuple[int, ...] | str:
+    """The expert-parallel sizes to compare for one (dp, pp, cp), or why a pinned one cannot apply
+    (``lists_refused``: nn.ModuleList experts, in a pipeline or built on the meta device)."""
+    possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and (pp == 1 or cp == 1) and not lists_refused))
     if pinned is None:
         return possible
     if pinned in possible:
         return (pinned,)
     if not experts:
         return f"ep={pinned}: the model holds no routed experts"
+    if lists_refused and experts % pinned == 0 and dp % pinned == 0:
+        return (f"ep={pinned}: experts kept as an nn.ModuleList are divided neither inside pipelines nor on a model "
+                f"built on the meta device (empty_init) yet")
     if pp > 1 and cp > 1:
         return f"ep={pinned} does not combine with pipeline and context parallelism together yet"
     return f"ep={pinned} must divide dp={dp} and the {experts} experts of every MoE layer"

@@ -70,7 +70,7 @@ def plan(
     fixed = dict(fixed or {})
     check_request(workload, hardware, fixed)
     layouts, rejected = enumerate_layouts(workload, len(profile.trunk_layers), set(profile.steps), hardware.devices_per_node, fixed,
-                                          experts=profile.experts_divisor)
+                                          experts=profile.experts_divisor, expert_lists=profile.expert_lists)
     if not layouts:
         reasons = "\n".join(f"  {key}: {why}" for key, why in rejected.items()) or "  (no split of the ranks matches the pinned sizes)"
         raise PlanError(f"No layout of {workload.world_size} ranks can run {profile.name}:\n{reasons}")

@@ -109,6 +109,8 @@ class ModelProfile:
         attention_heads: Head counts found on attention modules (limit tensor parallelism).
         dtype_bytes: Bytes per element of the parameters.
         steps: Per tensor-parallel degree, the step's share per rank.
+        expert_lists: Some MoE block keeps its routed experts as an ``nn.ModuleList`` (which expert parallelism
+            divides with fewer layouts).
     """
 
     name: str
@@ -120,6 +122,7 @@ class ModelProfile:
     dtype_bytes: int
     steps: dict[int, StepProfile] = field(default_factory=dict)
     tp_invalid: dict[int, str] = field(default_factory=dict)
+    expert_lists: bool = False
 
     @property
     def trunk_layers(self) -> tuple[str, ...]:
@@ -200,6 +203,7 @@ def profile_model(
         layer_costs=costs,
         dtype_bytes=next(module.parameters()).element_size(),
         steps={1: whole},
+        expert_lists=routed.lists,
     )
     for tp in sorted(set(tensor_parallel_sizes) - {1}):
         module = build()

@@ -85,16 +85,23 @@ def expert_list(block_fqn: str, block: nn.Module, attribute: str, experts: nn.Mo
     holders = [m for m in experts[0].modules() if any(True for _ in m.parameters(recurse=False))]
     if not all(isinstance(m, nn.Linear) for m in holders):
         return None
-    widths = {m.in_features for m in holders}
-    listed = {id(p) for p in experts.parameters()}
-    router = any(
-        p.dim() == 2 and id(p) not in listed and (tuple(p.shape) in {(count, w) for w in widths} | {(w, count) for w in widths})
-        for sub in block.modules() if not isinstance(sub, nn.Embedding)
-        for p in sub.parameters(recurse=False)
-    )
-    if not router:
+    if router_of(block, experts) is None:
         return None
     return ExpertList(block_fqn, attribute, count, tuple(name for name, _ in structure))
+
+
+def router_of(block: nn.Module, experts: nn.ModuleList) -> nn.Parameter | None:
+    """The router of ``block``'s ``experts``: its first 2-D parameter outside the list (not an embedding table) of
+    ``[E, H]`` or ``[H, E]``, ``H`` an input width of the experts' linear layers; ``None`` if it has none."""
+    count = len(experts)
+    widths = {m.in_features for m in experts[0].modules() if isinstance(m, nn.Linear)}
+    shapes = {(count, w) for w in widths} | {(w, count) for w in widths}
+    listed = {id(p) for p in experts.parameters()}
+    return next(
+        (p for sub in block.modules() if not isinstance(sub, nn.Embedding)
+         for p in sub.parameters(recurse=False) if p.dim() == 2 and id(p) not in listed and tuple(p.shape) in shapes),
+        None,
+    )
 
 
 def find_expert_lists(module: nn.Module) -> dict[str, ExpertList]:
