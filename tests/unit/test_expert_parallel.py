@@ -324,7 +324,6 @@ def test_experts_are_called_positionally_whatever_their_implementation_names_the
     [
         ({"expert_parallel_size": 3, "data_parallel_size": 3}, "its 4 experts are not divisible by expert_parallel_size=3"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported with them yet"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported with them yet"),
     ],
 )
 def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):
@@ -343,6 +342,25 @@ def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):
     ok = ExpertParallelComponent(SimpleNamespace(layout=ParallelLayout(data_parallel_size=2, expert_parallel_size=2), lightning_module=on_meta))
     with pytest.raises(ValueError, match=r"layers.0.moe.experts: experts kept as an nn.ModuleList cannot be divided while on the meta device"):
         ok._check_lists(find_expert_lists(on_meta))
+
+
+def test_tensor_parallel_plan_leaves_module_list_experts_to_expert_parallelism():
+    """Under ep × tp the automatic plan splits attention and dense MLPs but leaves the nn.ModuleList experts (MLPs
+    below the excluded list) and everything else below an excluded module whole; without ep it splits each expert."""
+    from lightning_parallel.parallelize.tensor.inference import infer_units
+    from tests.hf_models import ListMoELM
+
+    model = ListMoELM()
+    lists = find_expert_lists(model)
+    split = {fqn for unit in infer_units(model) for fqn in unit}
+    left = {fqn for unit in infer_units(model, exclude=tuple(lists)) for fqn in unit}
+    assert {"layers.0.moe.experts.1.w1", "layers.1.moe.experts.3.w2"} <= split
+    assert not any(fqn.startswith(tuple(f"{fqn}." for fqn in lists)) for fqn in left)
+    assert {"layers.0.attention.wq", "layers.1.attention.wo"} <= left and left == {
+        fqn for fqn in split if ".experts." not in fqn}
+    # An excluded block: nothing below it is split, the rest is.
+    below = {fqn for unit in infer_units(model, exclude=("layers.0",)) for fqn in unit}
+    assert not any(fqn.startswith("layers.0.") for fqn in below) and "layers.1.attention.wq" in below
 
 
 def test_module_list_experts_rank_without_tokens_still_exchanges(one_rank_group):

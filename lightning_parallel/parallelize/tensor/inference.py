@@ -131,7 +131,9 @@ def infer_units(
         else:
             units.append({name: "experts"})
             taken.add(name)
-    mixers: set[str] = set()
+    # Modules whose projections no later rule looks into: state-space mixers, and the excluded ones (an MLP below an
+    # excluded module, nn.ModuleList experts that expert parallelism divides, is not split either).
+    mixers: set[str] = set(exclude)
     for name, layout in find_state_space(module).items():
         if _within(name, taken):
             continue
@@ -158,6 +160,8 @@ def infer_units(
         if _within(name, mixers):
             continue
         for unit in _match_siblings(sub, f"{name}." if name else "", taken):
+            if any(_within(fqn, exclude) for fqn in unit):
+                continue
             units.append(unit)
             taken.update(unit)
     for name, sub in module.named_modules():

@@ -128,17 +128,13 @@ class ExpertParallelComponent(Component):
                     f"Choose an expert_parallel_size that divides {listed.num_experts}."
                 )
         layout = engine.layout
-        refused = [
-            f"{name}={size}" for name, size in (
-                ("pipeline_parallel_size", layout.pipeline_parallel_size), ("tensor_parallel_size", layout.tensor_parallel_size),
-            ) if size > 1
-        ]
         first = next(iter(lists))
-        if refused:
+        if layout.pipeline_parallel_size > 1:
             raise ValueError(
-                f"{first}: experts kept as an nn.ModuleList are divided by expert parallelism with data and context "
-                f"parallelism only; {', '.join(refused)} is not supported with them yet. Set it to its default, keep the experts as "
-                f"one module with 3-D weights (transformers 5's layout), or set expert_parallel_size=1."
+                f"{first}: experts kept as an nn.ModuleList are divided by expert parallelism with data, tensor and "
+                f"context parallelism only; pipeline_parallel_size={layout.pipeline_parallel_size} is not supported with "
+                f"them yet. Set it to its default, keep the experts as one module with 3-D weights (transformers 5's "
+                f"layout), or set expert_parallel_size=1."
             )
         if any(has_meta_tensors(engine.lightning_module.get_submodule(fqn)) for fqn in lists):
             raise ValueError(

@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.expert.experts import find_routed_experts
+from lightning_parallel.parallelize.expert.module_list import find_expert_lists
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 from lightning_parallel.parallelize.tensor.split_region import reduce_split_region_gradients
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
@@ -80,10 +81,12 @@ class TensorParallelComponent(Component):
         rank_zero_info(f"lightning_parallel: tensor-parallel plan over tp={size}{sequence}:\n{resolved.describe()}")
 
     def _experts_elsewhere(self, module: nn.Module) -> tuple[str, ...]:
-        """The routed-experts modules that expert parallelism divides (the plan leaves them whole)."""
+        """The routed-experts modules and nn.ModuleList experts that expert parallelism divides (the plan leaves
+        them whole)."""
         if not self.engine.expert_parallel.enabled:
             return ()
-        return tuple(fqn for fqn, found in find_routed_experts(module).items() if not isinstance(found, str))
+        fused = tuple(fqn for fqn, found in find_routed_experts(module).items() if not isinstance(found, str))
+        return fused + tuple(find_expert_lists(module))
 
     def stage_plan(self, root_name: str) -> StageTensorParallel:
         """The plan for the pipeline stages of ``root_name`` (resolved on the whole module, before the cut)."""
