@@ -36,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_parallel.measure.collectives import DTensorCollectives
 from lightning_parallel.measure.dispatch import CpuAttentionKernel, StepOperators, TemporaryPeak
 from lightning_parallel.measure.memory import local_bytes
+from lightning_parallel.parallelize.common.meta_run import without_values
 from lightning_parallel.parallelize.common.model_call import capture_model_call
 from lightning_parallel.parallelize.pipeline.split import (
     find_trunk,
@@ -185,7 +186,7 @@ def profile_model(
         return module.to(dtype) if dtype is not None else module
 
     module = build()
-    with balanced_routing(module) as routed, _without_values():  # routed experts cost what an even router makes them cost
+    with balanced_routing(module) as routed, without_values():  # routed experts cost what an even router makes them cost
         whole = _dry_run(module, meta_batch, rows, tp=1)
         routed_calls, routed_bytes = routed.calls, routed.pair_bytes  # of the step's one forward
         root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
@@ -216,7 +217,7 @@ def profile_model(
         if not any(style != "replicate" for style in resolved.styles.values()):
             profile.tp_invalid[tp] = "the tensor-parallel plan splits nothing in this model"
             continue
-        with _fake_process_group(tp) as mesh, balanced_routing(module), _without_values():
+        with _fake_process_group(tp) as mesh, balanced_routing(module), without_values():
             apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
             loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
             step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)
@@ -552,19 +553,6 @@ def _fake_process_group(size: int) -> Iterator[Any]:
         yield init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
     finally:
         dist.destroy_process_group()
-
-
-@contextmanager
-def _without_values() -> Iterator[None]:
-    """Run the model as a compiler traces it, for tensors without values (meta): libraries written to be compiled
-    skip their checks on tensor values then (transformers' masks look at the position ids, ``(...).all()``, unless
-    ``torch.compiler.is_compiling()``), which a meta tensor cannot answer."""
-    original = torch.compiler.is_compiling
-    torch.compiler.is_compiling = lambda: True
-    try:
-        yield
-    finally:
-        torch.compiler.is_compiling = original
 
 
 @contextmanager

@@ -137,6 +137,20 @@ def test_parameter_balance_counts_embeddings_and_head_with_their_stages():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_split_of_a_meta_built_transformers_model():
+    # empty_init=true: the pipeline is cut on a meta-built model and meta batch. transformers' mask helpers ask the
+    # position ids for values ((...).all()) unless the model is being compiled; the split runs it as a trace does.
+    pytest.importorskip("transformers")
+    from recipes.models.transformers_lm import TransformersCausalLM
+
+    config = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2}
+    with torch.device("meta"):
+        model = TransformersCausalLM("llama", vocab_size=64, block_size=16, config=config).model
+    plan = plan_split(model, 2, (), {"input_ids": torch.randint(0, 64, (2, 16), device="meta"), "use_cache": False}, "params")
+    assert plan.split_points == ("model.layers.2",)
+    assert torch.compiler.is_compiling() is False  # restored
+
+
 def test_time_balance_measures_every_layer():
     model = small_gpt()
     plan = plan_split(model, 4, (torch.randint(0, 64, (2, 8)),), {}, "time")

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from lightning_parallel.parallelize.common.meta_run import without_values
 from lightning_parallel.parallelize.common.trunk import find_trunk, parameter_count, trunk_layer_names
 from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts, opaque_routed_experts
 
@@ -147,7 +148,7 @@ def call_counts(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     try:
         module.eval()
         with torch.random.fork_rng(devices=cuda_devices), torch.no_grad():
-            with opaque_routed_experts(module) if on_meta else nullcontext():
+            with opaque_routed_experts(module) if on_meta else nullcontext(), without_values() if on_meta else nullcontext():
                 module(*args, **kwargs)
     finally:
         for handle in handles:
@@ -205,7 +206,7 @@ def _profile(
         if on_meta:
             mark_routed_experts(module)
         with torch.random.fork_rng(devices=cuda_devices):
-            with torch.no_grad(), opaque_routed_experts(module) if on_meta else nullcontext():
+            with torch.no_grad(), opaque_routed_experts(module) if on_meta else nullcontext(), without_values() if on_meta else nullcontext():
                 module(*args, **kwargs)
             if timed:
                 runs = [_timed_run(module, layers, layer_ids, args, kwargs) for _ in range(repeats)]
