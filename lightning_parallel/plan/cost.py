@@ -5,6 +5,8 @@ dimensions. For the slowest rank, with b samples per micro-batch, m micro-batche
 
     T_micro    = F_rank · b / FLOP/s  +  T_tp(b)  +  T_p2p(b)        (TP and stage transfers sit on the critical path)
     T_batch    = m · T_micro / (1 − bubble)                          (bubble = (p−1)/(m+p−1) for GPipe/1F1B)
+                 (on a node whose processes outnumber its cores, the v·m+p−1 slots of the schedule each take T_micro/v at
+                 the rate of the processes computing in that slot: fewer in the warm-up and cool-down)
     T_step     = a · T_batch + T_dp                                   (one gradient synchronization per step)
     S          = T_single / T_step,   efficiency = S / k              (T_single: one device, whole global batch)
 
@@ -194,7 +196,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     unsplit = profile.step(1)
     micro = batch / layout.microbatches
     # Processes outnumbering the cores make each message of a collective wait for its receiver to be scheduled again.
-    hardware = hardware.sharing_node(min(workload.devices_per_node, world))
+    processes = min(workload.devices_per_node, world)
+    hardware = hardware.sharing_node(processes)
     rank_stages = _stages_by_pipeline_rank(profile, layout)
     shards = _shard_ranks(layout)
     # Context parallelism: each rank runs 1/cp of every sample's tokens (compute, activations, TP traffic).
@@ -203,6 +206,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     memory, micro_times, compute, tp_bytes, tp_seconds, p2p_bytes, p2p_seconds, grad_bytes = [], [], [], [], [], [], [], []
     shares: list[float] = []  # each pipeline rank's part of the trunk's layers
     ep_bytes, ep_seconds, expert_grad_bytes, optimizer_seconds = [], [], [], []
+    ring_seconds: list[float] = []
+    rank_work: list[tuple[list[list[str]], float]] = []  # each pipeline rank's stages and FLOPs per sample
     for pp_rank, stages in enumerate(rank_stages):
         segments = [segment for stage in stages for segment in stage]
         names = _parameters_of(step, segments)
@@ -220,18 +225,11 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
             sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
-        processes = min(workload.devices_per_node, world)
-        seconds = _compute_seconds(hardware, step, segments, flops, micro * tokens, share, processes)
+        timed = _micro_seconds(hardware, profile, step, layout, workload, stages, flops, micro, processes)  # every process computing
+        rank_work.append((stages, flops))
         # Sharded parameters are DTensors (FSDP2); divided experts are plain local tensors.
         optimizer_seconds.append(_optimizer_seconds(hardware, step, dense - step.frozen, shards, processes, sharded=shards > 1)
                                  + _optimizer_seconds(hardware, unsplit, experts - step.frozen, layout.ep, processes, sharded=False))
-        if layout.pp > 1 and step.tp_bytes_by_segment:  # each stage's own traffic (embeddings, head included)
-            tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
-        else:
-            tp_b = step.tp_bytes * micro * share * tokens
-        tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce")
-        p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
-        p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
         in_flight = in_flight_microbatches(layout.schedule, layout.pp, pp_rank, layout.microbatches, layout.stages_per_rank)
         memory.append(
             RankMemory(
@@ -245,17 +243,16 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
         )
-        ep_b = _all_to_all_bytes(step, layout) * micro * tokens * share  # this stage's share of the MoE layers
-        ep_t = _all_to_all_seconds(hardware, layout, ep_b, step.expert_calls * share, _dp_crosses(layout, workload))
-        micro_times.append(seconds + tp_t + p2p_t + ep_t + _ring_seconds(hardware, profile, layout, workload, micro, share))
+        micro_times.append(timed.seconds)
         shares.append(share)
-        ep_bytes.append(ep_b)
-        ep_seconds.append(ep_t)
-        compute.append(seconds)
-        tp_bytes.append(tp_b)
-        tp_seconds.append(tp_t)
-        p2p_bytes.append(p2p_b)
-        p2p_seconds.append(p2p_t)
+        ep_bytes.append(timed.ep_bytes)
+        ep_seconds.append(timed.ep)
+        ring_seconds.append(timed.ring)
+        compute.append(timed.compute)
+        tp_bytes.append(timed.tp_bytes)
+        tp_seconds.append(timed.tp)
+        p2p_bytes.append(timed.p2p_bytes)
+        p2p_seconds.append(timed.p2p)
         grad_bytes.append(gradients)
         expert_grad_bytes.append(expert_gradients)
 
@@ -263,6 +260,18 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     bubble = bubble_fraction(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
     batches = workload.accumulate * layout.microbatches
     batch_seconds = layout.microbatches * micro_times[slowest] / (1 - bubble)
+    # The slowest rank's busy time per batch, by part (compute, tp, p2p, ep, ring): m micro-batches in the steady state.
+    busy = [batches / workload.accumulate * t for t in (compute[slowest], tp_seconds[slowest], p2p_seconds[slowest],
+                                                          ep_seconds[slowest], ring_seconds[slowest])]
+    if layout.pp > 1:
+        # The bubble's warm-up and cool-down run fewer processes at once than the steady state: on a node whose
+        # processes outnumber its cores, those that compute then get more of them (their rank's work there too).
+        stages, flops = rank_work[slowest]
+        counts = computing_processes(layout, processes, hardware.host_cores or processes)
+        at_once = {n: _micro_seconds(hardware.sharing_node(n), profile, step, layout, workload, stages, flops, micro, n) for n in set(counts)}
+        batch_seconds = pipelined_batch_seconds(layout, counts, micro_times[slowest], {n: t.seconds for n, t in at_once.items()})
+        window = rank_slots(layout, counts, slowest)
+        busy = [sum(getattr(at_once[n], part) for n in window) / layout.stages_per_rank for part in ("compute", "tp", "p2p", "ep", "ring")]
     dp_seconds, _, dp_wire = _data_parallel_seconds(hardware, layout, workload, max(grad_bytes))
     # Divided experts' gradients: one all-reduce over the dp / ep ranks holding the same experts (and their cp peers).
     expert_replicas = layout.dp // layout.ep * layout.cp if layout.ep > 1 else 1
@@ -292,12 +301,12 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         wire_bytes={"dp": dp_wire, "tp": _ring_factor(layout.tp, "all_reduce") * tp_bytes[0] * batches,
                     "cp": ring_received, "pp": p2p_bytes[0] * batches,
                     "ep": ep_bytes[0] * batches * (layout.ep - 1) / layout.ep},
-        compute_s=batches * compute[slowest] + max(optimizer_seconds),
-        tp_s=batches * tp_seconds[slowest],
-        p2p_s=batches * p2p_seconds[slowest],
+        compute_s=workload.accumulate * busy[0] + max(optimizer_seconds),
+        tp_s=workload.accumulate * busy[1],
+        p2p_s=workload.accumulate * busy[2],
         dp_s=dp_seconds,
-        cp_s=batches * _ring_seconds(hardware, profile, layout, workload, micro, shares[slowest]),
-        ep_s=batches * ep_seconds[slowest],
+        cp_s=workload.accumulate * busy[4],
+        ep_s=workload.accumulate * busy[3],
         bubble_fraction=bubble,
         step_s=step_seconds,
         single_device_step_s=single,
@@ -338,6 +347,98 @@ def _compute_seconds(
     host = step.ops * share * hardware.op_seconds(processes)
     matmuls = flops * samples * hardware.matmul_slowdown(step.matmul_flops_by_kind) / hardware.matmul_flops_per_device(processes)
     return matmuls + moved * samples / hardware.memory_bytes_per_second(processes) + host + dtensor
+
+
+@dataclass(frozen=True)
+class MicroTime:
+    """One micro-batch on one pipeline rank: its compute and the communication on its critical path (seconds), and the
+    bytes that communication hands to collectives."""
+
+    compute: float
+    tp: float
+    p2p: float
+    ep: float
+    ring: float
+    tp_bytes: float
+    p2p_bytes: float
+    ep_bytes: float
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + self.tp + self.p2p + self.ep + self.ring
+
+
+def _micro_seconds(
+    hardware: HardwareProfile, profile: ModelProfile, step: StepProfile, layout: Layout, workload: Workload,
+    stages: list[list[str]], flops: float, micro: float, processes: int,
+) -> MicroTime:
+    """One micro-batch on the pipeline rank running ``stages`` (``flops`` per sample) while ``processes`` of the node
+    run at once (``hardware`` as they share it: :meth:`HardwareProfile.sharing_node`)."""
+    segments = [segment for stage in stages for segment in stage]
+    share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
+    tokens = 1.0 / layout.cp  # context parallelism: each rank runs 1/cp of every sample's tokens
+    compute = _compute_seconds(hardware, step, segments, flops, micro * tokens, share, processes)
+    if layout.pp > 1 and step.tp_bytes_by_segment:  # each stage's own traffic (embeddings, head included)
+        tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
+    else:
+        tp_b = step.tp_bytes * micro * share * tokens
+    tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce")
+    p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
+    p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
+    ep_b = _all_to_all_bytes(step, layout) * micro * tokens * share  # this stage's share of the MoE layers
+    ep_t = _all_to_all_seconds(hardware, layout, ep_b, step.expert_calls * share, _dp_crosses(layout, workload))
+    ring_t = _ring_seconds(hardware, profile, layout, workload, micro, share)
+    return MicroTime(compute, tp_t, p2p_t, ep_t, ring_t, tp_b, p2p_b, ep_b)
+
+
+def pipeline_slots(pp: int, microbatches: int, stages_per_rank: int = 1) -> list[int]:
+    """Pipeline ranks computing at once in each slot of a forward (or backward) sweep of a GPipe / 1F1B batch.
+
+    A slot is one stage's work on one micro-batch (1/v of a rank's, with v stages per rank); the sweep lasts
+    v·m + p − 1 slots, of which the first and last p − 1 (the warm-up and cool-down: the bubble) run fewer than p
+    ranks: 1, 2, …, p − 1 filling, p − 1, …, 1 draining. Every rank computes v·m slots: sum(slots) = p·v·m.
+    """
+    chunks = stages_per_rank * microbatches
+    length = chunks + pp - 1
+    return [min(k + 1, pp, chunks, length - k) for k in range(length)]
+
+
+def computing_processes(layout: Layout, processes: int, cores: int) -> list[int]:
+    """Processes of the node computing at once in each slot of :func:`pipeline_slots` (``processes`` on the node,
+    spread evenly over the pipeline ranks), counted as at least as many as the node's ``cores`` (or all
+    ``processes``, fewer): a process's threads are set for the whole job (Lightning's launchers give each
+    cores // processes), so one computing with idle cores beside it is no faster than one with a core of its own."""
+    floor = min(processes, cores)
+    slots = pipeline_slots(layout.pp, layout.microbatches, layout.stages_per_rank)
+    return [max(floor, math.ceil(processes * ranks / layout.pp)) for ranks in slots]
+
+
+def rank_slots(layout: Layout, counts: list[int], pp_rank: int) -> list[int]:
+    """Of the per-slot ``counts`` (:func:`computing_processes`), those of the slots where pipeline rank ``pp_rank``
+    computes: v·m slots from its ``pp_rank``-th in the forward sweep (the backward sweep's, mirrored, see the same
+    counts; an interleaved rank's slots are spread, taken as contiguous)."""
+    return counts[pp_rank:pp_rank + layout.stages_per_rank * layout.microbatches]
+
+
+def pipelined_batch_seconds(layout: Layout, counts: list[int], micro_seconds: float, at_once: dict[int, float]) -> float:
+    """One batch through the pipeline: each slot of the schedule takes the slowest rank's micro-batch time (over v)
+    as fast as the processes computing in that slot run (``counts``: processes computing at once per slot,
+    :func:`computing_processes`; ``at_once``: such a count -> the micro-batch's time then; ``micro_seconds``: with
+    every process computing, the steady state).
+
+    Where every process has a core of its own the times are equal and this is m · T / (1 − bubble). On a node whose
+    processes outnumber its cores the warm-up and cool-down, which compute on fewer processes, run faster than the
+    steady state. Schedules that fill part of the bubble (zero-bubble, DualPipeV) keep their remaining share of it,
+    at the same speed-up.
+    """
+    v, m = layout.stages_per_rank, layout.microbatches
+    steady = m * micro_seconds
+    plain_bubble = (layout.pp - 1) * micro_seconds / v  # what the slots beyond the steady state's m cost, all computing
+    bubble = steady / (1 - bubble_fraction(layout.schedule, layout.pp, m, v)) - steady
+    if plain_bubble <= 0:
+        return steady + bubble
+    slots = sum(at_once[n] for n in counts) / v
+    return steady + bubble * (slots - steady) / plain_bubble
 
 
 def _optimizer_seconds(

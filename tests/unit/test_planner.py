@@ -15,7 +15,9 @@ from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.plan.config import configured_layout, parameter_dtype
 from lightning_parallel.plan.cost import (
     bubble_fraction,
+    computing_processes,
     in_flight_microbatches,
+    pipeline_slots,
     predict,
 )
 from lightning_parallel.plan.hardware import HardwareProfile
@@ -91,6 +93,41 @@ def test_bubble_and_in_flight_micro_batches():
     assert bubble_fraction("none", 1, 1) == 0.0
     assert in_flight_microbatches("gpipe", 4, 0, 16, 1) == 16
     assert [in_flight_microbatches("1f1b", 4, r, 16, 1) for r in range(4)] == [4, 3, 2, 1]
+
+
+def test_a_pipelines_bubble_computes_at_the_rate_of_the_processes_computing_at_once():
+    """On a node whose processes outnumber its cores, each slot of the schedule runs at the crowded rate of the
+    processes computing in it: all of them in the steady state, 1, 2, … in the warm-up and cool-down, which therefore
+    take less than the steady state's time per micro-batch; a process computing beside idle cores is counted at the
+    uncrowded rate (its threads are the job's), and nothing changes where every process has a core."""
+    assert pipeline_slots(4, 8) == [1, 2, 3, 4, 4, 4, 4, 4, 3, 2, 1]  # m + p − 1 slots, p·m stage-micro-batches
+    assert pipeline_slots(4, 2) == [1, 2, 2, 2, 1] and sum(pipeline_slots(4, 8, 2)) == 4 * 8 * 2
+    # dp=2 × pp=2 on 4 processes: both replicas' ranks of a slot compute; never counted below the cores (2 here).
+    assert computing_processes(Layout(2, 1, 2, schedule="1f1b", microbatches=4), 4, cores=2) == [2, 4, 4, 4, 2]
+    assert computing_processes(Layout(1, 1, 4, schedule="1f1b", microbatches=4), 4, cores=2) == [2, 2, 3, 4, 3, 2, 2]
+    prof, workload, layout = profile(1), Workload(4, 1, 8), Layout(1, 1, 4, schedule="1f1b", microbatches=8)
+    # Datasheet-style profile, transfers free: a micro-batch is its FLOPs at the process's rate.
+    base = replace(ANY_HARDWARE, intra_node_gbps=1e9, intra_node_latency_us=0.0, achievable_fraction=1.0)
+    own_core = predict(prof, layout, workload, replace(base, node_tflops=400.0, host_cores=4))  # every process: 100
+    crowded = predict(prof, layout, workload, replace(base, node_tflops=200.0, host_cores=2, crowded_node_tflops={4: 150.0}))
+    assert own_core.step_s == pytest.approx(11 * own_core.compute_s / 8)  # (m + p − 1) micro-batches: the usual bubble
+    per_process = {1: 100.0, 2: 100.0, 3: 175.0 / 3, 4: 150.0 / 4}  # 3: between the cores' 200 and the crowded 150
+    micro_at_100 = own_core.compute_s / 8
+    assert crowded.step_s == pytest.approx(sum(micro_at_100 * 100.0 / per_process[n] for n in pipeline_slots(4, 8)))
+    all_crowded = 11 * micro_at_100 * 100.0 / per_process[4]  # what every slot at the steady state's rate would take
+    assert crowded.step_s < 0.8 * all_crowded
+    # The last rank computes in slots 3..10 (4, 4, 4, 4, 4, 3, 2, 1 processes at once); the rest of the step it waits.
+    assert crowded.compute_s == pytest.approx(sum(micro_at_100 * 100.0 / per_process[n] for n in [4] * 5 + [3, 2, 1]))
+    assert crowded.bubble_s == pytest.approx(crowded.step_s - crowded.compute_s - crowded.comm_s)
+    # As many processes as cores: each computes on its own core (its threads set for the job) in the bubble as in
+    # the steady state, even where one alone would be faster than its share of the node (peak 100 > 150 / 2).
+    two = predict(prof, Layout(1, 1, 2, schedule="1f1b", microbatches=4), Workload(2, 1, 8),
+                  replace(base, node_tflops=150.0, host_cores=2, crowded_node_tflops={4: 120.0}))
+    assert two.step_s == pytest.approx(5 * two.compute_s / 4)
+    # Without a pipeline every process computes all the time: the crowded rate of all of them.
+    dp = [predict(prof, Layout(4, 1, 1), Workload(4, 1, 32), replace(base, **node))
+          for node in ({"node_tflops": 400.0, "host_cores": 4}, {"node_tflops": 200.0, "host_cores": 2, "crowded_node_tflops": {4: 150.0}})]
+    assert dp[1].compute_s == pytest.approx(dp[0].compute_s * 100.0 / per_process[4])
 
 
 def test_enumeration_covers_every_valid_split_and_says_why_not():
