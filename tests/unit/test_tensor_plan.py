@@ -1079,16 +1079,17 @@ class _NormAfterTheSum(nn.Module):
         return x + self.norm(self.linear_right(self.linear_left(x)))
 
 
-def test_an_mlp_combining_its_hidden_units_before_the_down_projection_stays_whole():
+def test_an_mlp_combining_its_hidden_units_before_the_down_projection_splits_with_outputs_gathered():
     """Run once on random weights, whole and as the sum of the ranks' slices: the sparse MLP differs (a rank's mean and
-    deviation are its slice's) and stays whole, named; the dense one and a norm after the row-wise sum split."""
+    deviation are its slice's) and splits with every output gathered whole (tensor.gathered_outputs; it stayed whole
+    before); the dense one and a norm after the row-wise sum split column/row-wise."""
     from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
 
     model = nn.ModuleDict({"sparse": _SparseActivationMLP(16, 64), "dense": _SparseActivationMLP(16, 64, sparse=False),
                            "laurel": _NormAfterTheSum(16, 8)})
     resolved = TensorParallelConfig().resolve(model, warn=lambda _: None, tp_size=2)
-    assert "sparse.gate_proj" not in resolved.styles
-    assert "combines the hidden units before the down projection" in resolved.kept_whole["sparse"]
+    assert {resolved.styles[f"sparse.{n}"] for n in ("gate_proj", "up_proj", "down_proj")} == {"colwise_gather_output"}
+    assert "sparse" not in resolved.kept_whole
     assert resolved.styles["dense.gate_proj"] == "colwise" and resolved.styles["dense.down_proj"] == "rowwise"
     assert resolved.styles["laurel.linear_right"] == "rowwise" and "laurel" not in resolved.kept_whole
     explicit = {"sparse.gate_proj": "colwise", "sparse.up_proj": "colwise", "sparse.down_proj": "rowwise"}
@@ -1198,10 +1199,13 @@ def test_chained_square_projections_split_as_an_mlp_with_the_read_out_whole():
 
     resolved = TensorParallelConfig().resolve(nn.ModuleDict({"router": ChainedMLP()}), warn=lambda _: None, tp_size=2)
     assert {k: v for k, v in resolved.styles.items() if v != "replicate"} == {"router.fc1": "colwise", "router.fc2": "rowwise"}
-    # Called in the other order than registered: the probe's run differs, the MLP stays whole, named.
+    # Called in the other order than registered: the probe's run differs, the chain splits with its outputs gathered
+    # whole (tensor.gathered_outputs: exact whatever the order; it stayed whole before).
     swapped = TensorParallelConfig().resolve(
         nn.ModuleDict({"router": ChainedMLP(swapped=True), "mlp": SwiGLU(16, 32)}), warn=lambda _: None, tp_size=2)
-    assert "router.fc1" not in swapped.styles and "differs from the whole MLP" in swapped.kept_whole["router"]
+    assert {k: v for k, v in swapped.styles.items() if k.startswith("router.")} == {
+        "router.fc1": "colwise_gather_output", "router.fc2": "colwise_gather_output", "router.out_proj": "replicate"}
+    assert "router" not in swapped.kept_whole
 
 
 class SharedBlockModel(nn.Module):

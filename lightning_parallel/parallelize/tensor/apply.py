@@ -26,6 +26,7 @@ from lightning_parallel.parallelize.tensor.channels import check_channelwise, de
 from lightning_parallel.parallelize.tensor.recurrent_block import CHANNEL_WIDTH_ATTRIBUTES, blockwise_children
 from lightning_parallel.parallelize.tensor.experts import check_experts, split_experts
 from lightning_parallel.parallelize.tensor.gathered_input import gather_split_inputs
+from lightning_parallel.parallelize.tensor.gathered_outputs import gathered
 from lightning_parallel.parallelize.tensor.guards import explain_split_failures, refuse_replaced_modules
 from lightning_parallel.parallelize.tensor.head_inputs import slice_per_head_inputs
 from lightning_parallel.parallelize.tensor.latent import LatentRegion, latent_projections
@@ -35,7 +36,7 @@ from lightning_parallel.parallelize.tensor.per_head import (
     find_per_head_parameters,
     shard_per_head_parameters,
 )
-from lightning_parallel.parallelize.tensor.probe import check_mlp_splits
+from lightning_parallel.parallelize.tensor.probe import HiddenUnitsMeetError, check_mlp_splits
 from lightning_parallel.parallelize.tensor.inference import (
     grouped_qkv_heads,
     infer_plan,
@@ -169,6 +170,10 @@ class TensorParallelConfig:
             kept: list[dict[str, str]] = []
             for unit in merge_tied_units(module, units):
                 error = _split_error(module, unit, self.head_attributes, tp_size)
+                if isinstance(error, HiddenUnitsMeetError) and gathered(unit):
+                    # Its hidden units meet (a statistic over them): split with whole outputs instead (gathered_outputs).
+                    unit = gathered(unit)
+                    error = _split_error(module, unit, self.head_attributes, tp_size)
                 if error is None:
                     kept.append(unit)
                 elif all(_split_error(module, unit, self.head_attributes, d) for d in range(2, tp_size) if tp_size % d == 0):

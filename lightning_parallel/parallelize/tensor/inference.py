@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from torch import nn
 
+from lightning_parallel.parallelize.tensor.channel_recurrence import match_channel_recurrence
 from lightning_parallel.parallelize.tensor.channels import depthwise_channels
 from lightning_parallel.parallelize.tensor.experts import find_experts
 from lightning_parallel.parallelize.tensor.projections import (
@@ -39,6 +40,7 @@ from lightning_parallel.parallelize.tensor.projections import (
     is_projection,
 )
 from lightning_parallel.parallelize.tensor.projector import match_projector
+from lightning_parallel.parallelize.tensor.mlp_beside import match_mlp_beside_squares
 from lightning_parallel.parallelize.tensor.published_plan import published_plan
 from lightning_parallel.parallelize.tensor.recurrent_block import match_gated_recurrence
 from lightning_parallel.parallelize.tensor.split_region import interleaved_groups
@@ -351,7 +353,8 @@ def _match_block(
     beside_blocks = any(_holds_projection(child) for child in sub.children() if not is_projection(child))
     mlp = _match_mlp(projections, widening_only=beside_blocks)
     # Not an MLP: a two-layer projector a→h, h→e (a multimodal adaptor), split once a run confirms it (tensor.projector).
-    return mlp or ({} if beside_blocks else match_projector(sub, projections))
+    return (mlp or ({} if beside_blocks else match_projector(sub, projections)) or match_mlp_beside_squares(sub, projections)
+            or match_channel_recurrence(sub, projections))
 
 
 def _weighted_heads(sub: nn.Module, projections: Mapping[str, nn.Module]) -> dict[str, str]:

@@ -7,7 +7,8 @@ which on a rank's slice would use that slice's mean and deviation: training woul
 module tree shows it (the statistic is a few lines of the MLP's ``forward``), so :func:`check_mlp_splits` runs each
 such MLP once, in one process, on a small random input and random weights (float32): whole, and as the sum of what each rank's
 slices compute (``torch.func.functional_call`` with the sliced weights; a row-wise bias on one rank only). Where the
-two differ, the plan is refused with the reason, and the automatic plan leaves that MLP whole, named.
+two differ, the plan is refused with the reason, and the automatic plan splits that MLP with its outputs gathered
+whole instead (:mod:`~lightning_parallel.parallelize.tensor.gathered_outputs`).
 
 MLPs of one kind (class, weight shapes and plain attributes) are run once. An MLP whose ``forward`` needs more than
 the hidden states, holds buffers that are not materialised, or has more than :data:`MAX_PROBED_PARAMETERS`
@@ -35,11 +36,16 @@ TOLERANCE = 1e-4
 MAX_PROBED_PARAMETERS = 2**28
 
 
+class HiddenUnitsMeetError(ValueError):
+    """An MLP's split differs from the whole MLP: its hidden units meet before the down projection. ``plan="auto"``
+    then splits it with its outputs gathered whole (:mod:`~lightning_parallel.parallelize.tensor.gathered_outputs`)."""
+
+
 def check_mlp_splits(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     """Refuse a plan splitting an MLP whose hidden units are combined before its down projection.
 
     Raises:
-        ValueError: Naming the MLP, the difference found, and the fix.
+        HiddenUnitsMeetError: A ValueError naming the MLP, the difference found, and the fix.
     """
     modules = dict(module.named_modules())
     seen: set[Any] = set()
@@ -52,11 +58,12 @@ def check_mlp_splits(module: nn.Module, resolved: ResolvedPlan, tp_size: int) ->
         difference = _split_difference(mlp, {name: style for name, style in children.items()},
                                        {name: resolved.fused.get(f"{parent}.{name}") for name in children}, tp_size)
         if difference is not None and difference > TOLERANCE:
-            raise ValueError(
+            raise HiddenUnitsMeetError(
                 f"{parent} ({type(mlp).__name__}): split over {tp_size} ranks, its output differs from the whole MLP's "
                 f"(relative difference {difference:.1e} on a random input): its forward combines the hidden units "
                 f"before the down projection (a statistic over them, such as an activation threshold from their mean "
-                f"and deviation), which a rank's slice cannot compute. Leave {parent} replicated in the plan."
+                f"and deviation), which a rank's slice cannot compute. Leave {parent} replicated in the plan, or give its "
+                f"projections 'colwise_gather_output' (whole outputs on every rank; plan='auto' does)."
             )
 
 
