@@ -136,3 +136,19 @@ def test_an_mlp_whose_hidden_units_meet_a_whole_parameter_is_split_with_outputs_
     torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected[1][name], rtol=0, atol=1e-12, msg=name)
+
+
+class _Dense(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+
+def test_under_sequence_parallelism_these_blocks_stay_whole():
+    # RWKV's blocks read the previous token, and gathered outputs need every token: whole on a rank's part of the
+    # sequence (named), the plain MLP beside them split as before.
+    model = nn.ModuleDict({"time": ChannelRecurrence(), "channel": ChannelMix(), "sparse": ThresholdedMLP(), "mlp": _Dense()})
+    resolved = TensorParallelConfig(sequence_parallel=True).resolve(model, warn=lambda _: None, tp_size=2)
+    assert resolved.styles == {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+    assert "previous one" in resolved.kept_whole["time"] and "previous one" in resolved.kept_whole["channel"]
+    assert "differs from the whole MLP" in resolved.kept_whole["sparse"]

@@ -22,6 +22,7 @@ from fnmatch import fnmatchcase
 from torch import nn
 
 from lightning_parallel.parallelize.tensor import fused as fused_layout
+from lightning_parallel.parallelize.tensor.channel_recurrence import sequence_mixing_block
 from lightning_parallel.parallelize.tensor.channels import check_channelwise, depthwise_channels, split_channels
 from lightning_parallel.parallelize.tensor.recurrent_block import CHANNEL_WIDTH_ATTRIBUTES, blockwise_children
 from lightning_parallel.parallelize.tensor.experts import check_experts, split_experts
@@ -164,14 +165,19 @@ class TensorParallelConfig:
                 kept_whole.update({fqn: "a state-space mixer stays whole under sequence parallelism (its scan needs the "
                                    "whole sequence)" for fqn, style in unit.items() if style == "state_space"})
             units = [unit for unit in units if "state_space" not in unit.values()]
+            mixing = {id(unit): block for unit in units if (block := sequence_mixing_block(module, unit)) is not None}
+            kept_whole.update({block: "it mixes each token with the previous one (a time shift): it stays whole under "
+                               "sequence parallelism" for block in mixing.values()})
+            units = [unit for unit in units if id(unit) not in mixing]
         whole_plan = {fqn: style for unit in units for fqn, style in unit.items()}
         if tp_size is not None and tp_size > 1 and _split_error(module, whole_plan, self.head_attributes, tp_size):
             # Some group does not divide: find which, one group at a time (most models skip this).
             kept: list[dict[str, str]] = []
             for unit in merge_tied_units(module, units):
                 error = _split_error(module, unit, self.head_attributes, tp_size)
-                if isinstance(error, HiddenUnitsMeetError) and gathered(unit):
-                    # Its hidden units meet (a statistic over them): split with whole outputs instead (gathered_outputs).
+                if isinstance(error, HiddenUnitsMeetError) and gathered(unit) and not self.sequence_parallel:
+                    # Its hidden units meet (a statistic over them): split with whole outputs instead (gathered_outputs;
+                    # not under sequence parallelism, where its input arrives as this rank's tokens only).
                     unit = gathered(unit)
                     error = _split_error(module, unit, self.head_attributes, tp_size)
                 if error is None:

@@ -49,3 +49,22 @@ def match_channel_recurrence(block: nn.Module, projections: Mapping[str, nn.Modu
     if len(d) != 1 or any(param.shape[-1] not in (c, *d) for param in own):
         return {}
     return {name: STYLE for name in projections}
+
+
+def sequence_mixing_block(module: nn.Module, unit: Mapping[str, str]) -> str | None:
+    """The block holding ``unit`` where it is a channel recurrence or an MLP beside square projections (RWKV's two
+    blocks, which mix each token with the previous one before their projections), else ``None``. Under sequence
+    parallelism such a block stays whole: on a rank's part of the sequence it would read the wrong previous token."""
+    from lightning_parallel.parallelize.tensor.mlp_beside import match_mlp_beside_squares
+    from lightning_parallel.parallelize.tensor.projections import is_projection
+
+    parents = {fqn.rpartition(".")[0] for fqn in unit}
+    if len(parents) != 1:
+        return None
+    (parent,) = parents
+    block = module.get_submodule(parent)
+    projections = {name: sub for name, sub in block.named_children() if is_projection(sub)}
+    if not {fqn.rpartition(".")[2] for fqn in unit} <= set(projections):
+        return None
+    found = match_channel_recurrence(block, projections) or match_mlp_beside_squares(block, projections)
+    return parent if found and {f"{parent}.{name}" if parent else name for name in found} == set(unit) else None
