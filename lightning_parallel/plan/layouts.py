@@ -194,7 +194,7 @@ def enumerate_layouts(
         fixed: Sizes the user pinned, e.g. ``{"tp": 4}`` (``ep``, a part of dp, too).
         experts: What every expert-parallel size must divide (the MoE layers' expert counts' common divisor);
             0 for a model without routed experts. Expert parallelism divides dp's ranks; inside pipelines only
-            with replicated dp and without tp or cp (what the strategy combines it with).
+            without tp or cp (what the strategy combines it with; replicated or sharded dp).
         expert_lists: Some MoE block keeps its experts as an ``nn.ModuleList``: expert parallelism then runs without
             pipelines, on a model not built on the meta device (the strategy refuses the rest).
     """
@@ -243,9 +243,9 @@ def enumerate_layouts(
 
 
 def _expert_parallel_combines(layout: Layout) -> bool:
-    """Whether the strategy runs expert parallelism with the rest of ``layout``: inside pipelines only with replicated
-    data parallelism and neither tensor nor context parallelism (as ``ExpertParallelComponent.validate``)."""
-    return layout.pp == 1 or (layout.tp == 1 and layout.cp == 1 and layout.data_parallel_mode == "replicate")
+    """Whether the strategy runs expert parallelism with the rest of ``layout``: inside pipelines only without tensor
+    and context parallelism (as ``ExpertParallelComponent.validate``), whatever the data-parallel mode."""
+    return layout.pp == 1 or (layout.tp == 1 and layout.cp == 1)
 
 
 def _expert_parallel_sizes(dp: int, pp: int, cp: int, experts: int, pinned: int | None, lists_refused: bool = False) -> tuple[int, ...] | str:

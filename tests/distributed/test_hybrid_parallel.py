@@ -214,6 +214,13 @@ EXPERT_LAYOUTS = {
         True,
         (0, 1),
     ),
+    # DeepSeek-V3's layout: each stage's dense parameters sharded over dp, its experts divided over ep.
+    "dp2_shard_ep2xpp2_meta_init": (
+        {"data_parallel_size": 2, "data_parallel_mode": "shard", "expert_parallel_size": 2, "pipeline_parallel_size": 2,
+         "microbatches": 2, "split_points": ["model.blocks.2"]},
+        True,
+        (0, 1),
+    ),
     "hybrid_shard_2x2_ep2": (
         {"data_parallel_size": 4, "data_parallel_mode": "hybrid_shard", "data_parallel_shard_size": 2, "expert_parallel_size": 2},
         None,
@@ -284,7 +291,7 @@ def test_context_parallelism_inside_pipelines_matches_single_device(name, four_r
 
 @pytest.mark.parametrize("name", list(EXPERT_LAYOUTS))
 def test_expert_parallelism_with_pipelines_and_hsdp_matches_single_device(name, four_rank_results):
-    _, empty_init, blocks = EXPERT_LAYOUTS[name]
+    strategy, empty_init, blocks = EXPERT_LAYOUTS[name]
     # A meta-built model is compared with one built in float64 (its construction draws in the precision's dtype).
     ref = reference(accumulate=2, empty_init=False if empty_init else None, model="gpt_moe")
     result = four_rank_results[name]
@@ -293,6 +300,11 @@ def test_expert_parallelism_with_pipelines_and_hsdp_matches_single_device(name, 
     # Rank 0 holds 2 of each of its blocks' 4 experts (each 4·16 × 16), and no other block's.
     experts = {name: numel for name, numel in result["local_numel"].items() if ".experts." in name}
     assert experts == {f"model.blocks.{b}.mlp.experts.{p}": 2 * 4 * 16 * 16 for b in blocks for p in ("up_proj", "down_proj")}
+    if strategy.get("data_parallel_mode") == "shard" and strategy.get("pipeline_parallel_size", 1) > 1:
+        # The stage's dense parameters sharded over the 2 dp ranks (FSDP2: rank 0 holds ceil(rows / 2)), experts not.
+        whole = ref["states"][0]
+        dense = {n: numel for n, numel in result["local_numel"].items() if ".experts." not in n}
+        assert dense and dense == {n: math.ceil(whole[n].shape[0] / 2) * math.prod(whole[n].shape[1:]) for n in dense}
     assert_planner_predicts_state(expert_job(name), result)
 
 

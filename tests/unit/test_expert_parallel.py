@@ -61,7 +61,6 @@ def test_expert_parallel_size_divides_the_data_parallel_ranks_it_borrows():
     [
         ({"pipeline_parallel_size": 2, "context_parallel_size": 2}, "pipeline_parallel_size and context_parallel_size together"),
         ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "pipeline_parallel_size and tensor_parallel_size together"),
-        ({"pipeline_parallel_size": 2, "data_parallel_mode": "shard"}, "pipeline_parallel_size with data_parallel_mode='shard'"),
         ({"sync": "local_sgd", "sync_every": 2}, "sync='local_sgd'"),
         ({"comm_hook": "fp16"}, "comm_hook='fp16'"),
     ],
@@ -70,6 +69,17 @@ def test_combinations_not_supported_yet_are_refused_before_launch(options, match
     strategy = lightning_parallel.HybridParallelStrategy(data_parallel_size=-1, expert_parallel_size=2, **options)
     with pytest.raises(ValueError, match=f"expert_parallel_size=2 does not combine with {match} yet"):
         L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+
+
+@pytest.mark.parametrize("mode", ["shard", "hybrid_shard"])
+def test_pipelines_of_sharded_data_parallelism_take_expert_parallelism(mode):
+    """pp × ep × sharded dp (DeepSeek-V3's layout): each stage's dense parameters sharded, its experts divided."""
+    shard_size = {"data_parallel_shard_size": 2} if mode == "hybrid_shard" else {}
+    strategy = lightning_parallel.HybridParallelStrategy(
+        data_parallel_size=-1, data_parallel_mode=mode, expert_parallel_size=2, pipeline_parallel_size=2, **shard_size
+    )
+    L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+    assert strategy.layout.expert_parallel_size == 2 and strategy.layout.pipeline_parallel_size == 2
 
 
 def test_hydra_config_has_the_option():

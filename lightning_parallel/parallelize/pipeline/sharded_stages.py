@@ -42,6 +42,8 @@ class ShardedStageParameters:
         mp_policy: FSDP2 mixed precision.
         allocate: Called with the holder once it is sharded: a holder built on the meta device is sharded there,
             and only then are its shards (and its buffers) given memory.
+        ignored_params: Parameters of the holder left as they are, neither sharded, gathered nor reduced here (the
+            routed experts that expert parallelism divides over ``ep`` and reduces itself).
     """
 
     def __init__(
@@ -50,10 +52,12 @@ class ShardedStageParameters:
         dp_mesh: DeviceMesh,
         mp_policy: MixedPrecisionPolicy | None = None,
         allocate: Callable[[nn.Module], None] | None = None,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> None:
         self.holder = holder
+        self._ignored = {id(p) for p in ignored_params or ()}
         before = {name: p for name, p in holder.named_parameters(remove_duplicate=False)}
-        self.units = shard_units(holder, dp_mesh, mp_policy or MixedPrecisionPolicy())
+        self.units = shard_units(holder, dp_mesh, mp_policy or MixedPrecisionPolicy(), ignored_params)
         if allocate is not None:
             allocate(holder)
         after = dict(holder.named_parameters(remove_duplicate=False))
@@ -85,7 +89,7 @@ class ShardedStageParameters:
             for unit in self.units:
                 unit.unshard()
             self._gathered = True
-            self._gathered_bytes = sum(_local(p).numel() * _local(p).element_size() for p in self.holder.parameters())
+            self._gathered_bytes = sum(_local(p).numel() * _local(p).element_size() for p in self._sharded_parameters())
         self._bind(self._stage_modules)
 
     def tensors(self) -> dict[str, Tensor]:
@@ -113,7 +117,7 @@ class ShardedStageParameters:
         """
         if not self._gathered:
             return 0
-        whole = [p for p in self.holder.parameters()]
+        whole = self._sharded_parameters()
         # Tensor-parallel stages may leave partial-sum (or differently placed) gradients: FSDP reduces local parts.
         reduce_partial_gradients(whole)
         sent = self._gathered_bytes + sum(_local(p.grad).numel() * _local(p.grad).element_size() for p in whole if p.grad is not None)
@@ -129,21 +133,28 @@ class ShardedStageParameters:
         self._gathered = False
         return sent
 
+    def _sharded_parameters(self) -> list[nn.Parameter]:
+        """The holder's parameters that FSDP2 holds (the ignored ones left out)."""
+        return [p for p in self.holder.parameters() if id(p) not in self._ignored]
+
     def release(self) -> None:
         """Free the whole parameters after evaluation (nothing to reduce; kept while gradients are pending)."""
-        if self._gathered and not any(p.grad is not None for p in self.holder.parameters()):
+        if self._gathered and not any(p.grad is not None for p in self._sharded_parameters()):
             for unit in self.units:
                 unit.reshard()
             self._gathered = False
 
 
-def shard_units(holder: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> list[FSDPModule]:
-    """``fully_shard`` the parameter-holding parts of ``holder``: blocks, then children, ``holder`` itself last.
+def shard_units(
+    holder: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter] | None = None
+) -> list[FSDPModule]:
+    """``fully_shard`` the parameter-holding parts of ``holder``: blocks, then children, ``holder`` itself last;
+    ``ignored_params`` stay as they are.
 
     A module whose parameters are also reachable outside it (a tied embedding and head) is not a unit of
     its own: the shared weight must be one sharded parameter, so it stays with the enclosing unit.
     """
-    options = {"mesh": dp_mesh, "reshard_after_forward": False, "mp_policy": mp_policy}
+    options = {"mesh": dp_mesh, "reshard_after_forward": False, "mp_policy": mp_policy, "ignored_params": ignored_params or None}
     owners: dict[int, set[str]] = {}
     for name, param in holder.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), set()).add(name)

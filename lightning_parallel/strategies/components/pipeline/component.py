@@ -6,7 +6,8 @@ stages (and of tied weights split over stages) are reduced once per optimizer st
 accumulated micro-step. With ``tensor_parallel_size > 1`` each stage is split over the ``tp`` mesh after the
 cut, by the tensor-parallel component's plan. Under a sharded ``data_parallel_mode`` the stages' parameters are
 then sharded over the data-parallel ranks (:mod:`lightning_parallel.parallelize.pipeline.sharded_stages`): gathered
-once per optimizer step, reduce-scattered once after the last accumulated micro-step.
+once per optimizer step, reduce-scattered once after the last accumulated micro-step; routed experts that expert
+parallelism divided over ``ep`` are left out of that sharding (it reduces their gradients itself).
 """
 
 from __future__ import annotations
@@ -174,7 +175,9 @@ class PipelineComponent(Component):
                 allocate_local(sharded_holder, device)
 
         sharded = ShardedStageParameters(
-            holder, replica_mesh(engine.device_mesh, sharded=True), fsdp_mixed_precision(engine.precision_plugin), allocate_shards
+            holder, replica_mesh(engine.device_mesh, sharded=True), fsdp_mixed_precision(engine.precision_plugin), allocate_shards,
+            # Routed experts divided over ep (just before): expert parallelism holds and reduces them, as without pipelines.
+            ignored_params=set(engine.expert_parallel.held_parameters),
         )
         # Starting values and new traces (other shapes) go to these tensors by name: the shards, not the whole.
         current = sharded.tensors()
