@@ -518,12 +518,24 @@ def _transient_bytes(profile: ModelProfile, step: StepProfile, segments: list[st
     if shards > 1 and layout.pp > 1:  # the stage gathered whole for the step, and its whole gradients accumulating
         whole = sum(step.parameter_bytes[n] for n in _parameters_of(step, segments))
         extra += whole * (shards - 1) / shards + whole
-    elif shards > 1 and layers:
-        # FSDP: in backward, one layer gathered, the next prefetched, and the layer's whole gradient before its
-        # reduce-scatter leaves this rank its shard.
-        largest = max(sum(step.parameter_bytes[n] for n in step.segment_parameters.get(s, ())) for s in layers)
-        extra += 2 * largest * (shards - 1) / shards + largest
+    elif _uses_fsdp(layout) and layers:
+        extra += _fsdp_backward_bytes(max(sum(step.parameter_bytes[n] for n in step.segment_parameters.get(s, ())) for s in layers), shards)
     return extra
+
+
+def _fsdp_backward_bytes(layer: float, shards: int) -> float:
+    """What FSDP2 holds beside the sharded state in the backward of a layer of ``layer`` bytes (whole), at its
+    fullest (measured with torch's ``FSDPMemTracker``, 2 and 4 shards):
+
+    - the layer's parameters, whole: copied out of the all-gather into tensors of their own, beside the shard;
+    - the next layer's all-gather output, prefetched;
+    - the layer's whole gradients;
+    - the previous layer's reduce-scatter input, a copy of its whole gradients held until the collective completes;
+
+    less the gradient shards of the layer and the previous one, which do not exist yet. With one shard (TP's DTensor
+    parameters replicated over dp by FSDP2) the copies are made all the same.
+    """
+    return 4 * layer - 2 * layer / shards
 
 
 def _optimizer_step_bytes(step: StepProfile, layout: Layout, dense: set[str], experts: set[str], shards: int) -> float:
@@ -618,8 +630,13 @@ def _shard_ranks(layout: Layout) -> int:
     modes, or DTensor parameters under TP without pipelines: the engine shards over ``dp_shard × cp``; replicated
     pipeline stages average their gradients instead)."""
     sharded = layout.data_parallel_mode != "replicate"
-    fsdp = sharded or (layout.tp > 1 and layout.dp * layout.cp > 1 and layout.pp == 1)
-    return (layout.shard_size if sharded else 1) * (layout.cp if fsdp else 1)
+    return (layout.shard_size if sharded else 1) * (layout.cp if _uses_fsdp(layout) else 1)
+
+
+def _uses_fsdp(layout: Layout) -> bool:
+    """Whether FSDP2 wraps the replicas: sharded modes (under pipelines, each stage's), or DTensor parameters under
+    TP without pipelines (which DDP cannot take)."""
+    return layout.data_parallel_mode != "replicate" or (layout.tp > 1 and layout.dp * layout.cp > 1 and layout.pp == 1)
 
 
 def _ring_kv_bytes(profile: ModelProfile, layout: Layout, micro: float, share: float = 1.0) -> float:
