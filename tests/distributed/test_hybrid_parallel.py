@@ -16,7 +16,7 @@ import torch
 
 from tests.distributed.test_data_parallel import TOL, assert_same_training
 from tests.distributed.test_tensor_parallel import assert_checkpoint_holds_whole_tensors
-from tests.harness import JobSpec, run_distributed, run_distributed_jobs, run_job
+from tests.harness import JobSpec, run_distributed, run_job
 from tests.planner_check import assert_planner_predicts_communication, assert_planner_predicts_state
 
 pytestmark = pytest.mark.distributed
@@ -85,13 +85,16 @@ def eight_rank_job(**strategy) -> JobSpec:
     return hybrid_job(8, accumulate=2, clip=0.05, round_trip=True, empty_init=True, **layout)
 
 
+def eight_rank_specs() -> dict[str, JobSpec]:
+    """The 8-rank layouts: dp2 × tp2 × pp2 with replicas, with the replicas sharding each stage, and cp2 × tp2 × pp2
+    (run in the suite's one 8-rank launch, ``conftest.eight_rank_launch``)."""
+    return {"replicate": eight_rank_job(), "shard": eight_rank_job(data_parallel_mode="shard"),
+            "context": eight_rank_job(data_parallel_size=1, context_parallel_size=2, microbatches=4)}
+
+
 @pytest.fixture(scope="module")
-def eight_rank_results(tmp_path_factory):
-    """The 8-rank layouts, in one launch: dp2 × tp2 × pp2 with replicas, and with the replicas sharding each stage."""
-    specs = {"replicate": eight_rank_job(), "shard": eight_rank_job(data_parallel_mode="shard"),
-             "context": eight_rank_job(data_parallel_size=1, context_parallel_size=2, microbatches=4)}
-    root = tmp_path_factory.mktemp("eight_ranks")
-    return run_distributed_jobs(specs, root, timeout=900), specs, root
+def eight_rank_results(eight_rank_launch):
+    return eight_rank_launch
 
 
 def assert_eight_rank_job_matches(eight_rank_results, name: str, **fraction) -> tuple[dict, dict]:
@@ -239,15 +242,19 @@ def sharded_pipeline_job(strategy: dict, tie_weights: bool) -> JobSpec:
     return replace(job, sanity_val_steps=2, tie_weights=tie_weights)
 
 
-@pytest.fixture(scope="module")
-def four_rank_results(tmp_path_factory):
-    """The 4-rank jobs below, one after another in one launch (starting 4 processes is the slow part)."""
+def four_rank_specs() -> dict[str, JobSpec]:
+    """The 4-rank jobs below (run in the suite's one 4-rank launch, ``conftest.four_rank_launch``)."""
     specs = {name: hybrid_job(4, accumulate=accumulate, **strategy) for name, (strategy, accumulate, _) in PAIRS.items()}
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, (devices, strategy, _) in SHARDED.items() if devices == 4})
     specs.update({name: sharded_pipeline_job(strategy, tied) for name, (strategy, _, tied) in SHARDED_PIPELINES.items()})
     specs.update({name: hybrid_job(4, accumulate=2, **strategy) for name, strategy in CONTEXT_PIPELINES.items()})
     specs.update({name: expert_job(name) for name in EXPERT_LAYOUTS})
-    return run_distributed_jobs(specs, tmp_path_factory.mktemp("four_ranks"), timeout=660)
+    return specs
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(four_rank_launch):
+    return four_rank_launch[0]
 
 
 @pytest.mark.parametrize("name", list(PAIRS))

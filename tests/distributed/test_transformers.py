@@ -153,11 +153,19 @@ def assert_matches_single_device(family: str, layout: str, result: dict) -> None
         assert result["validation"][key] == pytest.approx(expected["validation"][key], abs=TOL), (family, layout, key)
 
 
+def specs_of(layouts: tuple[str, ...]) -> dict[str, JobSpec]:
+    """Every (family, layout) job of these layouts, by job name."""
+    return {f"{family}-{layout}": job(family, layout) for layout in layouts for family in MATRIX[layout]}
+
+
+def by_cell(results: dict[str, dict], layouts: tuple[str, ...]) -> dict[tuple[str, str], dict]:
+    """The jobs' results of these layouts by (family, layout)."""
+    return {(family, layout): results[f"{family}-{layout}"] for layout in layouts for family in MATRIX[layout]}
+
+
 def run_layout(layouts: tuple[str, ...], tmp_path) -> dict[tuple[str, str], dict]:
     """Every (family, layout) job of these layouts (one world size) in one launch."""
-    specs = {f"{family}-{layout}": job(family, layout) for layout in layouts for family in MATRIX[layout]}
-    results = run_distributed_jobs(specs, tmp_path, timeout=900)
-    return {(family, layout): results[f"{family}-{layout}"] for layout in layouts for family in MATRIX[layout]}
+    return by_cell(run_distributed_jobs(specs_of(layouts), tmp_path, timeout=900), layouts)
 
 
 def test_two_ranks_dp_tp_pp_cp(tmp_path):
@@ -213,9 +221,18 @@ SPLIT_IN_STAGES = {
 }
 
 
-def test_four_ranks_tp_pp(tmp_path):
-    results = run_layout(("tp2×pp2", "dp2-shard×pp2", "dp2-shard×tp2+sp", "cp2×pp2", "dp4 ep2", "dp2 ep2×tp2", "dp2 ep2×pp2", "dp2 ep2×cp2"), tmp_path)
-    assert_round_trips_load_into_the_plain_model(results, tmp_path)
+FOUR_RANK_LAYOUTS = ("tp2×pp2", "dp2-shard×pp2", "dp2-shard×tp2+sp", "cp2×pp2", "dp4 ep2", "dp2 ep2×tp2", "dp2 ep2×pp2", "dp2 ep2×cp2")
+
+
+def four_rank_specs() -> dict[str, JobSpec]:
+    """This module's 4-rank jobs (run in the suite's one 4-rank launch, ``conftest.four_rank_launch``)."""
+    return specs_of(FOUR_RANK_LAYOUTS)
+
+
+def test_four_ranks_tp_pp(four_rank_launch):
+    launched, _, root = four_rank_launch
+    results = by_cell(launched, FOUR_RANK_LAYOUTS)
+    assert_round_trips_load_into_the_plain_model(results, root)
     for (family, layout), result in results.items():
         assert_matches_single_device(family, layout, result)
         if "ep" in layout:
@@ -231,8 +248,16 @@ def test_four_ranks_tp_pp(tmp_path):
             assert result["local_numel"]["net.transformer.wte.weight"] == whole["net.transformer.wte.weight"].numel() // 4
 
 
-def test_eight_ranks_dp_tp_pp(tmp_path):
-    for (family, layout), result in run_layout(("dp2×tp2×pp2",), tmp_path).items():
+EIGHT_RANK_LAYOUTS = ("dp2×tp2×pp2",)
+
+
+def eight_rank_specs() -> dict[str, JobSpec]:
+    """This module's 8-rank jobs (run in the suite's one 8-rank launch, ``conftest.eight_rank_launch``)."""
+    return specs_of(EIGHT_RANK_LAYOUTS)
+
+
+def test_eight_ranks_dp_tp_pp(eight_rank_launch):
+    for (family, layout), result in by_cell(eight_rank_launch[0], EIGHT_RANK_LAYOUTS).items():
         assert_matches_single_device(family, layout, result)
 
 
