@@ -91,7 +91,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp2 ep2": (*MOE, ROUTER_LOSS, *LIST_MOE),
     "dp2-shard ep2": ("mixtral", "list_moe"),
     "dp4 ep2": ("qwen2_moe",),
-    "dp2 ep2×tp2": ("qwen2_moe",),
+    "dp2 ep2×tp2": ("qwen2_moe", "list_moe"),
     "dp2 ep2×pp2": ("mixtral",),
     "dp2 ep2×cp2": ("qwen2_moe", "list_moe"),
 }
@@ -102,7 +102,7 @@ UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceabl
                # longer takes for an MLP (issue 29's Gemma4 fix): nothing is split, and setup refuses.
                (DEMO, "tp2"): "nothing split"}
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
-ACCUMULATE = {("list_moe", "dp2 ep2"), ("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2"),
+ACCUMULATE = {("list_moe", "dp2 ep2"), ("list_moe", "dp2 ep2×tp2"), ("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2"),
               ("mixtral", "dp2-shard ep2"), ("gpt2", "dp2-shard×pp2"), ("phi3", "cp2×pp2"), ("mixtral", "dp2 ep2×pp2"),
               ("gpt2", "dp2-shard×tp2+sp")}
 #: Jobs that clip the gradient norm (the reference clips the same): nn.ModuleList experts divided over ep hold other
