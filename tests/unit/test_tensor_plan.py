@@ -1229,12 +1229,14 @@ def test_a_block_tied_across_depths_is_split_once_for_all_its_uses():
     resolved = TensorParallelConfig().resolve(SharedBlockModel(), warn=lambda _: None, tp_size=2)
     assert resolved.styles["depths.0.attention.wq"] == resolved.styles["depths.1.attention.wq"] == "colwise"
     assert resolved.styles["depths.0.feed_forward.w2"] == resolved.styles["depths.1.feed_forward.w2"] == "rowwise"
-    # A replicated adapter writing the split projection's width beside it: that MLP whole at every depth, the
-    # attention still split at every depth.
+    # An adapter of the MLP's input writing the split projection's width beside it: its last projection split the
+    # same way at every depth, the one before it replicated (tensor.adapters; exactness in test_tensor_side_paths).
     adapted = TensorParallelConfig().resolve(SharedBlockModel(adapter=True), warn=lambda _: None, tp_size=2)
-    assert "depths.0.feed_forward.w1" not in adapted.styles and "depths.1.feed_forward.w1" not in adapted.styles
-    assert adapted.styles["depths.1.attention.wq"] == "colwise"
-    assert any("a projection left replicated below" in why for why in adapted.kept_whole.values())
+    for depth in range(2):
+        assert adapted.styles[f"depths.{depth}.feed_forward.w1"] == "colwise"
+        assert adapted.styles[f"depths.{depth}.feed_forward.adapters.0.1"] == "colwise"
+        assert adapted.styles[f"depths.{depth}.feed_forward.adapters.0.0"] == "replicate"
+    assert not adapted.kept_whole
 
 
 class BlockDiagonalRecurrence(nn.Module):

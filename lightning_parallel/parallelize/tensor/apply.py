@@ -490,12 +490,15 @@ def _order_fused_rank_major(
 ) -> dict[str, dict[str, fused_layout.FusedLayout]]:
     """Reorder each fused projection's rows rank-major (before sharding); returns their layouts by module."""
     layouts: dict[str, dict[str, fused_layout.FusedLayout]] = {}
+    reordered: set[int] = set()
     for fqn, blocks in resolved.fused.items():
         sub = modules[fqn]
         layouts[fqn] = {}
         for name, param in sub.named_parameters(recurse=False):
             layout = fused_layout.FusedLayout(output_dim(sub, name), tuple(blocks), tp_size)
-            fused_layout.rank_major_rows(param, layout)
+            if id(param) not in reordered:  # a tensor tied across depths (Zamba2's shared block) is reordered once
+                reordered.add(id(param))
+                fused_layout.rank_major_rows(param, layout)
             layouts[fqn][name] = layout
     return layouts
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection, Mapping
 from torch import nn
 
 from lightning_parallel.parallelize.tensor.channel_recurrence import match_channel_recurrence
+from lightning_parallel.parallelize.tensor.adapters import fold_side_paths
 from lightning_parallel.parallelize.tensor.channels import depthwise_channels
 from lightning_parallel.parallelize.tensor.experts import find_experts
 from lightning_parallel.parallelize.tensor.projections import (
@@ -186,6 +187,8 @@ def infer_units(
     units += leftovers.values()
     taken.update(fqn for unit in leftovers.values() for fqn in unit)
     units += _vocabulary_pair(module, taken, tied)
+    # Adapters added to a split projection's output (Zamba2's per-depth LoRA) split with it (tensor.adapters).
+    units = fold_side_paths(module, units)
     for unit in units:
         for fqn in unit:
             sources.setdefault(fqn, "inferred")

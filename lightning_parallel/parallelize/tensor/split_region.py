@@ -111,8 +111,12 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
         # projections) writing as many features as a split projection does is added to that projection's whole
         # output, which a rank holds a slice of.
         split_widths = {features(modules[f"{name}.{child}"])[1]: child for child in opening}
+        inputs = {features(modules[f"{name}.{child}"])[0] for child in opening}
         for fqn, sub in modules[name].named_modules(prefix=name):
-            if fqn.count(".") > name.count(".") + 1 - (not name) and is_projection(sub) and fqn not in resolved.styles \
+            # Also one split row-wise below it (a two-layer projector, tensor.projector), whose output is whole too,
+            # where that width is not the region's input width (which it may be added to, as a residual).
+            whole_output = fqn not in resolved.styles or (resolved.styles[fqn] == "rowwise" and features(sub)[1] not in inputs)
+            if fqn.count(".") > name.count(".") + 1 - (not name) and is_projection(sub) and whole_output \
                     and features(sub)[1] in split_widths and not _within_any(fqn, resolved.styles):
                 raise ValueError(
                     f"{fqn}: a projection left replicated below {name}, writing {features(sub)[1]} features as the split "
@@ -320,7 +324,7 @@ def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: Re
         candidates = {
             child: sub for child, sub in region.named_children()
             if child not in split and f"{name}.{child}" not in resolved.styles and f"{name}.{child}" not in resolved.per_head
-            and any(True for _ in sub.parameters())
+            and any(True for _ in sub.parameters()) and not _planned_side_path(sub, f"{name}.{child}", resolved.styles)
         }
         if candidates:
             install_split_width_norms(region, name, candidates, tp_mesh)
@@ -333,6 +337,15 @@ def track_split_region_parameters(modules: Mapping[str, nn.Module], resolved: Re
             SplitRegionParameters(tp_mesh, name).attach(
                 region, [modules[f"{name}.{c}"] for c in opening], [modules[f"{name}.{c}"] for c in closing], tracked
             )
+
+
+def _planned_side_path(child: nn.Module, fqn: str, styles: Mapping[str, str]) -> bool:
+    """Every module holding parameters below ``child`` is in the plan, one of them split (an adapter split with the
+    region, tensor.adapters): its split projection sums its input gradient over the ranks, so the replicated ones
+    before it get whole gradients, not partial sums to reduce."""
+    holders = [f"{fqn}.{name}" if name else fqn for name, sub in child.named_modules()
+               if any(True for _ in sub.parameters(recurse=False))]
+    return all(h in styles for h in holders) and any(styles[h] != "replicate" for h in holders)
 
 
 @torch.no_grad()
