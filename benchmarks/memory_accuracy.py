@@ -1,9 +1,12 @@
 """Predicted vs measured: the planner's peak memory per rank against what each rank held, setup included.
 
-    python benchmarks/memory_accuracy.py     # ~5 min on 2 cores; writes benchmarks/results/memory_accuracy.{md,json}
+    python benchmarks/memory_accuracy.py                 # recipe GPT, ~5 min on 2 cores
+    python benchmarks/memory_accuracy.py --model llama   # transformers' Llama (model=llama), ~5 min
+    # each writes its model's rows of benchmarks/results/memory_accuracy.{md,json}, keeping the other model's
 
-Each layout trains the recipe GPT at a size where the training state dominates a process (8 blocks × 1024 wide,
-~100M parameters, float32, AdamW: ~1.6 GB of state on one device) for 3 steps through ``recipes/train.py``, built
+Each layout trains a model at a size where the training state dominates a process (the recipe GPT 8 blocks × 1024
+wide, ~100M parameters; or transformers' ``LlamaForCausalLM`` from ``model=llama``, 6 layers × 1024 wide, GQA,
+SwiGLU, RoPE, SDPA attention, ~70M parameters; float32, AdamW) for 3 steps through ``recipes/train.py``, built
 under ``trainer.init_module(empty_init=True)`` where our strategies run (each rank allocates its part only) and
 eagerly for single-device training. The ScalingMonitor measures every rank's peak from before the strategy sets
 the model up (:mod:`lightning_parallel.measure.peak_memory`: on a CPU the resident peak above the resident
@@ -19,6 +22,7 @@ read 0.56–0.91 (see the results page).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -32,7 +36,15 @@ from benchmarks.common import REPO_ROOT, RESULTS, scratch_dir
 from lightning_parallel.plan.measure import read_scaling, run_training
 
 STEPS = 3
-MODEL = ["model.n_layer=8", "model.n_embd=1024", "model.n_head=8", "data.batch_size=4", "data.block_size=32"]
+DATA = ["data.batch_size=4", "data.block_size=32"]
+#: model -> (what the report calls it, recipe overrides).
+MODELS: dict[str, tuple[str, list[str]]] = {
+    "gpt": ("recipe GPT 8×1024 (~100M parameters)", ["model.n_layer=8", "model.n_embd=1024", "model.n_head=8", *DATA]),
+    "llama": ("transformers LlamaForCausalLM 6×1024, 8 heads / 4 key-value heads, MLP 2816 (~70M parameters)",
+              ["model=llama", "model.config.hidden_size=1024", "model.config.intermediate_size=2816",
+               "model.config.num_hidden_layers=6", "model.config.num_attention_heads=8",
+               "model.config.num_key_value_heads=4", *DATA]),
+}
 #: name -> (processes, overrides).
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, ["strategy=single", "empty_init=false"]),
@@ -44,15 +56,17 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp=2 × pp=2": (4, ["strategy=hybrid", "strategy.data_parallel_size=1", "strategy.tensor_parallel_size=2",
                         "strategy.pipeline_parallel_size=2", "strategy.microbatches=4"]),
 }
+#: model -> the layouts it runs (the Llama's: those that fit the ~15 minutes a busy 2-core machine gives it).
+MODEL_LAYOUTS = {"gpt": list(LAYOUTS), "llama": ["single", "dp=2", "dp=2 shard", "tp=2", "pp=2 (1f1b, m=4)", "dp=2 × tp=2"]}
 
 
-def measure(devices: int, overrides: list[str], run_dir: Path) -> dict[str, Any]:
+def measure(devices: int, overrides: list[str], model: list[str], run_dir: Path) -> dict[str, Any]:
     """One layout through the recipe; the monitor's measured and predicted peaks (bytes)."""
     init = [] if any(o.startswith("empty_init") for o in overrides) else ["empty_init=true"]
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the recipe's processes (see the module's docstring)
     run_training(
         "recipes/train.py",
-        [*overrides, *init, *MODEL, f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
+        [*overrides, *init, *model, f"trainer.devices={devices}", f"trainer.max_steps={STEPS}",
          "trainer.limit_val_batches=0", "checkpoint.every_n_train_steps=100000"],
         run_dir,
         cwd=REPO_ROOT,
@@ -67,38 +81,66 @@ def measure(devices: int, overrides: list[str], run_dir: Path) -> dict[str, Any]
     }
 
 
-def write_report(rows: dict[str, dict[str, Any]]) -> None:
-    ratios = [r["predicted_bytes"] / r["measured_bytes"] for r in rows.values()]
+def write_report(results: dict[str, dict[str, Any]]) -> None:
+    """The page and the JSON, one section per measured model (``results``: model -> its rows)."""
     lines = [
         "# Peak memory per rank: predicted vs measured",
         "",
-        f"`python benchmarks/memory_accuracy.py` — recipe GPT 8×1024 (~100M parameters, float32, AdamW), 4 sequences of "
-        f"32 tokens per replica, {STEPS} steps; CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, the "
-        "ScalingMonitor's per-rank peak from before setup (resident memory on a CPU: an upper bound that includes the "
-        "runtime's own growth). Goal: predicted / measured within 0.9–1.1 for every layout.",
-        "",
-        f"Predicted / measured: **{min(ratios):.2f}–{max(ratios):.2f}**.",
-        "",
-        "| layout | predicted MiB (largest rank) | measured MiB (largest rank) | predicted / measured | measured, every rank |",
-        "|---|---|---|---|---|",
+        f"`python benchmarks/memory_accuracy.py [--model gpt|llama]` — float32, AdamW, 4 sequences of 32 tokens per "
+        f"replica, {STEPS} steps; CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, the ScalingMonitor's "
+        "per-rank peak from before setup (resident memory on a CPU: an upper bound that includes the runtime's own "
+        "growth). Goal: predicted / measured within 0.9–1.1 for every layout.",
     ]
-    for name, row in rows.items():
-        every = ", ".join(f"{b / 2**20:.0f}" for b in row["measured_by_rank"])
-        lines.append(f"| {name} | {row['predicted_bytes'] / 2**20:.0f} | {row['measured_bytes'] / 2**20:.0f} | "
-                     f"{row['predicted_bytes'] / row['measured_bytes']:.2f} | {every} |")
+    for model, rows in results.items():
+        ratios = [r["predicted_bytes"] / r["measured_bytes"] for r in rows.values()]
+        lines += [
+            "",
+            f"## {MODELS[model][0]}",
+            "",
+            f"Predicted / measured: **{min(ratios):.2f}–{max(ratios):.2f}**.",
+            "",
+            "| layout | predicted MiB (largest rank) | measured MiB (largest rank) | predicted / measured | measured, every rank |",
+            "|---|---|---|---|---|",
+        ]
+        for name, row in rows.items():
+            every = ", ".join(f"{b / 2**20:.0f}" for b in row["measured_by_rank"])
+            lines.append(f"| {name} | {row['predicted_bytes'] / 2**20:.0f} | {row['measured_bytes'] / 2**20:.0f} | "
+                         f"{row['predicted_bytes'] / row['measured_bytes']:.2f} | {every} |")
     (RESULTS / "memory_accuracy.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "memory_accuracy.json").write_text(json.dumps({"model": MODEL, "steps": STEPS, "results": rows}, indent=2))
+    sections = {model: {"model": MODELS[model][1], "steps": STEPS, "results": rows} for model, rows in results.items()}
+    (RESULTS / "memory_accuracy.json").write_text(json.dumps(sections, indent=2))
+
+
+def earlier_results() -> dict[str, dict[str, Any]]:
+    """Rows already on file, by model (the page written before models had sections held the GPT's alone)."""
+    path = RESULTS / "memory_accuracy.json"
+    if not path.is_file():
+        return {}
+    found = json.loads(path.read_text())
+    if "results" in found:
+        return {"gpt": found["results"]}
+    return {model: section["results"] for model, section in found.items() if model in MODELS}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt", help="the model to measure (default: gpt)")
+    parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), help="only these layouts (default: the model's)")
+    args = parser.parse_args()
+    results = earlier_results()
+    # --layouts replaces those rows of the model's and keeps the rest; a whole run replaces them all
+    kept = {k: v for k, v in results.get(args.model, {}).items() if k not in (args.layouts or MODEL_LAYOUTS[args.model])} if args.layouts else {}
     rows: dict[str, dict[str, Any]] = {}
     with scratch_dir() as scratch:
-        for name, (devices, overrides) in LAYOUTS.items():
-            rows[name] = measure(devices, overrides, scratch / f"run{len(rows)}")
+        for name in args.layouts or MODEL_LAYOUTS[args.model]:
+            devices, overrides = LAYOUTS[name]
+            rows[name] = measure(devices, overrides, MODELS[args.model][1], scratch / f"run{len(rows)}")
             row = rows[name]
             print(f"{name}: predicted {row['predicted_bytes'] / 2**20:.0f} MiB, measured {row['measured_bytes'] / 2**20:.0f} MiB "
                   f"({row['predicted_bytes'] / row['measured_bytes']:.2f})", flush=True)
-    write_report(rows)
+            merged = {**kept, **rows}
+            results[args.model] = {k: merged[k] for k in LAYOUTS if k in merged}  # written after each layout: a failure keeps the rows measured
+            write_report(results)
 
 
 if __name__ == "__main__":
