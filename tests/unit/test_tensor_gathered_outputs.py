@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, apply_tensor_parallel, check_plan
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+from tests.unit.tp_simulated import split_and_run, whole_run
 
 
 class ThresholdedMLP(nn.Module):  # Gemma-3n's activation sparsity: a statistic over every hidden unit
@@ -65,26 +66,6 @@ class Wrapped(nn.Module):
         return self.block(x)
 
 
-def _split_and_run(module: nn.Module, simulated_ranks, x: torch.Tensor):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    resolved = TensorParallelConfig().resolve(module, tp_size=2)
-    check_plan(module, resolved, 2)
-    with simulated_ranks():
-        apply_tensor_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), resolved)
-        out = module(x)
-        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-        whole = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t)._local_tensors[0]  # noqa: E731
-        return whole(out).detach(), {n: whole(p.grad) for n, p in module.named_parameters()}, resolved
-
-
-def _whole_run(module: nn.Module, x: torch.Tensor):
-    out = module(x)
-    (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
-
-
 @pytest.mark.parametrize("inner, expected_styles", [
     (ThresholdedMLP, {"block.gate_proj": "colwise_gather_output", "block.up_proj": "colwise_gather_output",
                       "block.down_proj": "colwise_gather_output"}),
@@ -96,8 +77,8 @@ def test_split_matches_the_whole_module(simulated_ranks, inner, expected_styles)
     # others).
     torch.manual_seed(0)
     module, x = Wrapped(inner()).double(), torch.randn(2, 5, 16, dtype=torch.float64)
-    expected = _whole_run(copy.deepcopy(module), x)
-    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    expected = whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = split_and_run(module, simulated_ranks, x)
     assert resolved.styles == expected_styles
     torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)
     for name, grad in grads.items():
@@ -129,8 +110,8 @@ def test_an_mlp_whose_hidden_units_meet_a_whole_parameter_is_split_with_outputs_
     # The probe finds the column/row split wrong (the [h] parameter meets a rank's slice): gathered outputs instead.
     torch.manual_seed(0)
     module, x = Wrapped(CrossingMix()).double(), torch.randn(2, 5, 16, dtype=torch.float64)
-    expected = _whole_run(copy.deepcopy(module), x)
-    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    expected = whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = split_and_run(module, simulated_ranks, x)
     assert resolved.styles == {"block.receptance": "replicate", "block.key": "colwise_gather_output",
                                "block.value": "colwise_gather_output"}
     torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)

@@ -12,6 +12,7 @@ from lightning_parallel.parallelize.tensor.apply import (
 from lightning_parallel.parallelize.tensor.inference import infer_units
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
 from recipes.models.gpt import GPT
+from tests.unit.tp_simulated import split_and_run, whole_run
 
 
 def tiny_gpt(tie_weights: bool = True) -> GPT:
@@ -496,29 +497,6 @@ class HeadsAttention(nn.Module):
         return self.o_proj(out.reshape(B, L, width))
 
 
-def _split_and_run(module: nn.Module, simulated_ranks, x: torch.Tensor):
-    """``module`` split over 2 simulated tp ranks by the auto plan: (output, whole gradient of each parameter)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, apply_tensor_parallel
-
-    resolved = TensorParallelConfig().resolve(module, tp_size=2)
-    check_plan(module, resolved, 2)
-    with simulated_ranks():
-        apply_tensor_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), resolved)
-        out = module(x)
-        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-        whole = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t)._local_tensors[0]  # noqa: E731
-        return whole(out).detach(), {n: whole(p.grad) for n, p in module.named_parameters()}, resolved
-
-
-def _whole_run(module: nn.Module, x: torch.Tensor):
-    out = module(x)
-    (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
-
-
 @pytest.mark.parametrize("extra", ["sinks", "embed_dim"])
 def test_per_head_parameters_and_split_widths_follow_the_heads(simulated_ranks, extra):
     # Attention sinks ([num_heads] on the attention module) crashed with a head-count mismatch; embed_dim (the
@@ -527,8 +505,8 @@ def test_per_head_parameters_and_split_widths_follow_the_heads(simulated_ranks, 
 
     torch.manual_seed(0)
     module, x = HeadsAttention(extra), torch.randn(2, 5, 32, dtype=torch.float64)
-    expected = _whole_run(copy.deepcopy(module), x)
-    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    expected = whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = split_and_run(module, simulated_ranks, x)
     if extra == "sinks":
         assert resolved.per_head == {"": ("sinks",)}
         assert module.sinks.placements[0].is_shard(0)
@@ -547,7 +525,7 @@ def test_attention_computing_across_heads_or_with_its_input_width_is_refused(sim
     # DiffLlama's head pairing was silently wrong (5.9e-3); TrOCR's reshape crashed deep in torch.
     module = HeadsAttention(extra)
     with pytest.raises(RuntimeError, match=match):
-        _split_and_run(module, simulated_ranks, torch.randn(2, 5, 32, dtype=torch.float64))
+        split_and_run(module, simulated_ranks, torch.randn(2, 5, 32, dtype=torch.float64))
 
 
 class Swapping(nn.Module):  # BigBird: the attention module replaced in forward (block-sparse → full)
@@ -564,7 +542,7 @@ class Swapping(nn.Module):  # BigBird: the attention module replaced in forward 
 
 def test_attention_replaced_in_forward_is_refused(simulated_ranks):
     with pytest.raises(RuntimeError, match=r"attn was replaced during forward by a new HeadsAttention"):
-        _split_and_run(Swapping(), simulated_ranks, torch.randn(2, 5, 32, dtype=torch.float64))
+        split_and_run(Swapping(), simulated_ranks, torch.randn(2, 5, 32, dtype=torch.float64))
 
 
 def test_rowwise_without_a_split_input_and_embeddings_with_more_parameters_are_refused():
@@ -839,7 +817,7 @@ def test_children_called_on_whole_tensors_inside_the_split_train_as_unsplit(simu
     x = torch.randn(2, 5, 32, dtype=torch.float64, requires_grad=True)
     reference = copy.deepcopy(module)
     whole_x = x.detach().clone().requires_grad_()
-    expected_out, expected = _whole_run(reference, whole_x)
+    expected_out, expected = whole_run(reference, whole_x)
     resolved = TensorParallelConfig().resolve(module, tp_size=2)
     assert resolved.styles["attention.wq"] == "colwise"
     assert not any(name.startswith(("attention.reduce", "attention.gate")) for name in resolved.styles)
@@ -887,8 +865,8 @@ def test_a_query_fused_with_its_per_head_gate_splits_with_its_attention(simulate
     torch.manual_seed(0)
     module, x = QueryGateAttention(), torch.randn(2, 5, 32, dtype=torch.float64)
     assert infer_plan(module) == {"q_gate_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
-    expected = _whole_run(copy.deepcopy(module), x)
-    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    expected = whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = split_and_run(module, simulated_ranks, x)
     assert set(resolved.head_attributes[""]) == {"num_heads", "num_key_value_heads"}
     torch.testing.assert_close(out, expected[0], rtol=0, atol=1e-12)
     for name, grad in grads.items():
@@ -947,8 +925,8 @@ def test_a_short_convolution_splits_over_its_channels(simulated_ranks, monkeypat
     module, x = AttentionBlock(ShortConv(bias=bias)), torch.randn(2, 5, 8, dtype=torch.float64)
     plan = infer_plan(module)
     assert plan == {"attention.in_proj": "fused_blocks", "attention.conv": "channelwise", "attention.out_proj": "rowwise"}
-    expected = _whole_run(copy.deepcopy(module), x)
-    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    expected = whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = split_and_run(module, simulated_ranks, x)
     assert resolved.fused == {"attention.in_proj": (8, 8, 8)}
     conv = module.attention.conv
     assert (conv.in_channels, conv.out_channels, conv.groups) == (4, 4, 4)
@@ -1035,7 +1013,7 @@ def test_per_head_norm_gradients_under_sequence_parallelism_are_summed_once(simu
 
     torch.manual_seed(0)
     module, x = Trunk(PreNormBlock(), PreNormBlock()), torch.randn(2, 6, 16, dtype=torch.float64)
-    expected_out, expected = _whole_run(copy.deepcopy(module), x)
+    expected_out, expected = whole_run(copy.deepcopy(module), x)
     resolved = TensorParallelConfig(sequence_parallel=True).resolve(module, tp_size=2)
     with simulated_ranks():
         apply_tensor_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), resolved, sequence_parallel=True)
@@ -1138,8 +1116,8 @@ def test_a_model_reading_its_split_token_table_gets_the_whole_table_and_trains_a
     tokens = torch.randint(0, 64, (2, 5))
     reference = _ReadsItsTokenTable().double()
     reference.load_state_dict(model.state_dict())
-    expected_out, expected_grads = _whole_run(reference, tokens)
-    out, grads, resolved = _split_and_run(model, simulated_ranks, tokens)
+    expected_out, expected_grads = whole_run(reference, tokens)
+    out, grads, resolved = split_and_run(model, simulated_ranks, tokens)
     assert resolved.styles["embed_tokens"] == "embedding_rowwise"
     torch.testing.assert_close(out, expected_out)
     for name, grad in expected_grads.items():

@@ -8,39 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig, check_plan
-
-
-def _split_and_run(module: nn.Module, simulated_ranks, x: torch.Tensor):
-    """``module`` split over 2 simulated tp ranks by the auto plan: (output, whole gradient of each parameter)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from lightning_parallel.parallelize.tensor.apply import apply_tensor_parallel
-    from lightning_parallel.parallelize.tensor.split_region import reduce_split_region_gradients
-
-    resolved = TensorParallelConfig().resolve(module, tp_size=2, warn=lambda _: None)
-    check_plan(module, resolved, 2)
-    with simulated_ranks():
-        apply_tensor_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), resolved)
-        out = module(x)
-        (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-        reduce_split_region_gradients(module)
-        whole = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t)._local_tensors[0]  # noqa: E731
-        return whole(out).detach(), {n: whole(p.grad) for n, p in module.named_parameters()}, resolved
-
-
-def _whole_run(module: nn.Module, x: torch.Tensor):
-    out = module(x)
-    (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+from lightning_parallel.parallelize.tensor.apply import TensorParallelConfig
+from tests.unit.tp_simulated import split_and_run, whole_run
 
 
 def _assert_exact(module: nn.Module, simulated_ranks, x: torch.Tensor):
     from lightning_parallel.parallelize.tensor.fused import original_order
 
-    expected_out, expected_grads = _whole_run(copy.deepcopy(module), x)
-    out, grads, resolved = _split_and_run(module, simulated_ranks, x)
+    expected_out, expected_grads = whole_run(copy.deepcopy(module), x)
+    out, grads, resolved = split_and_run(module, simulated_ranks, x, reduce_regions=True, warn=lambda _: None)
     torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-12)
     for name, grad in grads.items():  # fused rows gathered rank-major: compared in the module's own order
         torch.testing.assert_close(original_order(module, name, grad), expected_grads[name], rtol=0, atol=1e-12, msg=name)
