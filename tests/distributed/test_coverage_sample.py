@@ -3,7 +3,7 @@
 One family of each kind: a Llama-like decoder (OLMo2: its q/k norms span every head), a fused-q|k|v one, a mixture
 of experts with latent attention, a tied scaled embedding (Gemma 2), experts with a per-expert norm module (Ergo), an
 MLP with a statistic over its hidden units (Gemma-3n), hybrids of attention, Mamba and experts (Jamba: Mamba-1;
-Nemotron-H: Mamba-2), a recurrence without attention (RWKV), an encoder masked LM, one whose buffers keep running
+Nemotron-H: Mamba-2), an encoder masked LM, one whose buffers keep running
 statistics of the batch (I-BERT), a ViT and a CNN, each under dp2, tp2, pp2 and cp2 against single-device training.
 A cell may be `exact` or `refused` (a clear error at setup or first batch); `wrong` or `crash` fails the test.
 """
@@ -26,7 +26,6 @@ SAMPLE = [
     ("causal_lm", "gemma3n_text"),  # an MLP thresholding its activations by a statistic over its hidden units (tp: outputs gathered)
     ("causal_lm", "jamba"),  # attention, Mamba and mixture-of-experts layers in one stack (tp: Mamba-1 mixers split)
     ("causal_lm", "nemotron_h"),  # Mamba-2 mixers (one group of B/C, gated norm; split by heads under tp) and experts
-    ("causal_lm", "rwkv"),  # no attention: a recurrence over channels (tp: its projections' outputs gathered whole)
     ("masked_lm", "bert"),  # bidirectional encoder, attention output in a sibling module
     ("masked_lm", "ibert"),  # running statistics (activation ranges) per replica: named by the strategy, not compared
     ("image_classification", "vit"),  # patch convolution, CLS token
