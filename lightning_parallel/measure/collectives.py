@@ -141,6 +141,10 @@ class DTensorCollectives:
         self.expert_tally = CollectiveTally()  # token dispatch and combine (expert parallelism)
         self.expert_load = ExpertLoad()
         self._paused = False
+        # funcol's functions call one another (all_gather_tensor -> all_gather_single -> wait_tensor when the
+        # gather dimension is not 0): only the outermost call is counted, or its seconds (and bytes) count twice
+        # and the exposed communication can exceed the step it was measured in.
+        self._depth = 0
 
     def _current(self) -> CollectiveTally:
         if _dispatching[0]:
@@ -174,28 +178,33 @@ class DTensorCollectives:
 
     def _counted(self, collective: Callable[..., Any]) -> Callable[..., Any]:
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if self._paused or _checking[0]:
+            if self._paused or _checking[0] or self._depth:
                 return collective(tensor, *args, **kwargs)
             tally = self._current()
-            start = time.perf_counter()
-            try:
-                return collective(tensor, *args, **kwargs)
-            finally:
-                tally.seconds += time.perf_counter() - start
-                tally.calls += 1
-                tally.bytes += tensor.numel() * tensor.element_size()
+            with self._outermost(tally):
+                result = collective(tensor, *args, **kwargs)
+            tally.calls += 1
+            tally.bytes += tensor.numel() * tensor.element_size()
+            return result
 
         return counted
 
     def _timed_wait(self, wait: Callable[..., Any]) -> Callable[..., Any]:
         def timed(tensor: torch.Tensor) -> Any:
-            if self._paused or _checking[0]:
+            if self._paused or _checking[0] or self._depth:
                 return wait(tensor)
-            tally = self._current()
-            start = time.perf_counter()
-            try:
+            with self._outermost(self._current()):
                 return wait(tensor)
-            finally:
-                tally.seconds += time.perf_counter() - start
 
         return timed
+
+    @contextmanager
+    def _outermost(self, tally: CollectiveTally) -> Iterator[None]:
+        """Times the block into ``tally``; the funcol calls made inside it are not counted again."""
+        self._depth += 1
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            tally.seconds += time.perf_counter() - start
+            self._depth -= 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.distributed._functional_collectives as funcol
 
 from lightning_parallel import ScalingMonitor
@@ -51,6 +52,30 @@ def test_bad_arguments_and_nested_counting_are_refused():
     first, second = DTensorCollectives(), DTensorCollectives()
     with first.active(), pytest.raises(RuntimeError, match="already counting"), second.active():
         pass
+
+
+def test_a_collective_calling_another_is_counted_once(monkeypatch):
+    # funcol's all_gather_tensor calls all_gather_single, which calls wait_tensor when it gathers along a dimension
+    # other than 0: the nested calls must not add their seconds or bytes again (the exposed time exceeded the step).
+    clock = [0.0]
+    monkeypatch.setattr("lightning_parallel.measure.collectives.time.perf_counter", lambda: clock[0])
+
+    def wait_tensor(tensor):
+        clock[0] += 1.0
+        return tensor
+
+    def all_gather_single(tensor, *args, **kwargs):
+        clock[0] += 1.0
+        return funcol.wait_tensor(tensor)
+
+    monkeypatch.setattr(funcol, "wait_tensor", wait_tensor)
+    monkeypatch.setattr(funcol, "all_gather_single", all_gather_single)
+    monkeypatch.setattr(funcol, "all_gather_tensor", lambda tensor, *a, **k: funcol.all_gather_single(tensor, *a, **k))
+    counter = DTensorCollectives()
+    with counter.active():
+        funcol.all_gather_tensor(torch.zeros(4, dtype=torch.float64), 1, None)
+        funcol.wait_tensor(torch.zeros(1))
+    assert counter.tally.as_dict() == {"calls": 1, "bytes": 32, "seconds": 3.0}
 
 
 def test_scaling_plot_of_a_sweep(tmp_path):
