@@ -82,20 +82,30 @@ def test_resumed_recipe_matches_uninterrupted_run(tmp_path, layout):
     assert_same_losses(reference, train_losses(from_step), range(2, 8), rel=1e-12)
 
 
-def test_resume_under_another_layout_keeps_the_data_order(tmp_path):
+# Without dropout: each layout has its own per-rank random streams.
+DATA_PARALLEL = [*TINY, "model.dropout=0.0", "strategy=data", "trainer.max_steps=8"]
+
+
+@pytest.fixture(scope="module")
+def data_parallel_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One uninterrupted dp=2 × 4 run, 8 steps: the run the two cross-layout resumes below start from."""
+    whole = tmp_path_factory.mktemp("dp2")
+    run_recipe([*DATA_PARALLEL, "trainer.devices=2", "data.batch_size=4", f"hydra.run.dir={whole}"])
+    return whole
+
+
+def test_resume_under_another_layout_keeps_the_data_order(tmp_path, data_parallel_run):
     """A dp=2 run's mid-epoch checkpoint resumed under tp=2 (one replica with the same global batch of 8)."""
-    common = [*TINY, "model.dropout=0.0"]  # each layout has its own per-rank random streams
-    whole, moved = tmp_path / "dp2", tmp_path / "tp2"
-    run_recipe([*common, "strategy=data", "trainer.devices=2", "data.batch_size=4", "trainer.max_steps=8", f"hydra.run.dir={whole}"])
+    whole, moved = data_parallel_run, tmp_path / "tp2"
     checkpoint = whole / "checkpoints" / "step=4.ckpt"
     run_recipe(
-        [*common, "strategy=tensor", "trainer.devices=2", "data.batch_size=8", "trainer.max_steps=8",
+        [*TINY, "model.dropout=0.0", "strategy=tensor", "trainer.devices=2", "data.batch_size=8", "trainer.max_steps=8",
          f"ckpt_path='{checkpoint}'", f"hydra.run.dir={moved}"]
     )
     assert_same_losses(train_losses(whole), train_losses(moved), range(4, 8), rel=1e-6)
 
 
-def test_resume_onto_fewer_replicas_keeps_the_global_batch_or_refuses(tmp_path):
+def test_resume_onto_fewer_replicas_keeps_the_global_batch_or_refuses(tmp_path, data_parallel_run):
     """dp=2 × 4 samples, resumed on one process (a restart that got fewer ranks back): × 4 is refused (each step
     would average half the samples); × 8 goes on as the dp=2 run did."""
     import subprocess
@@ -106,9 +116,8 @@ def test_resume_onto_fewer_replicas_keeps_the_global_batch_or_refuses(tmp_path):
     from lightning_parallel import ParallelCheckpointIO
     from tests.harness import REPO_ROOT
 
-    common = [*TINY, "model.dropout=0.0", "strategy=data", "trainer.max_steps=8"]
-    whole, refused, kept = tmp_path / "dp2", tmp_path / "refused", tmp_path / "kept"
-    run_recipe([*common, "trainer.devices=2", "data.batch_size=4", f"hydra.run.dir={whole}"])
+    common = DATA_PARALLEL
+    whole, refused, kept = data_parallel_run, tmp_path / "refused", tmp_path / "kept"
     checkpoint = f"ckpt_path='{whole / 'checkpoints' / 'step=4.ckpt'}'"
     proc = subprocess.run(
         [sys.executable, "recipes/train.py", *common, "trainer.devices=1", "data.batch_size=4", checkpoint,
