@@ -60,7 +60,6 @@ def test_expert_parallel_size_divides_the_data_parallel_ranks_it_borrows():
     ("options", "match"),
     [
         ({"pipeline_parallel_size": 2, "context_parallel_size": 2}, "pipeline_parallel_size and context_parallel_size together"),
-        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "pipeline_parallel_size and tensor_parallel_size together"),
         ({"sync": "local_sgd", "sync_every": 2}, "sync='local_sgd'"),
         ({"comm_hook": "fp16"}, "comm_hook='fp16'"),
     ],
@@ -80,6 +79,15 @@ def test_pipelines_of_sharded_data_parallelism_take_expert_parallelism(mode):
     )
     L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
     assert strategy.layout.expert_parallel_size == 2 and strategy.layout.pipeline_parallel_size == 2
+
+
+def test_pipelines_of_tensor_parallel_stages_take_expert_parallelism():
+    """dp2 ep2 × tp2 × pp2: attention split over tp inside each stage, the stage's experts divided over ep."""
+    strategy = lightning_parallel.HybridParallelStrategy(
+        data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2
+    )
+    L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
+    assert strategy.layout.expert_parallel_size == 2 and strategy.layout.tensor_parallel_size == 2
 
 
 def test_hydra_config_has_the_option():

@@ -350,7 +350,7 @@ def _split_over_tensor_parallel(
     placed = {
         id(tensor): tp.distribute(name_of[key], tensor)
         for key, tensor in canonical.items()
-        if isinstance(tensor, nn.Parameter) and key in name_of
+        if isinstance(tensor, nn.Parameter) and key in name_of and tp.places(name_of[key])
     }
     for stage_module in stage_modules:
         for name, tensor in list(_named_tensors(stage_module)):

@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.parallelize.expert.experts import RoutedExperts, routed_experts
+from lightning_parallel.parallelize.pipeline.opaque_blocks import mark_expert_loops, opaque_expert_loops
 
 #: The attribute holding a routed-experts module's key (copied with the module: a meta skeleton keeps it).
 KEY_ATTRIBUTE = "_lightning_parallel_experts_key"
@@ -61,7 +63,28 @@ def _run(hidden: Tensor, index: Tensor, weights: Tensor, key: int, names: list[s
             f"A pipeline stage calls routed experts #{key}, whose module no longer exists: the stages outlived the "
             "model they were traced from. Build the pipeline again for this model."
         )
+    mesh = _stage_mesh(hidden, index, weights)
+    if mesh is not None and not any(isinstance(p, DTensor) and p.device_mesh == mesh for p in parameters):
+        return _whole_on_every_rank(module, mesh, names, parameters, (hidden, index, weights))
     return torch.func.functional_call(module, dict(zip(names, parameters)), (hidden, index, weights))
+
+
+def _stage_mesh(*values: Tensor) -> Any:
+    """The mesh of a tensor-parallel stage's global view the call's inputs are DTensors on; ``None``: plain tensors."""
+    return next((v.device_mesh for v in values if isinstance(v, DTensor)), None)
+
+
+def _whole_on_every_rank(module: nn.Module, mesh: Any, names: list[str], parameters: list[Tensor], inputs: tuple[Tensor, ...]) -> Tensor:
+    """Experts no tensor-parallel placement holds (expert parallelism divides them over its own mesh, leaving them
+    out of the tp plan) called from a stage running in DTensor's global view over ``mesh``: every tp rank runs them
+    on the whole values, as eager tensor parallelism does outside pipelines, and the output re-enters the view
+    replicated. The gradients flowing back are the same on every tp rank (each computes the same experts on the same
+    tokens), which is what ``Replicate`` says."""
+    local = [
+        v.redistribute(mesh, [Replicate()] * mesh.ndim).to_local() if isinstance(v, DTensor) else v for v in inputs
+    ]
+    out = torch.func.functional_call(module, dict(zip(names, parameters)), tuple(local))
+    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 # The autograd kernel records the module's own operations (its backward is theirs); the explicit kernel serves
@@ -79,7 +102,8 @@ def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts | str]:
     experts' call, ``(hidden_states, expert indices, routing weights)``: DBRX keeps its experts' weights in a
     submodule, stacked in 2-D. The operator needs only that call, and takes every parameter below the module as an
     input. The outermost such module is marked (its own submodules run inside its call).
-    Call it on the module the stages will train, before copying it (a meta skeleton keeps the keys).
+    Call it on the module the stages will train, before copying it (a meta skeleton keeps the keys). MoE blocks
+    whose experts are an nn.ModuleList are marked too (:func:`.opaque_blocks.mark_expert_loops`), not returned.
     """
     marked: dict[str, RoutedExperts | str] = {}
     for name, sub in module.named_modules():
@@ -97,6 +121,8 @@ def mark_routed_experts(module: nn.Module) -> dict[str, RoutedExperts | str]:
             setattr(sub, KEY_ATTRIBUTE, key)
         _LIVE[key] = weakref.ref(sub)
         marked[name] = experts
+    # MoE blocks looping over nn.ModuleList experts: the whole block is an operator of its own.
+    mark_expert_loops(module)
     return marked
 
 
@@ -123,7 +149,8 @@ def takes_routed_call(module: nn.Module) -> bool:
 
 @contextmanager
 def opaque_routed_experts(module: nn.Module) -> Iterator[None]:
-    """While tracing ``module``: its marked routed-experts modules are called as the opaque operator."""
+    """While tracing ``module``: its marked routed-experts modules are called as the opaque operator (and its marked
+    MoE blocks with nn.ModuleList experts as theirs, :mod:`.opaque_blocks`)."""
     patched = []
     for sub in module.modules():
         key = getattr(sub, KEY_ATTRIBUTE, None)
@@ -131,7 +158,8 @@ def opaque_routed_experts(module: nn.Module) -> Iterator[None]:
             patched.append((sub, sub.__dict__.get("forward")))
             sub.forward = _OpaqueCall(sub, key)
     try:
-        yield
+        with opaque_expert_loops(module):
+            yield
     finally:
         for sub, forward in patched:
             if forward is None:

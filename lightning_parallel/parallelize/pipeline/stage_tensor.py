@@ -12,7 +12,7 @@ math is the unsplit model's by construction. No Lightning here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -71,10 +71,16 @@ class StageTensorParallel:
     mesh: DeviceMesh
     styles: Mapping[str, str]
     conv1d: frozenset[str] = frozenset()
+    owned_elsewhere: frozenset[str] = frozenset()
 
     @classmethod
-    def from_plan(cls, resolved: ResolvedPlan, root_name: str, mesh: DeviceMesh) -> StageTensorParallel:
+    def from_plan(
+        cls, resolved: ResolvedPlan, root_name: str, mesh: DeviceMesh, owned_elsewhere: Collection[str] = ()
+    ) -> StageTensorParallel:
         """Bind a plan resolved on the LightningModule to the pipelined submodule ``root_name``.
+
+        ``owned_elsewhere``: modules (names relative to the LightningModule) whose parameters another parallelism
+        places (routed experts divided by expert parallelism): they stay plain tensors here, not DTensors on ``tp``.
 
         Raises:
             ValueError: A style cannot run inside a stage, or a split module lies outside the pipelined module.
@@ -93,7 +99,13 @@ class StageTensorParallel:
                 )
             styles[fqn[len(prefix) :]] = style
         conv1d = frozenset(fqn[len(prefix) :] for fqn in resolved.conv1d if fqn.startswith(prefix))
-        return cls(mesh, styles, conv1d)
+        owned = frozenset(fqn[len(prefix) :] for fqn in owned_elsewhere if fqn.startswith(prefix))
+        return cls(mesh, styles, conv1d, owned)
+
+    def places(self, name: str) -> bool:
+        """Whether the parameter ``name`` (relative to the pipelined module) becomes a DTensor on the ``tp`` mesh:
+        not where a module another parallelism owns holds it."""
+        return not any(name.startswith(f"{owner}.") for owner in self.owned_elsewhere)
 
     def placement(self, name: str) -> Placement:
         """Where the parameter ``name`` (relative to the pipelined module) lives on the mesh."""

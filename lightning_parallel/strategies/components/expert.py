@@ -71,8 +71,6 @@ class ExpertParallelComponent(Component):
         refused = []
         if pp > 1 and cp > 1:
             refused.append(("pipeline_parallel_size and context_parallel_size together", "one of them to 1"))
-        if pp > 1 and tp > 1:
-            refused.append(("pipeline_parallel_size and tensor_parallel_size together", "one of them to 1"))
         if engine.data_parallel.sync.is_periodic:
             refused.append((f"sync={engine.data_parallel.sync.method!r}", "sync='every_step'"))
         if engine.data_parallel.config.comm_hook != "allreduce":

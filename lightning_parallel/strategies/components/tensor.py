@@ -92,10 +92,12 @@ class TensorParallelComponent(Component):
         """The plan for the pipeline stages of ``root_name`` (resolved on the whole module, before the cut)."""
         module = self.engine.lightning_module
         size = self.engine.layout.tensor_parallel_size
-        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size, exclude=self._experts_elsewhere(module))
+        elsewhere = self._experts_elsewhere(module)
+        resolved = self.config.resolve(module, warn=rank_zero_warn, tp_size=size, exclude=elsewhere)
         check_plan(module, resolved, size)
         rank_zero_info(f"lightning_parallel: tensor-parallel plan over tp={size} inside each stage:\n{resolved.describe()}")
-        return StageTensorParallel.from_plan(resolved, root_name, self.engine.device_mesh["tp"])
+        # Experts divided over ep stay plain tensors in the stages (expert parallelism places them on its own mesh).
+        return StageTensorParallel.from_plan(resolved, root_name, self.engine.device_mesh["tp"], owned_elsewhere=elsewhere)
 
     def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Under a loss_parallel head, F.cross_entropy on vocabulary-sharded logits must run (and be
