@@ -231,27 +231,20 @@ def enumerate_layouts(
             found = list(_variants(dp, tp, pp, batch, trunk_layers, devices_per_node, cp))
             if not found:
                 rejected[key] = f"no pipeline schedule fits {batch} samples per batch into enough micro-batches for pp={pp}"
-            sizes = _expert_parallel_sizes(dp, pp, cp, experts, pinned_ep, expert_lists and (pp > 1 or workload.empty_init))
+            sizes = _expert_parallel_sizes(dp, experts, pinned_ep, expert_lists and (pp > 1 or workload.empty_init))
             if isinstance(sizes, str):
                 rejected[key] = sizes
                 continue
-            layouts.extend(
-                dataclasses.replace(layout, ep=ep) for layout in found for ep in sizes
-                if ep == 1 or _expert_parallel_combines(layout)
-            )
+            # Expert parallelism combines with every layout (tp and cp inside pipelines too), whatever the
+            # data-parallel mode.
+            layouts.extend(dataclasses.replace(layout, ep=ep) for layout in found for ep in sizes)
     return layouts, rejected
 
 
-def _expert_parallel_combines(layout: Layout) -> bool:
-    """Whether the strategy runs expert parallelism with the rest of ``layout``: inside pipelines only without tensor
-    and context parallelism (as ``ExpertParallelComponent.validate``), whatever the data-parallel mode."""
-    return layout.pp == 1 or (layout.tp == 1 and layout.cp == 1)
-
-
-def _expert_parallel_sizes(dp: int, pp: int, cp: int, experts: int, pinned: int | None, lists_refused: bool = False) -> tuple[int, ...] | str:
-    """The expert-parallel sizes to compare for one (dp, pp, cp), or why a pinned one cannot apply
+def _expert_parallel_sizes(dp: int, experts: int, pinned: int | None, lists_refused: bool = False) -> tuple[int, ...] | str:
+    """The expert-parallel sizes to compare for one dp, or why a pinned one cannot apply
     (``lists_refused``: nn.ModuleList experts, in a pipeline or built on the meta device)."""
-    possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and (pp == 1 or cp == 1) and not lists_refused))
+    possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and not lists_refused))
     if pinned is None:
         return possible
     if pinned in possible:
@@ -261,8 +254,6 @@ def _expert_parallel_sizes(dp: int, pp: int, cp: int, experts: int, pinned: int 
     if lists_refused and experts % pinned == 0 and dp % pinned == 0:
         return (f"ep={pinned}: experts kept as an nn.ModuleList are divided neither inside pipelines nor on a model "
                 f"built on the meta device (empty_init) yet")
-    if pp > 1 and cp > 1:
-        return f"ep={pinned} does not combine with pipeline and context parallelism together yet"
     return f"ep={pinned} must divide dp={dp} and the {experts} experts of every MoE layer"
 
 

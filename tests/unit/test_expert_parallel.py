@@ -59,7 +59,6 @@ def test_expert_parallel_size_divides_the_data_parallel_ranks_it_borrows():
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"pipeline_parallel_size": 2, "context_parallel_size": 2}, "pipeline_parallel_size and context_parallel_size together"),
         ({"sync": "local_sgd", "sync_every": 2}, "sync='local_sgd'"),
         ({"comm_hook": "fp16"}, "comm_hook='fp16'"),
     ],
@@ -81,13 +80,15 @@ def test_pipelines_of_sharded_data_parallelism_take_expert_parallelism(mode):
     assert strategy.layout.expert_parallel_size == 2 and strategy.layout.pipeline_parallel_size == 2
 
 
-def test_pipelines_of_tensor_parallel_stages_take_expert_parallelism():
-    """dp2 ep2 × tp2 × pp2: attention split over tp inside each stage, the stage's experts divided over ep."""
+@pytest.mark.parametrize("inside", ["tensor_parallel_size", "context_parallel_size"])
+def test_pipelines_of_tensor_or_context_parallel_stages_take_expert_parallelism(inside):
+    """dp2 ep2 × tp2 × pp2 (attention split over tp inside each stage) and dp2 ep2 × cp2 × pp2 (each stage's
+    sequences split over cp): the stage's experts divided over ep."""
     strategy = lightning_parallel.HybridParallelStrategy(
-        data_parallel_size=2, expert_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2
+        data_parallel_size=2, expert_parallel_size=2, pipeline_parallel_size=2, **{inside: 2}
     )
     L.Trainer(accelerator="cpu", devices=8, strategy=strategy, logger=False)
-    assert strategy.layout.expert_parallel_size == 2 and strategy.layout.tensor_parallel_size == 2
+    assert strategy.layout.expert_parallel_size == 2 and getattr(strategy.layout, inside) == 2
 
 
 def test_hydra_config_has_the_option():

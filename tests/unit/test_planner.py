@@ -294,7 +294,7 @@ def test_expert_parallel_prediction_divides_the_experts_and_adds_the_all_to_alls
 
 
 def test_the_planner_compares_expert_parallel_layouts_of_a_moe_model_and_honours_a_pinned_ep():
-    """ep divides dp's ranks and every MoE layer's experts (4 here), inside pipelines only without tp (replicated or
+    """ep divides dp's ranks and every MoE layer's experts (4 here), inside pipelines too (with tp, replicated or
     sharded dp): the planner compares those layouts for the recipe MoE (only); a pinned ep is kept, or refused with the
     reason."""
     prof = _profile("gpt_moe", SPEC.n_layer, SPEC.n_embd, SPEC.tie_weights, SPEC.batch_size, SPEC.precision, 1)
@@ -302,9 +302,9 @@ def test_the_planner_compares_expert_parallel_layouts_of_a_moe_model_and_honours
     workload = Workload(8, 1, 64)
     layouts, _ = enumerate_layouts(workload, SPEC.n_layer, {1, 2, 4}, 8, experts=prof.experts_divisor)
     assert {(l.dp, l.pp, l.ep) for l in layouts if l.ep > 1} == {
-        (8, 1, 2), (8, 1, 4), (4, 1, 2), (4, 1, 4), (2, 1, 2), (4, 2, 2), (4, 2, 4), (2, 4, 2)}
+        (8, 1, 2), (8, 1, 4), (4, 1, 2), (4, 1, 4), (2, 1, 2), (4, 2, 2), (4, 2, 4), (2, 4, 2), (2, 2, 2)}
     inside_pipelines = [l for l in layouts if l.ep > 1 and l.pp > 1]
-    assert all(l.tp == 1 for l in inside_pipelines)
+    assert {l.tp for l in inside_pipelines} == {1, 2}  # dp2 ep2 × tp2 × pp2 among them
     assert {l.data_parallel_mode for l in inside_pipelines} >= {"replicate", "shard"}
     dense, _ = enumerate_layouts(workload, SPEC.n_layer, {1, 2, 4}, 8)
     assert {l.ep for l in dense} == {1}

@@ -67,10 +67,7 @@ class ExpertParallelComponent(Component):
         if ep == 1:
             return
         engine = self.engine
-        pp, cp, tp = layout.pipeline_parallel_size, layout.context_parallel_size, layout.tensor_parallel_size
         refused = []
-        if pp > 1 and cp > 1:
-            refused.append(("pipeline_parallel_size and context_parallel_size together", "one of them to 1"))
         if engine.data_parallel.sync.is_periodic:
             refused.append((f"sync={engine.data_parallel.sync.method!r}", "sync='every_step'"))
         if engine.data_parallel.config.comm_hook != "allreduce":
