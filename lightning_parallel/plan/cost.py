@@ -221,8 +221,12 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         expert_params = sum(unsplit.parameter_bytes[n] for n in experts) / layout.ep
         expert_gradients = sum(unsplit.parameter_bytes[n] for n in experts - step.frozen) / layout.ep
         expert_optimizer = sum(unsplit.optimizer_bytes.get(n, 0) for n in experts) / layout.ep
-        flops = sum(step.flops[s] for s in segments) + (
-            sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
+        # Under ep tensor parallelism leaves the experts whole: every tp peer computes the pairs its tokens route to them.
+        whole_experts = layout.ep > 1 and bool(step.expert_parallel_flops)
+        segment_flops = step.expert_parallel_flops if whole_experts else step.flops
+        forward_flops = step.expert_parallel_forward_flops if whole_experts else step.forward_flops
+        flops = sum(segment_flops[s] for s in segments) + (
+            sum(forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
         timed = _micro_seconds(hardware, profile, step, layout, workload, stages, flops, micro, processes)  # every process computing
@@ -238,7 +242,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 optimizer=optimizer / shards + expert_optimizer,
                 activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight * tokens,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
-                optimizer_step=_optimizer_step_bytes(step, layout, dense - step.frozen, experts - step.frozen, shards),
+                optimizer_step=_optimizer_step_bytes(step, unsplit, layout, dense - step.frozen, experts - step.frozen, shards),
                 runtime=hardware.pipeline_runtime_bytes if layout.pp > 1 else 0.0,
                 setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
@@ -519,7 +523,9 @@ def _transient_bytes(profile: ModelProfile, step: StepProfile, segments: list[st
         whole = sum(step.parameter_bytes[n] for n in _parameters_of(step, segments))
         extra += whole * (shards - 1) / shards + whole
     elif _uses_fsdp(layout) and layers:
-        extra += _fsdp_backward_bytes(max(sum(step.parameter_bytes[n] for n in step.segment_parameters.get(s, ())) for s in layers), shards)
+        divided = step.expert_parameters if layout.ep > 1 else frozenset()  # FSDP2 leaves divided experts alone
+        extra += _fsdp_backward_bytes(max(sum(step.parameter_bytes[n] for n in step.segment_parameters.get(s, ()) if n not in divided)
+                                          for s in layers), shards)
     return extra
 
 
@@ -538,10 +544,13 @@ def _fsdp_backward_bytes(layer: float, shards: int) -> float:
     return 4 * layer - 2 * layer / shards
 
 
-def _optimizer_step_bytes(step: StepProfile, layout: Layout, dense: set[str], experts: set[str], shards: int) -> float:
+def _optimizer_step_bytes(
+    step: StepProfile, unsplit: StepProfile, layout: Layout, dense: set[str], experts: set[str], shards: int
+) -> float:
     """What a pipeline position holds beside its state while the optimizer steps: the optimizer's temporaries (measured
-    per byte of the largest tensor it steps, as this rank holds that tensor) and DDP's buckets, which stay."""
-    largest = max([step.parameter_bytes[n] / shards for n in dense] + [step.parameter_bytes[n] / layout.ep for n in experts], default=0.0)
+    per byte of the largest tensor it steps, as this rank holds that tensor: divided experts 1/ep of the ``unsplit``
+    one, whatever tp, which leaves them whole) and DDP's buckets, which stay."""
+    largest = max([step.parameter_bytes[n] / shards for n in dense] + [unsplit.parameter_bytes[n] / layout.ep for n in experts], default=0.0)
     buckets = 0.0
     if layout.uses_ddp and not layout.gradient_as_bucket_view:
         buckets = sum(step.parameter_bytes[n] for n in dense)

@@ -18,6 +18,7 @@ hidden states, the router and every expert.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.parallelize.expert.experts import RoutedExperts, find_routed_experts
 from lightning_parallel.parallelize.expert.module_list import ExpertList, find_expert_lists, router_of
@@ -42,6 +44,10 @@ class RoutedTraffic:
         parameters: Full names (relative to the dry-run module) of the routed-experts parameters.
         counts: Routed experts per MoE layer (every count an expert-parallel size must divide).
         lists: Some MoE block keeps its experts as an ``nn.ModuleList``.
+        flops: Forward FLOPs of the routed experts (their own matmuls, at even load, not the router's or a shared
+            expert's), one entry per call: (the called module's FQN relative to the dry-run module, what ``where``
+            returned as it was called, FLOPs).
+        where: Set by a dry run that tracks segments: the segment running now (``None`` otherwise).
     """
 
     def __init__(self) -> None:
@@ -50,6 +56,17 @@ class RoutedTraffic:
         self.parameters: set[str] = set()
         self.counts: set[int] = set()
         self.lists = False
+        self.flops: list[tuple[str, Any, float]] = []
+        self.where: Callable[[], Any] = lambda: None
+
+    @contextmanager
+    def counting(self, fqn: str) -> Iterator[None]:
+        """Record the FLOPs of the block inside as routed experts' at ``fqn`` (nested: the dry run's own counter
+        counts them too)."""
+        where = self.where()
+        with FlopCounterMode(display=False) as counter:
+            yield
+        self.flops.append((fqn, where, float(counter.get_total_flops())))
 
 
 @contextmanager
@@ -60,7 +77,7 @@ def balanced_routing(module: nn.Module) -> Iterator[RoutedTraffic]:
     for fqn, routed in find_routed_experts(module).items():
         if isinstance(routed, RoutedExperts):
             sub = module.get_submodule(fqn)
-            sub.forward = _BalancedExperts(sub, routed, traffic)  # an instance attribute shadows the class's forward
+            sub.forward = _BalancedExperts(fqn, sub, routed, traffic)  # an instance attribute shadows the class's forward
             patched.append(sub)
             traffic.parameters.update(f"{fqn}.{name}" if fqn else name for name in routed.parameters)
             traffic.counts.add(routed.num_experts)
@@ -79,8 +96,8 @@ def balanced_routing(module: nn.Module) -> Iterator[RoutedTraffic]:
 
 
 class _BalancedExperts:
-    def __init__(self, module: nn.Module, routed: RoutedExperts, traffic: RoutedTraffic) -> None:
-        self.module, self.routed, self.traffic = module, routed, traffic
+    def __init__(self, fqn: str, module: nn.Module, routed: RoutedExperts, traffic: RoutedTraffic) -> None:
+        self.fqn, self.module, self.routed, self.traffic = fqn, module, routed, traffic
 
     def __call__(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *_: Any, **__: Any) -> Tensor:
         module, experts = self.module, self.routed.num_experts
@@ -93,16 +110,18 @@ class _BalancedExperts:
         self.traffic.calls += 1
         per_expert = max(1, -(-pairs // experts))
         tokens = flat[:1].expand(per_expert, width).unsqueeze(0).expand(experts, per_expert, width)
-        inner = torch.bmm(tokens, up.reshape(experts, width, -1))  # up[e]'s FLOPs per token, whatever its layout
-        units = down[0].numel() // width
-        out = torch.bmm(inner[..., :units], down.reshape(experts, units, width))
+        with self.traffic.counting(self.fqn):
+            inner = torch.bmm(tokens, up.reshape(experts, width, -1))  # up[e]'s FLOPs per token, whatever its layout
+            units = down[0].numel() // width
+            out = torch.bmm(inner[..., :units], down.reshape(experts, units, width))
         # Shape of the real output; the gradient reaches the tokens, the weights and both projections.
         return flat + (out.sum() + top_k_weights.sum()) * 0
 
 
 class _BalancedExpertList:
     """An MoE block whose experts are an ``nn.ModuleList``, as :class:`_BalancedExperts` for fused ones (see the
-    module doc): the pairs counted by one CPU run of the block's own forward, the experts computed on meta."""
+    module doc): the pairs and the other children's calls recorded by one CPU run of the block's own forward, the
+    experts and those calls computed on meta."""
 
     def __init__(self, block: nn.Module, listed: ExpertList, traffic: RoutedTraffic) -> None:
         self.block, self.listed, self.traffic = block, listed, traffic
@@ -110,31 +129,41 @@ class _BalancedExpertList:
         router = router_of(block, self.experts)
         assert router is not None  # found with its router
         self.router = router
-        #: (input shapes) -> (pairs, expert input width, output): one CPU run per shape.
-        self._seen: dict[Any, tuple[int, int, Any]] = {}
+        #: (input shapes) -> (pairs, expert input width, output, other children's calls): one CPU run per shape.
+        self._seen: dict[Any, tuple[int, int, Any, list[tuple[str, Any]]]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         key = tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t, (args, kwargs))
         key = repr(key)
         if key not in self._seen:
             self._seen[key] = self._count(args, kwargs)
-        pairs, width, shapes = self._seen[key]
+        pairs, width, shapes, children = self._seen[key]
         hidden = next(t for t in _tensors((args, kwargs)) if t.is_floating_point())
         flat = hidden.reshape(-1, hidden.shape[-1])
         self.traffic.pair_bytes += pairs * width * hidden.element_size()
         self.traffic.calls += 1
-        router = self.router
-        logits = flat @ (router.t() if router.shape[1] == flat.shape[-1] else router)  # the router's FLOPs
+        # The block's other children, once per recorded call (the router's Linear, a shared expert, its gate).
+        tie = sum((_floating_sum(self.block.get_submodule(name)(*_inputs(flat, inputs[0]), **_inputs(flat, inputs[1])))
+                   for name, inputs in children), flat.new_zeros(()))
+        called = {name for name, _ in children}
+        owner = next((name for name, sub in self.block.named_children()
+                      if any(p is self.router for p in sub.parameters())), None)
+        if owner not in called:  # a router that no recorded child applies: its matmul, as the block does
+            router = self.router
+            tie = tie + (flat @ (router.t() if router.shape[1] == flat.shape[-1] else router)).sum()
         per_expert = max(1, -(-pairs // self.listed.num_experts))
         tokens = flat[:1].expand(per_expert, width) if width == flat.shape[-1] else flat.new_zeros(per_expert, width)
-        tie = logits.sum() + sum(expert(tokens).sum() for expert in self.experts)
-        # Shapes of the real output; the gradient reaches the hidden states, the router and every expert.
+        for index, expert in enumerate(self.experts):
+            with self.traffic.counting(f"{self.listed.fqn}.{index}"):
+                tie = tie + expert(tokens).sum()
+        # Shapes of the real output; the gradient reaches the hidden states, the router, the children, every expert.
         return tree_map(lambda s: hidden.new_zeros(s[0], dtype=s[1]) + tie.to(s[1]) * 0 if s[1].is_floating_point
                         else hidden.new_zeros(s[0], dtype=s[1]), shapes, is_leaf=_is_shape)
 
-    def _count(self, args: Any, kwargs: Any) -> tuple[int, int, Any]:
-        """The block's forward on the CPU with random values, its expert calls recorded: (pairs, input width, the
-        output's (shape, dtype) tree)."""
+    def _count(self, args: Any, kwargs: Any) -> tuple[int, int, Any, list[tuple[str, Any]]]:
+        """The block's forward on the CPU with random values, its expert calls and its other children's calls
+        recorded: (pairs, input width, the output's (shape, dtype) tree, [(child, its (args, kwargs) with each tensor
+        as its (shape, dtype))])."""
         from torch.utils._python_dispatch import _disable_current_modes
 
         calls: list[tuple[int, int]] = []
@@ -157,22 +186,62 @@ class _BalancedExpertList:
                 )
             return torch.zeros((*x.shape[:-1], out.shape[-1]), dtype=out.dtype)
 
+        children: list[tuple[str, Any]] = []
+
+        def child_called(name: str) -> Callable[..., None]:
+            def hook(_: nn.Module, child_args: tuple[Any, ...], child_kwargs: dict[str, Any]) -> None:
+                children.append((name, tree_map(lambda t: _Shape(t) if isinstance(t, Tensor) else t, (child_args, child_kwargs))))
+
+            return hook
+
         values = {name: _random_like(t) for name, t in self.block.named_parameters() if not name.startswith(f"{self.listed.attribute}.")}
         values.update({name: torch.zeros_like(t, device="cpu") for name, t in self.block.named_buffers()})
         forward = self.block.__dict__.pop("forward")
         # Not part of the step: no FLOPs, operators, memory or parameter use counted (modes and hooks off).
         with _disable_current_modes(), _without_hooks(self.block), torch.no_grad():
+            handles = [child.register_forward_pre_hook(child_called(name), with_kwargs=True)
+                       for name, child in self.block.named_children() if name != self.listed.attribute]
             try:
                 for key in saved:
                     experts._modules[key] = _Recording(int(key), record)
                 cpu = tree_map(lambda t: _random_like(t) if isinstance(t, Tensor) else t, (args, kwargs))
                 out = torch.func.functional_call(self.block, values, cpu[0], cpu[1], strict=False)
             finally:
+                for handle in handles:
+                    handle.remove()
                 experts._modules.clear()
                 experts._modules.update(saved)
                 self.block.forward = forward
         shapes = tree_map(lambda t: (tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t, out)
-        return sum(n for n, _ in calls), max((w for _, w in calls), default=0), shapes
+        return sum(n for n, _ in calls), max((w for _, w in calls), default=0), shapes, children
+
+
+class _Shape:
+    """A recorded tensor input of a child call: its shape and dtype."""
+
+    def __init__(self, t: Tensor) -> None:
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+
+
+def _inputs(flat: Tensor, recorded: Any) -> Any:
+    """Meta inputs of the recorded shapes: hidden-state rows where the width is the hidden states' (so the gradient
+    reaches them, as the block's input does), zeros otherwise."""
+
+    def make(shape: _Shape) -> Tensor:
+        if shape.dtype.is_floating_point and shape.shape and shape.shape[-1] == flat.shape[-1]:
+            rows = math.prod(shape.shape[:-1])
+            return flat[:1].to(shape.dtype).expand(rows, flat.shape[-1]).reshape(shape.shape)
+        return flat.new_zeros(shape.shape, dtype=shape.dtype)
+
+    return tree_map(lambda t: make(t) if isinstance(t, _Shape) else t, recorded, is_leaf=lambda t: isinstance(t, _Shape))
+
+
+def _floating_sum(out: Any) -> Tensor:
+    """The sum of a call's floating-point outputs (a scalar that ties them into the block's output)."""
+    from torch.distributed.tensor import DTensor
+
+    found = [(t.to_local() if isinstance(t, DTensor) else t).sum() for t in _tensors(out) if t.is_floating_point()]
+    return sum(found[1:], found[0]) if found else torch.zeros((), device="meta")
 
 
 class _Recording(nn.Module):

@@ -49,7 +49,7 @@ from lightning_parallel.parallelize.tensor.apply import (
     apply_tensor_parallel,
     check_plan,
 )
-from lightning_parallel.plan.experts import balanced_routing
+from lightning_parallel.plan.experts import RoutedTraffic, balanced_routing
 
 BEFORE, AFTER = "(before trunk)", "(after trunk)"
 
@@ -76,6 +76,13 @@ class StepProfile:
     expert_pair_bytes: float = 0.0
     expert_calls: int = 0
     expert_counts: tuple[int, ...] = ()  # routed experts per MoE layer (distinct counts)
+    # segment -> forward FLOPs per sample of its routed experts computed whole (at even load; the same at every tp)
+    expert_forward_flops: dict[str, float] = field(default_factory=dict)
+    # flops / forward_flops as this rank computes them under expert parallelism, where tensor parallelism leaves the
+    # experts whole: its tp peers hold the same tokens (replicated over tp) and each runs every pair routed to its
+    # experts, so the experts' part is not divided by tp (empty: the same as flops / forward_flops)
+    expert_parallel_flops: dict[str, float] = field(default_factory=dict)
+    expert_parallel_forward_flops: dict[str, float] = field(default_factory=dict)
     dtensor_ops: int = 0  # aten operators dispatched on DTensors per forward + backward (of any batch size)
     ops: int = 0  # aten operators dispatched per forward + backward (of any batch size), DTensor ones included
     # segment -> bytes per sample the operators without FLOPs (norms, activations, adds) read and write on this rank
@@ -187,12 +194,13 @@ def profile_model(
 
     module = build()
     with balanced_routing(module) as routed, without_values():  # routed experts cost what an even router makes them cost
-        whole = _dry_run(module, meta_batch, rows, tp=1)
+        whole = _dry_run(module, meta_batch, rows, tp=1, routed=routed)
         routed_calls, routed_bytes = routed.calls, routed.pair_bytes  # of the step's one forward
         root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
     names = _canonical_names(module)
     expert_names = frozenset(names[id(p)] for name, p in module.named_parameters() if name in routed.parameters)
     counts = tuple(sorted(routed.counts))
+    expert_flops = whole.expert_forward_flops
     whole = dataclasses.replace(whole, expert_parameters=expert_names, expert_pair_bytes=routed_bytes / rows,
                                 expert_calls=routed_calls, expert_counts=counts)
     profile = ModelProfile(
@@ -222,7 +230,8 @@ def profile_model(
             loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
             step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)
             profile.steps[tp] = dataclasses.replace(step, expert_parameters=expert_names, expert_pair_bytes=whole.expert_pair_bytes,
-                                                    expert_calls=routed_calls, expert_counts=counts)
+                                                    expert_calls=routed_calls, expert_counts=counts, expert_forward_flops=expert_flops,
+                                                    **_experts_whole_flops(whole, step, expert_names, expert_flops))
     return profile
 
 
@@ -230,10 +239,13 @@ def profile_model(
 
 
 def _dry_run(
-    module: LightningModule, batch: Any, rows: int, tp: int, loss_parallel: bool = False, whole: StepProfile | None = None
+    module: LightningModule, batch: Any, rows: int, tp: int, loss_parallel: bool = False, whole: StepProfile | None = None,
+    routed: RoutedTraffic | None = None,
 ) -> StepProfile:
     names = _canonical_names(module)
     tracker = _SegmentTracker(module, batch)
+    if routed is not None:  # the routed experts' FLOPs by the segment they ran in
+        routed.where = lambda: tracker.current
     collectives = DTensorCollectives()
     dispatches = StepOperators(lambda: tracker.current)
     parallel_loss: Any = nullcontext()
@@ -248,6 +260,7 @@ def _dry_run(
         with tracker.tracking():
             loss = _loss(module.training_step(batch, 0))
         forward = tracker.forward_flops(counter.get_flop_counts(), counter.get_total_flops())
+        expert_flops = tracker.expert_flops(routed.flops, rows) if routed is not None else {}
         tracker._switch(tracker.current)  # close the forward's last segment
         tracker.collectives = None
         forward_memory = dict(dispatches.memory_bytes)
@@ -288,6 +301,7 @@ def _dry_run(
         optimizer_ops_per_tensor=optimizer_ops,
         optimizer_moved_per_byte=optimizer_moved,
         optimizer_temporaries_per_largest=optimizer_temporaries,
+        expert_forward_flops=expert_flops,
         dtensor_parameters=frozenset(names[id(p)] for p in module.parameters() if isinstance(p, DTensor)),
     )
 
@@ -378,6 +392,16 @@ class _SegmentTracker:
         before = self._flops_before_trunk or 0.0
         result = {BEFORE: before, **per_layer}
         result[AFTER] = max(0.0, forward_total - before - sum(per_layer.values()))
+        return result
+
+    def expert_flops(self, calls: list[tuple[str, Any, float]], rows: int) -> dict[str, float]:
+        """Routed experts' forward FLOPs per sample by segment, counted as :meth:`forward_flops` counts them: a call of
+        a module inside a trunk layer (or of a trunk layer itself) is that layer's, any other the segment running
+        when it was called (before the trunk, a layer, after it). ``calls``: :attr:`RoutedTraffic.flops`."""
+        result: dict[str, float] = {}
+        for fqn, running, value in calls:
+            segment = next((layer for layer in self.layer_names if fqn == layer or fqn.startswith(layer + ".")), running or BEFORE)
+            result[segment] = result.get(segment, 0.0) + value / rows
         return result
 
     def _enter(self, name: str) -> Callable[..., None]:
@@ -472,6 +496,26 @@ def _shared_out(forward: Mapping[str, float], total: float, segments: tuple[str,
     if forward_total <= 0:
         return {s: total / len(segments) for s in segments}
     return {s: total * forward.get(s, 0.0) / forward_total for s in segments}
+
+
+def _experts_whole_flops(
+    whole: StepProfile, step: StepProfile, expert_names: frozenset[str], expert_flops: dict[str, float]
+) -> dict[str, dict[str, float]]:
+    """``expert_parallel_flops`` / ``expert_parallel_forward_flops`` of a tensor-parallel ``step``: each segment's
+    FLOPs other than its routed experts' shared by tp as its other parameters are, the experts' whole (expert
+    parallelism leaves them out of the tp plan; the tp peers route the same tokens and each computes them all)."""
+    if not expert_flops:
+        return {}
+    dense = {name: size for name, size in step.parameter_bytes.items() if name not in expert_names}
+    forward = {}
+    for segment, value in whole.forward_flops.items():
+        routed = expert_flops.get(segment, 0.0)
+        names = [n for n in whole.segment_parameters.get(segment, ()) if n not in expert_names]
+        total = sum(whole.parameter_bytes[n] for n in names)
+        share = sum(dense[n] for n in names) / total if total else 1.0
+        forward[segment] = max(value - routed, 0.0) * share + routed
+    factor = sum(whole.flops.values()) / max(sum(whole.forward_flops.values()), 1e-30)
+    return {"expert_parallel_forward_flops": forward, "expert_parallel_flops": {k: v * factor for k, v in forward.items()}}
 
 
 def _local_share(segment: str, whole: StepProfile, local_parameter_bytes: dict[str, int]) -> float:
