@@ -58,6 +58,10 @@ LAYOUTS: dict[str, tuple[int, int, str, dict]] = {
     # in the traced stages) and beside context parallelism (each rank's part of the sequences routed).
     "dp2 ep2×pp2": (4, 2, "hybrid", {"data_parallel_size": 2, "expert_parallel_size": 2, "pipeline_parallel_size": 2, **MICROBATCHES}),
     "dp2 ep2×cp2": (4, 2, "hybrid", {"data_parallel_size": 2, "expert_parallel_size": 2, "context_parallel_size": 2}),
+    # ... inside pipelines whose stages split attention over tp (the stage's experts divided over ep, left out of the
+    # tp plan: each tp rank runs its ep rank's experts whole).
+    "dp2 ep2×tp2×pp2": (8, 2, "hybrid", {"data_parallel_size": 2, "expert_parallel_size": 2, "tensor_parallel_size": 2,
+                                        "pipeline_parallel_size": 2, **MICROBATCHES}),
 }
 #: Lightning's demo encoder–decoder (``nn.Transformer``), and a hand-written Llama-style LM whose attention
 #: splits heads with ``view(B, L, self.n_heads, -1)``, next to the transformers families.
@@ -94,6 +98,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "dp2 ep2×tp2": ("qwen2_moe", "list_moe"),
     "dp2 ep2×pp2": ("mixtral",),
     "dp2 ep2×cp2": ("qwen2_moe", "list_moe"),
+    "dp2 ep2×tp2×pp2": ("mixtral",),
 }
 #: Layouts a family cannot use, and why in the README's words (the errors: test_demo_transformer_*_is_refused).
 UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceable", (DEMO, "dp2×tp2×pp2"): "not traceable",
@@ -104,7 +109,7 @@ UNSUPPORTED = {(DEMO, "pp2"): "not traceable", (DEMO, "tp2×pp2"): "not traceabl
 #: Jobs that also accumulate two micro-batches per step (the reference then takes twice the batch).
 ACCUMULATE = {("list_moe", "dp2 ep2"), ("list_moe", "dp2 ep2×tp2"), ("llama", "tp2"), ("gpt2", "pp2"), ("phi3", "tp2×pp2"), ("mixtral", "dp2 ep2"), ("qwen2_moe", "dp4 ep2"),
               ("mixtral", "dp2-shard ep2"), ("gpt2", "dp2-shard×pp2"), ("phi3", "cp2×pp2"), ("mixtral", "dp2 ep2×pp2"),
-              ("gpt2", "dp2-shard×tp2+sp")}
+              ("gpt2", "dp2-shard×tp2+sp"), ("mixtral", "dp2 ep2×tp2×pp2")}
 #: Jobs that clip the gradient norm (the reference clips the same): nn.ModuleList experts divided over ep hold other
 #: experts on each rank, whose shares of the norm are summed over the ep group.
 CLIP = {("list_moe", "dp2 ep2"): 0.5}
@@ -248,7 +253,7 @@ def test_four_ranks_tp_pp(four_rank_launch):
             assert result["local_numel"]["net.transformer.wte.weight"] == whole["net.transformer.wte.weight"].numel() // 4
 
 
-EIGHT_RANK_LAYOUTS = ("dp2×tp2×pp2",)
+EIGHT_RANK_LAYOUTS = ("dp2×tp2×pp2", "dp2 ep2×tp2×pp2")
 
 
 def eight_rank_specs() -> dict[str, JobSpec]:
@@ -259,6 +264,10 @@ def eight_rank_specs() -> dict[str, JobSpec]:
 def test_eight_ranks_dp_tp_pp(eight_rank_launch):
     for (family, layout), result in by_cell(eight_rank_launch[0], EIGHT_RANK_LAYOUTS).items():
         assert_matches_single_device(family, layout, result)
+        if "ep" in layout:  # half of each expert tensor (ep), attention split over tp, of the first stage's blocks
+            assert_experts_divided(family, result, ranks=2, dense_sharded=True, pipelined=True)
+            query = "net.model.layers.0.self_attn.q_proj.weight"
+            assert result["local_numel"][query] == reference(family, 1, 1)["grads"][0][query].numel() // 2
 
 
 def assert_experts_divided(family: str, result: dict, ranks: int, dense_sharded: bool = False, pipelined: bool = False) -> None:
