@@ -192,7 +192,9 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
             f"{layout.describe()}: the global batch {workload.global_batch} does not split into dp={layout.dp} × "
             f"{workload.accumulate} accumulated batches × {layout.microbatches} micro-batches."
         )
-    step = profile.step(layout.tp)
+    # Under ep tensor parallelism leaves the experts whole: every tp peer computes (and saves for backward) the pairs its
+    # tokens route to them.
+    step = profile.step(layout.tp).with_whole_experts() if layout.ep > 1 else profile.step(layout.tp)
     unsplit = profile.step(1)
     micro = batch / layout.microbatches
     # Processes outnumbering the cores make each message of a collective wait for its receiver to be scheduled again.
@@ -221,12 +223,8 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         expert_params = sum(unsplit.parameter_bytes[n] for n in experts) / layout.ep
         expert_gradients = sum(unsplit.parameter_bytes[n] for n in experts - step.frozen) / layout.ep
         expert_optimizer = sum(unsplit.optimizer_bytes.get(n, 0) for n in experts) / layout.ep
-        # Under ep tensor parallelism leaves the experts whole: every tp peer computes the pairs its tokens route to them.
-        whole_experts = layout.ep > 1 and bool(step.expert_parallel_flops)
-        segment_flops = step.expert_parallel_flops if whole_experts else step.flops
-        forward_flops = step.expert_parallel_forward_flops if whole_experts else step.forward_flops
-        flops = sum(segment_flops[s] for s in segments) + (
-            sum(forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
+        flops = sum(step.flops[s] for s in segments) + (
+            sum(step.forward_flops[s] for s in segments if s not in (BEFORE, AFTER)) if layout.activation_checkpointing else 0.0
         )
         share = 1.0 if layout.pp == 1 else _trunk_share(profile, segments)
         timed = _micro_seconds(hardware, profile, step, layout, workload, stages, flops, micro, processes)  # every process computing

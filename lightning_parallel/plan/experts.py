@@ -44,10 +44,11 @@ class RoutedTraffic:
         parameters: Full names (relative to the dry-run module) of the routed-experts parameters.
         counts: Routed experts per MoE layer (every count an expert-parallel size must divide).
         lists: Some MoE block keeps its experts as an ``nn.ModuleList``.
-        flops: Forward FLOPs of the routed experts (their own matmuls, at even load, not the router's or a shared
-            expert's), one entry per call: (the called module's FQN relative to the dry-run module, what ``where``
-            returned as it was called, FLOPs).
+        flops: The routed experts' own forward work (at even load; not the router's or a shared expert's), one entry
+            per call: (the called module's FQN relative to the dry-run module, what ``where`` returned as it was
+            called, FLOPs, bytes it saved for backward as ``saved`` counts them).
         where: Set by a dry run that tracks segments: the segment running now (``None`` otherwise).
+        saved: Set by a dry run that tracks saved activations: the bytes saved for backward so far (0 otherwise).
     """
 
     def __init__(self) -> None:
@@ -56,17 +57,18 @@ class RoutedTraffic:
         self.parameters: set[str] = set()
         self.counts: set[int] = set()
         self.lists = False
-        self.flops: list[tuple[str, Any, float]] = []
+        self.flops: list[tuple[str, Any, float, float]] = []
         self.where: Callable[[], Any] = lambda: None
+        self.saved: Callable[[], float] = lambda: 0.0
 
     @contextmanager
     def counting(self, fqn: str) -> Iterator[None]:
-        """Record the FLOPs of the block inside as routed experts' at ``fqn`` (nested: the dry run's own counter
-        counts them too)."""
-        where = self.where()
+        """Record the FLOPs and saved activations of the block inside as routed experts' at ``fqn`` (nested: the dry
+        run's own counter and tracker count them too)."""
+        where, saved = self.where(), self.saved()
         with FlopCounterMode(display=False) as counter:
             yield
-        self.flops.append((fqn, where, float(counter.get_total_flops())))
+        self.flops.append((fqn, where, float(counter.get_total_flops()), self.saved() - saved))
 
 
 @contextmanager

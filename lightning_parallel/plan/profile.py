@@ -78,11 +78,21 @@ class StepProfile:
     expert_counts: tuple[int, ...] = ()  # routed experts per MoE layer (distinct counts)
     # segment -> forward FLOPs per sample of its routed experts computed whole (at even load; the same at every tp)
     expert_forward_flops: dict[str, float] = field(default_factory=dict)
-    # flops / forward_flops as this rank computes them under expert parallelism, where tensor parallelism leaves the
-    # experts whole: its tp peers hold the same tokens (replicated over tp) and each runs every pair routed to its
-    # experts, so the experts' part is not divided by tp (empty: the same as flops / forward_flops)
+    # segment -> bytes per sample the routed experts saved for backward on this rank (split as this profile's tp does)
+    expert_activation_bytes: dict[str, float] = field(default_factory=dict)
+    # flops / forward_flops / activation_bytes as this rank has them under expert parallelism, where tensor
+    # parallelism leaves the experts whole: its tp peers hold the same tokens (replicated over tp) and each runs every
+    # pair routed to its experts, so the experts' part is not divided by tp (empty: the same as without ep)
     expert_parallel_flops: dict[str, float] = field(default_factory=dict)
     expert_parallel_forward_flops: dict[str, float] = field(default_factory=dict)
+    expert_parallel_activation_bytes: dict[str, float] = field(default_factory=dict)
+
+    def with_whole_experts(self) -> StepProfile:
+        """This step as an expert-parallel rank runs it: the routed experts' FLOPs and activations whole over tp."""
+        if not self.expert_parallel_flops:
+            return self
+        return dataclasses.replace(self, flops=self.expert_parallel_flops, forward_flops=self.expert_parallel_forward_flops,
+                                   activation_bytes=self.expert_parallel_activation_bytes or self.activation_bytes)
     dtensor_ops: int = 0  # aten operators dispatched on DTensors per forward + backward (of any batch size)
     ops: int = 0  # aten operators dispatched per forward + backward (of any batch size), DTensor ones included
     # segment -> bytes per sample the operators without FLOPs (norms, activations, adds) read and write on this rank
@@ -225,13 +235,13 @@ def profile_model(
         if not any(style != "replicate" for style in resolved.styles.values()):
             profile.tp_invalid[tp] = "the tensor-parallel plan splits nothing in this model"
             continue
-        with _fake_process_group(tp) as mesh, balanced_routing(module), without_values():
+        with _fake_process_group(tp) as mesh, balanced_routing(module) as split_routed, without_values():
             apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
             loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
-            step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole)
+            step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole, routed=split_routed)
             profile.steps[tp] = dataclasses.replace(step, expert_parameters=expert_names, expert_pair_bytes=whole.expert_pair_bytes,
                                                     expert_calls=routed_calls, expert_counts=counts, expert_forward_flops=expert_flops,
-                                                    **_experts_whole_flops(whole, step, expert_names, expert_flops))
+                                                    **_experts_whole(whole, step, expert_names, expert_flops))
     return profile
 
 
@@ -244,8 +254,8 @@ def _dry_run(
 ) -> StepProfile:
     names = _canonical_names(module)
     tracker = _SegmentTracker(module, batch)
-    if routed is not None:  # the routed experts' FLOPs by the segment they ran in
-        routed.where = lambda: tracker.current
+    if routed is not None:  # the routed experts' FLOPs and activations by the segment they ran in
+        routed.where, routed.saved = (lambda: tracker.current), (lambda: sum(tracker.saved_bytes.values()))
     collectives = DTensorCollectives()
     dispatches = StepOperators(lambda: tracker.current)
     parallel_loss: Any = nullcontext()
@@ -260,7 +270,7 @@ def _dry_run(
         with tracker.tracking():
             loss = _loss(module.training_step(batch, 0))
         forward = tracker.forward_flops(counter.get_flop_counts(), counter.get_total_flops())
-        expert_flops = tracker.expert_flops(routed.flops, rows) if routed is not None else {}
+        expert_flops, expert_saved = tracker.expert_work(routed.flops, rows) if routed is not None else ({}, {})
         tracker._switch(tracker.current)  # close the forward's last segment
         tracker.collectives = None
         forward_memory = dict(dispatches.memory_bytes)
@@ -301,7 +311,8 @@ def _dry_run(
         optimizer_ops_per_tensor=optimizer_ops,
         optimizer_moved_per_byte=optimizer_moved,
         optimizer_temporaries_per_largest=optimizer_temporaries,
-        expert_forward_flops=expert_flops,
+        expert_forward_flops=expert_flops if whole is None else {},
+        expert_activation_bytes=expert_saved,
         dtensor_parameters=frozenset(names[id(p)] for p in module.parameters() if isinstance(p, DTensor)),
     )
 
@@ -394,15 +405,17 @@ class _SegmentTracker:
         result[AFTER] = max(0.0, forward_total - before - sum(per_layer.values()))
         return result
 
-    def expert_flops(self, calls: list[tuple[str, Any, float]], rows: int) -> dict[str, float]:
-        """Routed experts' forward FLOPs per sample by segment, counted as :meth:`forward_flops` counts them: a call of
-        a module inside a trunk layer (or of a trunk layer itself) is that layer's, any other the segment running
-        when it was called (before the trunk, a layer, after it). ``calls``: :attr:`RoutedTraffic.flops`."""
-        result: dict[str, float] = {}
-        for fqn, running, value in calls:
+    def expert_work(self, calls: list[tuple[str, Any, float, float]], rows: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Routed experts' forward FLOPs and saved bytes per sample by segment, counted as :meth:`forward_flops` counts
+        them: a call of a module inside a trunk layer (or of a trunk layer itself) is that layer's, any other the
+        segment running when it was called (before the trunk, a layer, after it). ``calls``: :attr:`RoutedTraffic.flops`."""
+        flops: dict[str, float] = {}
+        saved: dict[str, float] = {}
+        for fqn, running, value, nbytes in calls:
             segment = next((layer for layer in self.layer_names if fqn == layer or fqn.startswith(layer + ".")), running or BEFORE)
-            result[segment] = result.get(segment, 0.0) + value / rows
-        return result
+            flops[segment] = flops.get(segment, 0.0) + value / rows
+            saved[segment] = saved.get(segment, 0.0) + nbytes / rows
+        return flops, saved
 
     def _enter(self, name: str) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple[Any, ...]) -> None:
@@ -498,14 +511,18 @@ def _shared_out(forward: Mapping[str, float], total: float, segments: tuple[str,
     return {s: total * forward.get(s, 0.0) / forward_total for s in segments}
 
 
-def _experts_whole_flops(
+def _experts_whole(
     whole: StepProfile, step: StepProfile, expert_names: frozenset[str], expert_flops: dict[str, float]
 ) -> dict[str, dict[str, float]]:
-    """``expert_parallel_flops`` / ``expert_parallel_forward_flops`` of a tensor-parallel ``step``: each segment's
-    FLOPs other than its routed experts' shared by tp as its other parameters are, the experts' whole (expert
-    parallelism leaves them out of the tp plan; the tp peers route the same tokens and each computes them all)."""
+    """``expert_parallel_*`` of a tensor-parallel ``step``: each segment's FLOPs other than its routed experts' shared
+    by tp as its other parameters are, the experts' whole (expert parallelism leaves them out of the tp plan; the tp
+    peers route the same tokens and each computes them all); its activations with the experts' as the whole step
+    saved them."""
     if not expert_flops:
         return {}
+    split_saved, whole_saved = step.expert_activation_bytes, whole.expert_activation_bytes
+    activations = {segment: value - split_saved.get(segment, 0.0) + whole_saved.get(segment, 0.0)
+                   for segment, value in step.activation_bytes.items()}
     dense = {name: size for name, size in step.parameter_bytes.items() if name not in expert_names}
     forward = {}
     for segment, value in whole.forward_flops.items():
@@ -515,7 +532,8 @@ def _experts_whole_flops(
         share = sum(dense[n] for n in names) / total if total else 1.0
         forward[segment] = max(value - routed, 0.0) * share + routed
     factor = sum(whole.flops.values()) / max(sum(whole.forward_flops.values()), 1e-30)
-    return {"expert_parallel_forward_flops": forward, "expert_parallel_flops": {k: v * factor for k, v in forward.items()}}
+    return {"expert_parallel_forward_flops": forward, "expert_parallel_flops": {k: v * factor for k, v in forward.items()},
+            "expert_parallel_activation_bytes": activations}
 
 
 def _local_share(segment: str, whole: StepProfile, local_parameter_bytes: dict[str, int]) -> float:

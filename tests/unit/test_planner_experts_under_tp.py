@@ -1,5 +1,5 @@
-"""The planner under ep × tp: tensor parallelism leaves divided experts whole, so their FLOPs and bytes per rank are
-not divided by tp; and a ModuleList MoE block's other work (a shared expert) is counted."""
+"""The planner under ep × tp: tensor parallelism leaves divided experts whole, so their FLOPs, activations and bytes
+per rank are not divided by tp; and a ModuleList MoE block's other work (a shared expert) is counted."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ EXPERT_TOKEN_FLOPS = 2 * 3 * 32 * 16
 def test_under_ep_times_tp_each_rank_computes_its_tokens_through_whole_experts():
     """The hand-written ModuleList MoE (2 layers, top-2 of 4 experts, 8 tokens per sample): tp peers hold the same
     tokens and the same whole experts, so each computes every pair its tokens route to them: per sample the experts
-    cost what they cost on one device, and only the rest is divided by tp (before: the experts were divided too)."""
+    cost what they cost on one device, as do their saved activations, and only the rest is divided by tp (before: the
+    experts were divided too)."""
     prof = _profile("list_moe", 2, 32, False, 4, "64-true", 2)
     whole, split = prof.step(1), prof.step(2)
     # Even load: 8 tokens × 2 choices per sample and layer, each through one expert's 3 matmuls, forward.
@@ -46,6 +47,13 @@ def test_under_ep_times_tp_each_rank_computes_its_tokens_through_whole_experts()
     # ... as without tp, where ep moves the pairs but each rank still computes as many: the experts' FLOPs are tp's.
     alone = predict(prof, Layout(4, 1, 1, ep=2), workload, hardware)
     assert alone.compute_s * hardware.flops_per_device(4) / 2 == pytest.approx(experts + rest)
+    # What the experts save for backward is whole too: their saved bytes as tp split them (half the hidden units, and
+    # the inputs tp's DTensors copy) are replaced by the whole ones.
+    whole_saved, split_saved = sum(whole.expert_activation_bytes.values()), sum(split.expert_activation_bytes.values())
+    assert whole_saved / 2 < split_saved < whole_saved
+    activations = {layout.ep: predict(prof, layout, workload, hardware).memory[0].activations
+                   for layout in (Layout(2, 2, 1), Layout(2, 2, 1, ep=2))}
+    assert activations[2] - activations[1] == pytest.approx((whole_saved - split_saved) * 4)
 
 
 def test_the_optimizer_step_holds_temporaries_of_whole_experts_under_ep_times_tp():
