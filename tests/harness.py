@@ -78,7 +78,7 @@ class JobSpec:
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
     checkpoint_round_trip: bool = False
     tie_weights: bool = True  # GPT: share the embedding with the output head
-    n_layer: int = 2  # GPT blocks
+    n_layer: int = 2  # GPT blocks (and list_moe / old_mixtral blocks)
     n_embd: int = 16  # GPT width
     # Ranks other than 0 build different initial weights: the strategy must start all from rank 0's.
     perturb_other_ranks: bool = False
@@ -344,7 +344,7 @@ def make_model(spec: JobSpec) -> L.LightningModule:
     if spec.model in ("list_moe", "old_mixtral"):
         from tests.hf_models import ListMoELM
 
-        return ListMoELM(old_mixtral=spec.model == "old_mixtral")
+        return ListMoELM(old_mixtral=spec.model == "old_mixtral", n_layers=spec.n_layer)
     if spec.model == "router_loss_mixtral":
         from tests.hf_models import RouterLossLM
 

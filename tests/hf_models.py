@@ -624,6 +624,6 @@ class ListMoELM(ViewAttentionLM):
     """:class:`ViewAttentionLM` whose MLPs are Mixture-of-Experts blocks with ``nn.ModuleList`` experts: the
     hand-written :class:`ListMoE` (``old_mixtral``: transformers 4.x's Mixtral block, :class:`OldMixtralBlock`)."""
 
-    def __init__(self, lr: float = 0.1, old_mixtral: bool = False) -> None:
+    def __init__(self, lr: float = 0.1, old_mixtral: bool = False, n_layers: int = 2) -> None:
         super().__init__(lr)
-        self.layers = torch.nn.ModuleList(ListMoEBlock(moe=OldMixtralBlock if old_mixtral else ListMoE) for _ in range(2))
+        self.layers = torch.nn.ModuleList(ListMoEBlock(moe=OldMixtralBlock if old_mixtral else ListMoE) for _ in range(n_layers))

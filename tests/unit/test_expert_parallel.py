@@ -342,7 +342,6 @@ def test_experts_are_called_positionally_whatever_their_implementation_names_the
     ("sizes", "match"),
     [
         ({"expert_parallel_size": 3, "data_parallel_size": 3}, "its 4 experts are not divisible by expert_parallel_size=3"),
-        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported with them yet"),
     ],
 )
 def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):
@@ -356,6 +355,9 @@ def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):
     component = ExpertParallelComponent(SimpleNamespace(layout=layout, lightning_module=model))
     with pytest.raises(ValueError, match=match):
         component._check_lists(find_expert_lists(model))
+    # Inside pipelines too: each stage's lists are divided after the cut, each MoE block an opaque operator.
+    pipelined = ParallelLayout(data_parallel_size=2, expert_parallel_size=2, pipeline_parallel_size=2)
+    ExpertParallelComponent(SimpleNamespace(layout=pipelined, lightning_module=model))._check_lists(find_expert_lists(model))
     with torch.device("meta"):
         on_meta = ListMoELM()
     ok = ExpertParallelComponent(SimpleNamespace(layout=ParallelLayout(data_parallel_size=2, expert_parallel_size=2), lightning_module=on_meta))

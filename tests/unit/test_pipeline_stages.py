@@ -544,3 +544,44 @@ def test_a_split_point_that_runs_twice_per_forward_is_refused_with_its_count():
     with pytest.raises(ValueError, match="layers.1 runs 2 times"):
         _trace(model, (x,), {}, ["layers.1"], training=True)
     assert not model.layers[1]._forward_pre_hooks
+
+
+class ExpertListStack(nn.Module):
+    """Blocks whose MoE keeps its experts as an nn.ModuleList looped over in its own forward (hand-written, and
+    transformers 4.x's Mixtral block, which returns ``(hidden, router_logits)``)."""
+
+    def __init__(self, moe: type[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(moe(dim=D, hidden=6, experts=4).double() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            out = layer(x)
+            x = x + (out[0] + 1e-2 * out[1].mean() if isinstance(out, tuple) else out)  # router logits used too
+        return x
+
+
+@pytest.mark.parametrize("moe", ["list_moe", "old_mixtral"])
+def test_moe_blocks_looping_over_expert_lists_trace_as_one_operator(moe):
+    """The whole block (router and data-dependent loop) is one operator: its outputs' structure and shapes learnt by
+    a run (a tuple too), its stages computing the block's own values and gradients, also traced from a meta copy;
+    the experts lists are not taken for the trunk the pipeline cuts."""
+    from lightning_parallel.parallelize.common.trunk import find_trunk
+    from lightning_parallel.parallelize.pipeline.build import meta_copy
+    from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts
+    from tests.hf_models import ListMoE, OldMixtralBlock
+
+    torch.manual_seed(0)
+    model, x = ExpertListStack(ListMoE if moe == "list_moe" else OldMixtralBlock), torch.randn(B, L, D, dtype=torch.float64)
+    assert find_trunk(model)[0] == "layers"
+    with pytest.raises(Exception):
+        _trace(model, (x,), {}, ["layers.1"], training=True)
+    expected = model(x)
+    expected.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    mark_routed_experts(model)
+    for traced in (model, meta_copy(model)):
+        stages = trace_and_compare(model, traced, x, expected, grads)
+        graphs = [m.graph for m in stages[0].modules() if isinstance(getattr(m, "graph", None), torch.fx.Graph)]
+        assert any("expert_loop_block" in str(node.target) for graph in graphs for node in graph.nodes)

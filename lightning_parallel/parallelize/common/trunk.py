@@ -9,6 +9,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from lightning_parallel.parallelize.expert.module_list import find_expert_lists
+
 
 def find_trunk(module: nn.Module, calls: Mapping[int, int] | None = None) -> tuple[str, nn.Module]:
     """The longest ``ModuleList``/``Sequential`` in ``module`` (ties: more parameters), with its name.
@@ -21,10 +23,13 @@ def find_trunk(module: nn.Module, calls: Mapping[int, int] | None = None) -> tup
     Raises:
         ValueError: If the module has no list of at least two layers to split between.
     """
+    # A Mixture-of-Experts block's experts (an nn.ModuleList beside a router) are not layers: a stage cannot begin
+    # inside the block's loop over them, which the pipeline's trace keeps whole.
+    experts = set(find_expert_lists(module))
     candidates = [
         (len(child), parameter_count(child), name, child)
         for name, child in module.named_modules()
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2 and name not in experts
     ]
     if calls is not None:
         running = [c for c in candidates if all(calls.get(id(layer), 0) == 1 for layer in c[3].children())]

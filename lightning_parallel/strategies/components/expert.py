@@ -119,15 +119,7 @@ class ExpertParallelComponent(Component):
                     f"{fqn}: its {listed.num_experts} experts are not divisible by expert_parallel_size={ep}. "
                     f"Choose an expert_parallel_size that divides {listed.num_experts}."
                 )
-        layout = engine.layout
         first = next(iter(lists))
-        if layout.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"{first}: experts kept as an nn.ModuleList are divided by expert parallelism with data, tensor and "
-                f"context parallelism only; pipeline_parallel_size={layout.pipeline_parallel_size} is not supported with "
-                f"them yet. Set it to its default, keep the experts as one module with 3-D weights (transformers 5's "
-                f"layout), or set expert_parallel_size=1."
-            )
         if any(has_meta_tensors(engine.lightning_module.get_submodule(fqn)) for fqn in lists):
             raise ValueError(
                 f"{first}: experts kept as an nn.ModuleList cannot be divided while on the meta device yet (each rank "
@@ -145,7 +137,7 @@ class ExpertParallelComponent(Component):
             for name in routed.parameters
         )
 
-    def divide_stage_experts(self) -> dict[int, nn.Parameter]:
+    def divide_stage_experts(self) -> dict[int, nn.Parameter | None]:
         """Under pipeline parallelism, once the stages are cut: divide the experts of this rank's stages.
 
         Returns ``id(whole parameter) -> its expert-parallel replacement``, for the stages and the optimizers to adopt.
@@ -158,17 +150,24 @@ class ExpertParallelComponent(Component):
             if all(module.get_submodule(fqn)._parameters[name] is not None for name in routed.parameters)
         }
         whole = {fqn: [sub._parameters[name] for name in self._experts[fqn].parameters] for fqn, sub in held.items()}
-        self._divide(held, broadcast=False)  # the pipeline started every rank from rank 0's weights
+        # nn.ModuleList experts of this rank's stages (the cut set the other stages' parameters to None): the others
+        # held by other ep ranks leave the stages and the optimizers (their blocks' operators bind None for them).
+        lists = {fqn: listed for fqn, listed in self.expert_lists.items() if _on_this_rank(module.get_submodule(fqn))}
+        listed_before = {fqn: list(module.get_submodule(fqn).parameters()) for fqn in lists}
+        self._divide(held, broadcast=False, lists=lists)  # the pipeline started every rank from rank 0's weights
         for sub in held.values():
             if has_meta_tensors(sub):  # built on the meta device, kept there by the cut: memory for this rank's experts
                 allocate_local(sub, self.engine.root_device)
-        return {
+        kept = {id(p) for p in self._parameters}
+        replaced: dict[int, nn.Parameter | None] = {
             id(old): sub._parameters[name]
             for fqn, sub in held.items()
             for old, name in zip(whole[fqn], self._experts[fqn].parameters)
         }
+        replaced.update({id(p): None for params in listed_before.values() for p in params if id(p) not in kept})
+        return replaced
 
-    def _divide(self, modules: dict[str, nn.Module], broadcast: bool) -> None:
+    def _divide(self, modules: dict[str, nn.Module], broadcast: bool, lists: dict[str, ExpertList] | None = None) -> None:
         engine = self.engine
         ep = engine.layout.expert_parallel_size
         ep_mesh, replicas = expert_meshes(engine.device_mesh, ep)
@@ -180,7 +179,8 @@ class ExpertParallelComponent(Component):
                 self._same_experts_everywhere(sub, routed)
             self._parameters += shard_experts(fqn, sub, routed, ep_mesh)
             names += [f"{fqn}.{name}" for name in routed.parameters]
-        for fqn, listed in self.expert_lists.items():
+        lists = self.expert_lists if lists is None else lists
+        for fqn, listed in lists.items():
             self._parameters += self._divide_list(listed, ep_mesh.get_group())
             rank, local = ep_mesh.get_local_rank(), listed.num_experts // ep
             kept = range(rank * local, (rank + 1) * local)
@@ -194,7 +194,7 @@ class ExpertParallelComponent(Component):
         held = sum(getattr(p, "_local_tensor", p).numel() for p in self._parameters)
         counts = sorted({e.num_experts for e in (*self._experts.values(), *self.expert_lists.values())})
         rank_zero_info(
-            f"Expert parallelism: {len(modules) + len(self.expert_lists)} MoE layer(s) here of "
+            f"Expert parallelism: {len(modules) + len(lists)} MoE layer(s) here of "
             f"{len(self._experts) + len(self.expert_lists)}, {'/'.join(map(str, counts))} experts each, divided over "
             f"ep={ep} ranks ({held} expert parameters on this rank)."
         )
@@ -271,6 +271,12 @@ class ExpertParallelComponent(Component):
         if sent:
             engine.record_gradient_round(sent, time.perf_counter() - start)
 
+
+
+def _on_this_rank(experts: nn.Module) -> bool:
+    """Whether a pipeline's cut left ``experts`` (an nn.ModuleList) on this rank's stages: their parameters are
+    ``None`` on the other ranks."""
+    return next(experts.parameters(), None) is not None
 
 
 def _gradient_peers(engine: EngineHost, replicas: object) -> dist.ProcessGroup | None:
