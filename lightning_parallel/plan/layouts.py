@@ -195,8 +195,9 @@ def enumerate_layouts(
         experts: What every expert-parallel size must divide (the MoE layers' expert counts' common divisor);
             0 for a model without routed experts. Expert parallelism divides dp's ranks; inside pipelines only
             without tp or cp (what the strategy combines it with; replicated or sharded dp).
-        expert_lists: Some MoE block keeps its experts as an ``nn.ModuleList``: expert parallelism then runs without
-            pipelines, on a model not built on the meta device (the strategy refuses the rest).
+        expert_lists: Some MoE block keeps its experts as an ``nn.ModuleList``: expert parallelism then runs inside
+            pipelines only without tp or cp (the combinations tested), on a model not built on the meta device
+            (the strategy refuses that).
     """
     fixed = dict(fixed or {})
     pinned_ep = fixed.pop("ep", None)
@@ -231,7 +232,8 @@ def enumerate_layouts(
             found = list(_variants(dp, tp, pp, batch, trunk_layers, devices_per_node, cp))
             if not found:
                 rejected[key] = f"no pipeline schedule fits {batch} samples per batch into enough micro-batches for pp={pp}"
-            sizes = _expert_parallel_sizes(dp, experts, pinned_ep, expert_lists and (pp > 1 or workload.empty_init))
+            lists_refused = expert_lists and (workload.empty_init or (pp > 1 and tp * cp > 1))
+            sizes = _expert_parallel_sizes(dp, experts, pinned_ep, lists_refused)
             if isinstance(sizes, str):
                 rejected[key] = sizes
                 continue
@@ -243,7 +245,7 @@ def enumerate_layouts(
 
 def _expert_parallel_sizes(dp: int, experts: int, pinned: int | None, lists_refused: bool = False) -> tuple[int, ...] | str:
     """The expert-parallel sizes to compare for one dp, or why a pinned one cannot apply
-    (``lists_refused``: nn.ModuleList experts, in a pipeline or built on the meta device)."""
+    (``lists_refused``: nn.ModuleList experts, in a pipeline with tp or cp, or built on the meta device)."""
     possible = tuple(ep for ep in _divisors(dp) if ep == 1 or (experts and experts % ep == 0 and not lists_refused))
     if pinned is None:
         return possible
@@ -252,8 +254,8 @@ def _expert_parallel_sizes(dp: int, experts: int, pinned: int | None, lists_refu
     if not experts:
         return f"ep={pinned}: the model holds no routed experts"
     if lists_refused and experts % pinned == 0 and dp % pinned == 0:
-        return (f"ep={pinned}: experts kept as an nn.ModuleList are divided neither inside pipelines nor on a model "
-                f"built on the meta device (empty_init) yet")
+        return (f"ep={pinned}: experts kept as an nn.ModuleList are divided neither inside pipelines with tp or cp nor "
+                f"on a model built on the meta device (empty_init) yet")
     return f"ep={pinned} must divide dp={dp} and the {experts} experts of every MoE layer"
 
 

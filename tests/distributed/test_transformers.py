@@ -87,7 +87,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
     "tp2+sp": ("llama", "gpt2", "phi3"),
     # Mixtral's eager experts loop over the experts hit: opaque to the trace (list_moe: the whole block, loop included).
     "pp2": (*FAMILIES, VIEW, REF, "mixtral", "list_moe"),
-    "tp2×pp2": (*FAMILIES, VIEW, REF),
+    "tp2×pp2": (*FAMILIES, VIEW, REF, "list_moe"),  # list_moe: each tp rank runs its MoE blocks' operators whole
     "dp2×tp2×pp2": ("phi3",),  # fused q|k|v and gate|up (qwen2 runs tp2×pp2 on 4 ranks): 8 ranks are slow
     "dp2-shard×pp2": ("llama", "gpt2"),
     "dp2-shard×tp2+sp": ("gpt2",),

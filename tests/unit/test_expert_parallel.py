@@ -342,6 +342,7 @@ def test_experts_are_called_positionally_whatever_their_implementation_names_the
     ("sizes", "match"),
     [
         ({"expert_parallel_size": 3, "data_parallel_size": 3}, "its 4 experts are not divisible by expert_parallel_size=3"),
+        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "inside pipelines without tensor or context parallelism"),
     ],
 )
 def test_module_list_experts_refuse_what_they_do_not_combine_with(sizes, match):

@@ -44,6 +44,8 @@ def test_the_planner_divides_nn_module_list_experts_as_the_fused_ones():
     assert split == experts / 2  # without ep, tp splits each expert as an MLP
     assert ep4_tp2.memory[0].parameters == pytest.approx(tp2.memory[0].parameters - split + experts / 4)
     layouts, _ = enumerate_layouts(Workload(4, 1, 8), 2, {1, 2}, 4, experts=4, expert_lists=True)
-    assert {(l.dp, l.tp, l.pp) for l in layouts if l.ep > 1} == {(4, 1, 1), (2, 2, 1)}
-    _, rejected = enumerate_layouts(Workload(4, 1, 8), 2, {1, 2}, 4, fixed={"ep": 2, "pp": 2}, experts=4, expert_lists=True)
-    assert "nn.ModuleList" in rejected["dp=2 × tp=1 × pp=2"]
+    # Inside pipelines too (each MoE block one opaque operator), not yet with tp or cp there.
+    assert {(l.dp, l.tp, l.pp) for l in layouts if l.ep > 1} == {(4, 1, 1), (2, 2, 1), (2, 1, 2)}
+    layouts, rejected = enumerate_layouts(Workload(8, 1, 8), 2, {1, 2}, 4, fixed={"ep": 2, "pp": 2}, experts=4, expert_lists=True)
+    assert {(l.dp, l.tp, l.pp) for l in layouts} == {(4, 1, 2)}
+    assert "nn.ModuleList" in rejected["dp=2 × tp=2 × pp=2"]

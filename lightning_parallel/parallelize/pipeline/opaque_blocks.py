@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 
 # torch.nn.utils.stateless._reparametrize_module is private (checked against torch 2.13): torch.func.functional_call
 # without the module's __call__ (its hooks ran where the trace recorded them, outside the operator).
@@ -98,14 +99,28 @@ def _run(block: int, call_key: int, tensors: list[Tensor], names: list[str], par
             f"A pipeline stage calls MoE block #{block}, whose module no longer exists: the stages outlived the model "
             "they were traced from. Build the pipeline again for this model."
         )
-    args, kwargs = call.arguments(tensors)
+    mesh = next((t.device_mesh for t in tensors if isinstance(t, DTensor)), None)
+    args, kwargs = call.arguments([_whole(t) for t in tensors])
     # Experts another expert-parallel rank holds are None here (and absent from the live block).
-    bound = {name: p for name, p in zip(names, parameters) if p is not None}
+    bound = {name: _whole(p) for name, p in zip(names, parameters) if p is not None}
     # Its forward, not its __call__: the trace recorded the block's hooks outside the operator already.
     with _reparametrize_module(module, bound):
         output = module.forward(*args, **kwargs)
     leaves, _ = tree_flatten(output)
-    return [v for v in leaves if isinstance(v, Tensor)]
+    outputs = [v for v in leaves if isinstance(v, Tensor)]
+    if mesh is None:
+        return outputs
+    # A tensor-parallel stage (DTensor's global view): every tp rank ran the whole block on the whole values (its
+    # data-dependent loop has no DTensor rule), so its outputs re-enter the view replicated.
+    return [DTensor.from_local(v, mesh, [Replicate()] * mesh.ndim, run_check=False) for v in outputs]
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """A tensor-parallel stage's DTensor (an input or a parameter split by the plan) as its whole value on every
+    rank (differentiable: the gradient goes back to the placement); a plain tensor as it is."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    return tensor.redistribute(tensor.device_mesh, [Replicate()] * tensor.device_mesh.ndim).to_local()
 
 
 # The autograd kernel records the block's own operations (its backward is theirs); the explicit kernel serves

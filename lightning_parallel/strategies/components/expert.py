@@ -120,6 +120,15 @@ class ExpertParallelComponent(Component):
                     f"Choose an expert_parallel_size that divides {listed.num_experts}."
                 )
         first = next(iter(lists))
+        layout = engine.layout
+        if layout.pipeline_parallel_size > 1 and layout.tensor_parallel_size * layout.context_parallel_size > 1:
+            raise ValueError(
+                f"{first}: experts kept as an nn.ModuleList are divided by expert parallelism inside pipelines without "
+                f"tensor or context parallelism only (tensor_parallel_size={layout.tensor_parallel_size}, "
+                f"context_parallel_size={layout.context_parallel_size} with pipeline_parallel_size="
+                f"{layout.pipeline_parallel_size}). Set those two to 1, or pipeline_parallel_size=1, or "
+                f"expert_parallel_size=1."
+            )
         if any(has_meta_tensors(engine.lightning_module.get_submodule(fqn)) for fqn in lists):
             raise ValueError(
                 f"{first}: experts kept as an nn.ModuleList cannot be divided while on the meta device yet (each rank "
