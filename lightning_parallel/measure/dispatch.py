@@ -68,6 +68,8 @@ def _cpu_flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     local = query._local_tensor if isinstance(query, DTensor) else query
     if not local.is_meta or query.dim() != 4:
         return None
+    if attn_mask is not None and attn_mask.requires_grad:
+        return None  # a learnt mask (its gradient needed): the CPU's fused kernel cannot take it, the math path runs
     # What a CPU picks for these dtypes, head counts and mask: tiny CPU stand-ins (shapes do not decide it).
     def stand_in(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(1, t.shape[1], 1, t.shape[-1], dtype=t.dtype, requires_grad=t.requires_grad)

@@ -44,6 +44,8 @@ class RoutedTraffic:
         parameters: Full names (relative to the dry-run module) of the routed-experts parameters.
         counts: Routed experts per MoE layer (every count an expert-parallel size must divide).
         lists: Some MoE block keeps its experts as an ``nn.ModuleList``.
+        dense: FQNs of experts modules called without routing (every expert on every token, Llama 4's
+            ``experts(hidden_states)``): computed as the model computes them, not counted as routed, never divided.
         flops: The routed experts' own forward work (at even load; not the router's or a shared expert's), one entry
             per call: (the called module's FQN relative to the dry-run module, what ``where`` returned as it was
             called, FLOPs, bytes it saved for backward as ``saved`` counts them).
@@ -54,12 +56,23 @@ class RoutedTraffic:
     def __init__(self) -> None:
         self.pair_bytes = 0.0
         self.calls = 0
-        self.parameters: set[str] = set()
-        self.counts: set[int] = set()
         self.lists = False
+        self.dense: set[str] = set()
+        #: FQN of each patched experts module -> (its expert count, its parameters' full names).
+        self.modules: dict[str, tuple[int, tuple[str, ...]]] = {}
         self.flops: list[tuple[str, Any, float, float]] = []
         self.where: Callable[[], Any] = lambda: None
         self.saved: Callable[[], float] = lambda: 0.0
+
+    @property
+    def parameters(self) -> set[str]:
+        """Full names of the routed experts' parameters (experts called densely excluded)."""
+        return {name for fqn, (_, names) in self.modules.items() if fqn not in self.dense for name in names}
+
+    @property
+    def counts(self) -> set[int]:
+        """Routed experts per MoE layer (experts called densely excluded)."""
+        return {count for fqn, (count, _) in self.modules.items() if fqn not in self.dense}
 
     @contextmanager
     def counting(self, fqn: str) -> Iterator[None]:
@@ -81,14 +94,12 @@ def balanced_routing(module: nn.Module) -> Iterator[RoutedTraffic]:
             sub = module.get_submodule(fqn)
             sub.forward = _BalancedExperts(fqn, sub, routed, traffic)  # an instance attribute shadows the class's forward
             patched.append(sub)
-            traffic.parameters.update(f"{fqn}.{name}" if fqn else name for name in routed.parameters)
-            traffic.counts.add(routed.num_experts)
+            traffic.modules[fqn] = (routed.num_experts, tuple(f"{fqn}.{name}" if fqn else name for name in routed.parameters))
     for listed in find_expert_lists(module).values():
         block = module.get_submodule(listed.block)
         block.forward = _BalancedExpertList(block, listed, traffic)
         patched.append(block)
-        traffic.parameters.update(listed.parameter_names(range(listed.num_experts)))
-        traffic.counts.add(listed.num_experts)
+        traffic.modules[listed.block] = (listed.num_experts, tuple(listed.parameter_names(range(listed.num_experts))))
         traffic.lists = True
     try:
         yield traffic
@@ -101,7 +112,14 @@ class _BalancedExperts:
     def __init__(self, fqn: str, module: nn.Module, routed: RoutedExperts, traffic: RoutedTraffic) -> None:
         self.fqn, self.module, self.routed, self.traffic = fqn, module, routed, traffic
 
-    def __call__(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *_: Any, **__: Any) -> Tensor:
+    def __call__(self, hidden: Tensor, top_k_index: Tensor | None = None, top_k_weights: Tensor | None = None,
+                 *args: Any, **kwargs: Any) -> Tensor:
+        if top_k_index is None or top_k_weights is None:
+            # Not given the router's choices: every expert computes every token it is given (Llama 4), as the model
+            # computes it (no data-dependent indexing); expert parallelism cannot divide such experts.
+            self.traffic.dense.add(self.fqn)
+            return type(self.module).forward(self.module, hidden, *[a for a in (top_k_index, top_k_weights) if a is not None],
+                                             *args, **kwargs)
         module, experts = self.module, self.routed.num_experts
         up = next(getattr(module, name) for name in _UP_NAMES if name in self.routed.parameters)
         down = module.down_proj

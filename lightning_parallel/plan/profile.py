@@ -49,6 +49,7 @@ from lightning_parallel.parallelize.tensor.apply import (
     apply_tensor_parallel,
     check_plan,
 )
+from lightning_parallel.plan.dry_run_errors import named_failures, values_estimated
 from lightning_parallel.plan.experts import RoutedTraffic, balanced_routing
 
 BEFORE, AFTER = "(before trunk)", "(after trunk)"
@@ -203,7 +204,8 @@ def profile_model(
         return module.to(dtype) if dtype is not None else module
 
     module = build()
-    with balanced_routing(module) as routed, without_values():  # routed experts cost what an even router makes them cost
+    with (balanced_routing(module) as routed, without_values(), values_estimated(),  # routed experts: at even load
+          named_failures(module, "one training step")):
         whole = _dry_run(module, meta_batch, rows, tp=1, routed=routed)
         routed_calls, routed_bytes = routed.calls, routed.pair_bytes  # of the step's one forward
         root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
@@ -235,7 +237,8 @@ def profile_model(
         if not any(style != "replicate" for style in resolved.styles.values()):
             profile.tp_invalid[tp] = "the tensor-parallel plan splits nothing in this model"
             continue
-        with _fake_process_group(tp) as mesh, balanced_routing(module) as split_routed, without_values():
+        with (_fake_process_group(tp) as mesh, balanced_routing(module) as split_routed, without_values(), values_estimated(),
+              named_failures(module, f"one training step split tensor_parallel_size={tp} ways")):
             apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
             loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
             step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole, routed=split_routed)

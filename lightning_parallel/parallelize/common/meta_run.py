@@ -19,3 +19,20 @@ def without_values() -> Iterator[None]:
         yield
     finally:
         torch.compiler.is_compiling = original
+
+
+def summed_with_gradient(tensor: torch.Tensor, group: object) -> torch.Tensor:
+    """``tensor`` all-reduced (sum) over ``group`` by torch's autograd all-reduce (its gradient summed too).
+
+    That function refuses to run while ``torch.compiler.is_compiling()``; inside :func:`without_values` (a dry run on
+    meta, not a compilation) the check is answered as outside it."""
+    from torch.distributed.nn.functional import all_reduce
+
+    patched = torch.compiler.is_compiling
+    if patched.__module__ != __name__:  # a real compilation (or none): torch decides
+        return all_reduce(tensor, group=group)
+    torch.compiler.is_compiling = lambda: False
+    try:
+        return all_reduce(tensor, group=group)
+    finally:
+        torch.compiler.is_compiling = patched

@@ -105,17 +105,20 @@ class SplitWidthNorm:
         return _normalise(hidden, math, norm_eps(self.module), weight, bias, self._summed, local * self.tp_size)
 
     def _summed(self, partial: Tensor) -> Tensor:
-        from torch.distributed.nn.functional import all_reduce
+        from lightning_parallel.parallelize.common.meta_run import summed_with_gradient
 
-        return all_reduce(partial, group=self.group)
+        return summed_with_gradient(partial, self.group)
 
 
 def recognise_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormMath | None:
     """What ``module`` (:func:`norm_like`) computes, found by running its own forward (hooks bypassed) on a random
-    input of its whole width; ``None`` if it is none of the norms :class:`NormMath` describes. Its parameters must
-    be materialised (not on the meta device)."""
-    if not norm_like(module) or module.weight.device.type == "meta":
+    input of its whole width; ``None`` if it is none of the norms :class:`NormMath` describes. A module on the meta
+    device (a planner's dry run) is recognised on a CPU copy with random parameters: its math, not its values,
+    decides."""
+    if not norm_like(module):
         return None
+    if module.weight.device.type == "meta":
+        module = _cpu_stand_in(module)
     weight = module.weight
     generator = torch.Generator(device=weight.device).manual_seed(0)  # the user's random stream stays untouched
     sample = torch.randn(3, weight.shape[0], generator=generator, device=weight.device, dtype=dtype or weight.dtype) * 3 + 0.5
@@ -132,6 +135,22 @@ def recognise_norm(module: nn.Module, dtype: torch.dtype | None = None) -> NormM
                     if float((got - expected).abs().max() / scale) < 1e-5:
                         return math
     return None
+
+
+def _cpu_stand_in(module: nn.Module) -> nn.Module:
+    """A CPU stand-in of a meta norm for its class's forward: its attributes shared (not copied: a forward installed
+    on it may hold a process group), its parameters random (seeded: the user's random stream stays untouched) so
+    that a weight applied as ``w`` or as ``1 + w`` tell apart."""
+    import copy
+
+    stand_in = copy.copy(module)
+    generator = torch.Generator().manual_seed(1)
+    stand_in._parameters = {
+        name: None if p is None else nn.Parameter(torch.rand(p.shape, generator=generator, dtype=p.dtype) + 0.5)
+        for name, p in module._parameters.items()
+    }
+    stand_in._buffers = {name: None if b is None else torch.zeros(b.shape, dtype=b.dtype) for name, b in module._buffers.items()}
+    return stand_in
 
 
 def _normalise(

@@ -151,7 +151,7 @@ def check_split_regions(module: nn.Module, resolved: ResolvedPlan, tp_size: int)
         for child, sub in region.named_children():
             if is_projection(sub) or f"{name}.{child}" in resolved.styles or f"{name}.{child}" in resolved.per_head:
                 continue  # split itself, or sharded with the heads (per_head.find_per_head_children)
-            if norm_like(sub) and (sub.weight.device.type == "meta" or recognise_norm(sub) is not None):
+            if recognise_norm(sub) is not None:  # on meta too (recognised on a CPU copy)
                 continue  # its statistic is summed over the ranks on a slice (split_norm.SplitWidthNorm)
             for pname, param in sub.named_parameters():
                 if _vector(param) and param.numel() in widths and param.numel() not in inputs:

@@ -454,10 +454,10 @@ class _StateSpaceRegion:
         def summed(partial: Tensor) -> Tensor:
             if not self.gather:
                 return partial
-            from torch.distributed.nn.functional import all_reduce
+            from lightning_parallel.parallelize.common.meta_run import summed_with_gradient
 
             # The statistic's gradient is a partial sum on each rank too: this all-reduce sums it in backward.
-            return all_reduce(partial, group=self.mesh.get_group())
+            return summed_with_gradient(partial, self.mesh.get_group())
 
         def forward(hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
             return _gated_norm(hidden_states, gate, weight, eps, groups, width, layout.norm_before_gate, summed)
