@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 #: Phrases of torch's errors for an operator that needs tensor values (no meta kernel, data-dependent output).
-_NEEDS_VALUES = ("meta tensors", "meta kernel", "fake impl", "data-dependent", "cannot be called on meta", "on the meta device",
+_NEEDS_VALUES = ("meta tensor", "meta kernel", "fake impl", "data-dependent", "cannot be called on meta", "on the meta device",
                  "register_meta")
 
 

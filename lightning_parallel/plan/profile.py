@@ -237,14 +237,20 @@ def profile_model(
         if not any(style != "replicate" for style in resolved.styles.values()):
             profile.tp_invalid[tp] = "the tensor-parallel plan splits nothing in this model"
             continue
-        with (_fake_process_group(tp) as mesh, balanced_routing(module) as split_routed, without_values(), values_estimated(),
-              named_failures(module, f"one training step split tensor_parallel_size={tp} ways")):
-            apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
-            loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
-            step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole, routed=split_routed)
-            profile.steps[tp] = dataclasses.replace(step, expert_parameters=expert_names, expert_pair_bytes=whole.expert_pair_bytes,
-                                                    expert_calls=routed_calls, expert_counts=counts, expert_forward_flops=expert_flops,
-                                                    **_experts_whole(whole, step, expert_names, expert_flops))
+        try:
+            with (_fake_process_group(tp) as mesh, balanced_routing(module) as split_routed, without_values(), values_estimated(),
+                  named_failures(module, f"one training step split tensor_parallel_size={tp} ways")):
+                apply_tensor_parallel(module, mesh, resolved, sequence_parallel=config.sequence_parallel)
+                loss_parallel = any(style == "loss_parallel" for style in resolved.styles.values())
+                step = _dry_run(module, meta_batch, rows, tp, loss_parallel, whole=whole, routed=split_routed)
+        except (RuntimeError, ValueError, TypeError) as error:
+            # The whole step ran: what fails once split is the tensor-parallel plan on this model, which training at
+            # this degree would meet too (the strategy's own checks at a call): the degree is unavailable, not the plan.
+            profile.tp_invalid[tp] = f"its step split {tp} ways fails ({type(error).__name__}: {error})"
+            continue
+        profile.steps[tp] = dataclasses.replace(step, expert_parameters=expert_names, expert_pair_bytes=whole.expert_pair_bytes,
+                                                expert_calls=routed_calls, expert_counts=counts, expert_forward_flops=expert_flops,
+                                                **_experts_whole(whole, step, expert_names, expert_flops))
     return profile
 
 

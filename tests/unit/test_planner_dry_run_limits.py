@@ -126,3 +126,12 @@ def test_value_dependent_operators_are_estimated_or_named():
     with pytest.raises(ValueError, match=r"reached picker, whose forward runs an operator that needs tensor values.*"
                                          r"_unique2.*explicit layout"):
         profile_model(lambda: _PickerLM(unique=True), BATCH, (1,))
+
+
+def test_strategy_auto_says_why_it_cannot_plan_a_model_it_cannot_profile():
+    from lightning_parallel.plan.choose import choose_layout
+    from lightning_parallel.plan.layouts import Workload
+    from tests.harness import local_hardware
+
+    with pytest.raises(ValueError, match=r"The planner cannot profile _PickerLM: .* reached picker"):
+        choose_layout(_PickerLM(unique=True), BATCH, Workload(devices_per_node=2, num_nodes=1, global_batch=4), local_hardware())
