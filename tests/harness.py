@@ -516,12 +516,30 @@ def failure_report(proc: subprocess.CompletedProcess) -> str:
     return "\n".join(["first error lines:", *first, "stdout tail:", proc.stdout[-4000:], "stderr tail:", proc.stderr[-8000:]])
 
 
+#: What training in this process writes into ``os.environ`` for the ranks it launches (Lightning's launcher and
+#: ``seed_everything``): a job launched later must not read it as its own launch or seed.
+_LEFT_BY_TRAINING = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+#: ``OMP_NUM_THREADS`` as this process started (read when the tests import this module, before any test trains).
+#: Lightning's launcher, run by a Trainer in this process (a one-device ``DataParallelStrategy``), sets it to
+#: cores // ranks (2 on two cores) when absent, and torchrun gives each rank one thread only when it is absent: the
+#: launches after such a test ran each rank on two threads, and MKL's QR (``nn.init.orthogonal_``, RWKV's init)
+#: rounds differently on two threads than on one, so a comparison's two sides started from different weights.
+_STARTING_THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
+def launch_environment(**pinned: str) -> dict[str, str]:
+    """The environment of a job launched from this process: this process's own, less what training in it left there
+    (:data:`_LEFT_BY_TRAINING`, and ``OMP_NUM_THREADS`` back to its starting value), plus ``pinned``."""
+    env = {name: value for name, value in os.environ.items() if name not in _LEFT_BY_TRAINING and name != "OMP_NUM_THREADS"}
+    if _STARTING_THREADS is not None:
+        env["OMP_NUM_THREADS"] = _STARTING_THREADS
+    return {**env, **pinned}
+
+
 def launch_module(arguments: list[str], timeout: float, nproc: int | None = None) -> subprocess.CompletedProcess:
     """``python -m <arguments>`` (under torchrun with ``nproc`` processes) in its own session, killed whole on timeout."""
     # One inductor compile worker per rank: eight ranks on two cores each forking a compile pool only adds processes.
-    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
-    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED"):
-        env.pop(var, None)
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "1", **launch_environment(), "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", *arguments]
     if nproc is not None:
         command[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]

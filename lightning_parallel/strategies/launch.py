@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.pytorch.strategies.launchers import (
@@ -110,8 +111,11 @@ def _config_selection_flags(argv: Sequence[str]) -> list[str]:
     return flags
 
 
-# What Lightning's launcher writes into the launching process's environment.
-_LAUNCH_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# What Lightning's launcher writes into the launching process's environment. OMP_NUM_THREADS it sets (with
+# torch.set_num_threads) to cores // ranks of *this* job when absent, and never again once present: kept, a second
+# job of more ranks would run each of them on the first job's thread count, and the processes it starts (torchrun
+# gives a rank one thread only when the variable is absent) would inherit it too.
+_LAUNCH_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
 
 
 @contextmanager
@@ -120,10 +124,12 @@ def training_job() -> Iterator[None]:
 
     Lightning's launcher leaves ``LOCAL_RANK``/``MASTER_PORT``/... in ``os.environ`` and the default process
     group alive. A second job in the same interpreter (a Hydra ``-m`` sweep, a notebook) would then think
-    its ranks were already launched and wait for peers that never come. On exit this destroys the process
-    group the job created and restores those variables.
+    its ranks were already launched and wait for peers that never come. It also leaves its ``OMP_NUM_THREADS``
+    and torch's thread count, chosen for the first job's number of ranks. On exit this destroys the process
+    group the job created and restores those variables and the thread count.
     """
     saved = {name: os.environ.get(name) for name in _LAUNCH_ENV_VARS}
+    threads = torch.get_num_threads()
     had_process_group = dist.is_available() and dist.is_initialized()
     try:
         yield
@@ -135,6 +141,7 @@ def training_job() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+        torch.set_num_threads(threads)
 
 
 def as_timedelta(timeout: float | timedelta) -> timedelta:

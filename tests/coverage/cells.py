@@ -39,6 +39,10 @@ MAX_TOLERANCE = 1e-4
 SHARE = 0.6  # TP: the largest rank's parameter bytes / the whole model's
 TIMEOUT = 60  # seconds a collective may wait: a hang becomes an error, and the world goes on
 SEED = 1234
+#: Intra-op threads of every run, reference and cell alike. Results may depend on it: MKL's QR, behind
+#: ``nn.init.orthogonal_`` (RWKV's embedding and head), rounds a 128x32 float32 matrix differently on 1 and on 2
+#: threads (1.2e-7), and RWKV's tiny embedding (gain 1e-4) under a LayerNorm turns that into 5.4e-5 in its gradient.
+THREADS = 1
 
 #: layout -> (data-parallel replicas, strategy class name, options)
 LAYOUTS: dict[str, tuple[int, str, dict[str, Any]]] = {
@@ -59,6 +63,7 @@ def build(task: str, model_type: str, layout: str | None, accumulate: int = 1,
     """Module, data and Trainer for one cell (``layout=None``: the single-device reference; ``accumulate``: each
     training batch fed as that many accumulated parts, the same rows in the same order; ``unused_parameters``:
     single-device training left some parameters without a gradient)."""
+    torch.set_num_threads(THREADS)  # before the model is initialised: see THREADS
     L.seed_everything(SEED, workers=True)
     model = CoverageModule(task, model_type, experts=EAGER_EXPERTS)
     replicas = 1 if layout is None else LAYOUTS[layout][0]

@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from tests.coverage.cells import EXPERT_LAYOUTS, LAYOUTS, describe_failure, reference
+from tests.coverage.cells import EXPERT_LAYOUTS, LAYOUTS, THREADS, describe_failure, reference
 from tests.coverage.configs import NOT_COMPARABLE, mapping
+from tests.harness import launch_environment
 
 
 def quiet() -> None:
@@ -40,7 +41,7 @@ def quiet() -> None:
 def _worker_start() -> None:
     """A reference worker: quiet, and one thread (two workers share the two cores, as torchrun's ranks do)."""
     quiet()
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS)
 
 RESULTS = Path(__file__).with_name("results.json")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -119,9 +120,8 @@ def run_world(cells: list[dict[str, Any]], workdir: Path, log: Any = None) -> li
 
 def _launch(plan: Path, out: Path, progress: Path, log_path: Path, log: Any) -> str | None:
     """Run one world on ``plan`` (its verdicts land in ``out``); ``None`` when it finished, else why it ended early."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
-    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK", "PL_GLOBAL_SEED"):
-        env.pop(var, None)
+    # The ranks' thread count is the references' (THREADS), whatever training in this process left in os.environ.
+    env = {**launch_environment(OMP_NUM_THREADS=str(THREADS)), "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO_ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
                "-m", "tests.coverage.world", str(plan)]
     shown = 0

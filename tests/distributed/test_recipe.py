@@ -14,7 +14,7 @@ import pytest
 
 from lightning_parallel.observe.utilization import check_mfu
 
-from tests.harness import REPO_ROOT
+from tests.harness import REPO_ROOT, launch_environment
 
 pytestmark = pytest.mark.distributed
 
@@ -32,7 +32,7 @@ SMALL = [
 
 
 def run_recipe(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
+    env = launch_environment()
     proc = subprocess.run(
         [sys.executable, "recipes/train.py", *args], check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
@@ -138,7 +138,7 @@ def free_port() -> int:
 def test_two_node_launch_with_torchrun_agents(tmp_path):
     """Two torchrun agents (one per simulated node, 2 processes each) meet at a localhost rendezvous and run
     the unchanged recipe: dp=2 replicas × tp=2, each TP pair inside one node."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "RANK")}
+    env = launch_environment()
     port = free_port()
     recipe = [
         "recipes/train.py", "strategy=hybrid", "strategy.tensor_parallel_size=2", "trainer.devices=2", "trainer.num_nodes=2",

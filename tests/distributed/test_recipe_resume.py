@@ -114,7 +114,7 @@ def test_resume_onto_fewer_replicas_keeps_the_global_batch_or_refuses(tmp_path, 
     import torch
 
     from lightning_parallel import ParallelCheckpointIO
-    from tests.harness import REPO_ROOT
+    from tests.harness import REPO_ROOT, launch_environment
 
     common = DATA_PARALLEL
     whole, refused, kept = data_parallel_run, tmp_path / "refused", tmp_path / "kept"
@@ -122,7 +122,7 @@ def test_resume_onto_fewer_replicas_keeps_the_global_batch_or_refuses(tmp_path, 
     proc = subprocess.run(
         [sys.executable, "recipes/train.py", *common, "trainer.devices=1", "data.batch_size=4", checkpoint,
          f"hydra.run.dir={refused}"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240, check=False,
+        cwd=REPO_ROOT, env=launch_environment(), capture_output=True, text=True, timeout=240, check=False,
     )
     assert proc.returncode != 0
     assert "trained with 8 samples per micro-batch (2 data-parallel replica(s) × 4)" in proc.stderr

@@ -4,7 +4,6 @@ checkpoint, never the run — the job exits 0 by itself and ends with the uninte
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import torch
 from lightning_parallel import ParallelCheckpointIO
 from tests.distributed.test_recipe import free_port
 from tests.distributed.test_recipe_resume import TINY, assert_same_losses, train_losses
-from tests.harness import REPO_ROOT
+from tests.harness import REPO_ROOT, launch_environment
 
 pytestmark = pytest.mark.distributed
 
@@ -31,7 +30,7 @@ LAYOUTS = {
 
 def torchrun(run_dir: Path, devices: int, overrides: list[str], kill_at: int | None = None) -> subprocess.CompletedProcess:
     """The drill script under torchrun with one restart allowed (``kill_at``: SIGKILL rank 1 before that step)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_RANK", "RANK")}
+    env = launch_environment()
     if kill_at is not None:
         env.update(FAULT_KILL_STEP=str(kill_at), FAULT_KILL_RANK="1")
     command = [

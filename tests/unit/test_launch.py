@@ -1,5 +1,6 @@
 import os
 
+import torch
 import torch.distributed as dist
 
 from lightning_parallel import training_job
@@ -20,6 +21,20 @@ def test_training_job_restores_the_launch_environment(monkeypatch):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
     assert "LOCAL_RANK" not in os.environ
     assert os.environ["MASTER_ADDR"] == "10.1.2.3"
+
+
+def test_training_job_restores_the_thread_count_lightnings_launcher_chose(monkeypatch):
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    with training_job():
+        # What Lightning's launcher does for a job of 1 process on this machine (when the variable is absent).
+        _set_num_threads_if_needed(num_processes=1)
+        assert "OMP_NUM_THREADS" in os.environ
+        torch.set_num_threads(threads + 1)  # a count the job chose that the process must not keep
+    assert "OMP_NUM_THREADS" not in os.environ
+    assert torch.get_num_threads() == threads
 
 
 def test_training_job_destroys_the_process_group_it_created(tmp_path):
