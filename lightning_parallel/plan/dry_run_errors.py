@@ -55,13 +55,18 @@ def named_failures(module: nn.Module, what: str) -> Iterator[None]:
     except (NotImplementedError, RuntimeError) as error:
         if not any(phrase in str(error).lower() for phrase in _NEEDS_VALUES):
             raise
-        where = running[-1] if running else type(module).__name__
         first = str(error).strip().splitlines()[0][:300]
+        if running:
+            where = f"reached {running[-1]}, whose forward runs"
+            fix = f"or make {running[-1]} avoid value-dependent operators"
+        else:  # after every forward returned: backward (or the optimizer step)
+            where = "ran its forward, but its backward runs"
+            fix = "or replace the custom backward or operator that needs values"
         raise ValueError(
-            f"The planner cannot profile {type(module).__name__}: {what} on the meta device reached {where}, whose forward "
-            f"runs an operator that needs tensor values (its output size depends on them), which a dry run does not "
-            f"compute ({type(error).__name__}: {first}). Train with an explicit layout instead of strategy=auto "
-            f"(HybridParallelStrategy with the sizes you choose), or make {where} avoid value-dependent operators."
+            f"The planner cannot profile {type(module).__name__}: {what} on the meta device {where} an operator that "
+            f"needs tensor values (a value-dependent output size, or a copy of data), which a dry run does not compute "
+            f"({type(error).__name__}: {first}). Train with an explicit layout instead of strategy=auto "
+            f"(HybridParallelStrategy with the sizes you choose), {fix}."
         ) from error
     finally:
         for handle in handles:

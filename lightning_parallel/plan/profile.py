@@ -201,6 +201,7 @@ def profile_model(
     def build() -> LightningModule:
         with _quiet(), torch.device("meta"):
             module = build_module()
+        _parameters_on_meta(module)
         return module.to(dtype) if dtype is not None else module
 
     module = build()
@@ -475,6 +476,19 @@ class _SegmentTracker:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+
+
+def _parameters_on_meta(module: nn.Module) -> None:
+    """Parameters a model made outside the meta device context (``torch.normal(..., size=...)`` ignores it: DiffLlama's
+    lambdas) moved to meta: on the CPU, their gradient would be a copy out of a meta tensor in backward. Tied
+    parameters stay tied."""
+    moved: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None and not param.is_meta:
+                if id(param) not in moved:
+                    moved[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+                sub._parameters[name] = moved[id(param)]
 
 
 def _trunk_of(module: nn.Module) -> tuple[str, nn.Module] | None:

@@ -135,3 +135,21 @@ def test_strategy_auto_says_why_it_cannot_plan_a_model_it_cannot_profile():
 
     with pytest.raises(ValueError, match=r"The planner cannot profile _PickerLM: .* reached picker"):
         choose_layout(_PickerLM(unique=True), BATCH, Workload(devices_per_node=2, num_nodes=1, global_batch=4), local_hardware())
+
+
+class _CpuLambdaLM(ViewAttentionLM):
+    """DiffLlama's lambdas: parameters made by ``torch.normal(..., size=...)``, which ignores the meta device context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.normal(0.0, 0.1, size=(4,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * torch.exp(self.scale.sum())
+
+
+def test_parameters_made_outside_the_meta_context_are_profiled_on_meta():
+    with torch.device("meta"):
+        assert not _CpuLambdaLM().scale.is_meta  # what the dry run's build gets
+    step = profile_model(_CpuLambdaLM, BATCH, (1,), dtype=torch.float64).step(1)
+    assert step.parameter_bytes["scale"] == 4 * 8
