@@ -6,6 +6,7 @@ the choice in plain words. It refuses, with the reason, a job no layout can run.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,10 @@ def plan(
     check_request(workload, hardware, fixed)
     layouts, rejected = enumerate_layouts(workload, len(profile.trunk_layers), set(profile.steps), hardware.devices_per_node, fixed,
                                           experts=profile.experts_divisor, expert_lists=profile.expert_lists)
+    for key, why in rejected.items():  # a tp degree the dry run found unavailable: its reason, for the user
+        degree = re.search(r"\btp=(\d+)", key)
+        if degree and int(degree[1]) in profile.tp_invalid and int(degree[1]) not in profile.steps:
+            rejected[key] = f"{why}: {profile.tp_invalid[int(degree[1])]}"
     if not layouts:
         reasons = "\n".join(f"  {key}: {why}" for key, why in rejected.items()) or "  (no split of the ranks matches the pinned sizes)"
         raise PlanError(f"No layout of {workload.world_size} ranks can run {profile.name}:\n{reasons}")

@@ -153,3 +153,14 @@ def test_parameters_made_outside_the_meta_context_are_profiled_on_meta():
         assert not _CpuLambdaLM().scale.is_meta  # what the dry run's build gets
     step = profile_model(_CpuLambdaLM, BATCH, (1,), dtype=torch.float64).step(1)
     assert step.parameter_bytes["scale"] == 4 * 8
+
+
+def test_a_tp_degree_the_model_cannot_use_is_rejected_with_the_dry_runs_reason():
+    from lightning_parallel.plan.layouts import Workload
+    from lightning_parallel.plan.planner import PlanError, plan
+    from tests.harness import local_hardware
+
+    prof = profile_model(ViewAttentionLM, BATCH, (1, 8), dtype=torch.float64)
+    assert 8 not in prof.steps and prof.tp_invalid[8]
+    with pytest.raises(PlanError, match=r"tp=8 × pp=1: the tensor-parallel plan cannot split the model 8 ways: .+"):
+        plan(prof, Workload(devices_per_node=8, num_nodes=1, global_batch=8), local_hardware(), {"tp": 8})
