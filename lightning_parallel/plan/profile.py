@@ -367,8 +367,10 @@ class _SegmentTracker:
         self._flops_before_trunk: float | None = None
         #: Set while FLOPs are counted, to read how many ran before the trunk.
         self.flop_counter: FlopCounterMode | None = None
-        self._seen_storages: set[int] = set()
-        self._parameter_storages = {_storage_id(p) for p in module.parameters()}
+        # Keyed by the storage's address, holding the storage: one freed during the step (a parameter replaced by its
+        # split, a temporary) could otherwise hand its address to a new activation, which would then go uncounted.
+        self._seen_storages: dict[int, Any] = {}
+        self._parameter_storages = {_storage_id(p): _local(p).untyped_storage() for p in module.parameters()}
         #: Set while DTensor collectives are counted: forward bytes per segment (see :meth:`_switch`).
         self.collectives: DTensorCollectives | None = None
         self.forward_tp_bytes: dict[str, float] = dict.fromkeys(self.segments, 0.0)
@@ -470,7 +472,7 @@ class _SegmentTracker:
     def _pack(self, saved: Tensor) -> Tensor:
         storage = _storage_id(saved)
         if storage not in self._parameter_storages and storage not in self._seen_storages:
-            self._seen_storages.add(storage)
+            self._seen_storages[storage] = _local(saved).untyped_storage()
             self.saved_bytes[self.current] += _local(saved).untyped_storage().nbytes()
         return saved
 

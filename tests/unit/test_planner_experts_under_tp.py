@@ -47,10 +47,10 @@ def test_under_ep_times_tp_each_rank_computes_its_tokens_through_whole_experts()
     # ... as without tp, where ep moves the pairs but each rank still computes as many: the experts' FLOPs are tp's.
     alone = predict(prof, Layout(4, 1, 1, ep=2), workload, hardware)
     assert alone.compute_s * hardware.flops_per_device(4) / 2 == pytest.approx(experts + rest)
-    # What the experts save for backward is whole too: their saved bytes as tp split them (half the hidden units, and
-    # the inputs tp's DTensors copy) are replaced by the whole ones.
+    # What the experts save for backward is whole too: their saved bytes as tp split them (at least half: the hidden
+    # units halve, the inputs do not) are replaced by the whole ones.
     whole_saved, split_saved = sum(whole.expert_activation_bytes.values()), sum(split.expert_activation_bytes.values())
-    assert whole_saved / 2 < split_saved < whole_saved
+    assert whole_saved / 2 <= split_saved < whole_saved
     activations = {layout.ep: predict(prof, layout, workload, hardware).memory[0].activations
                    for layout in (Layout(2, 2, 1), Layout(2, 2, 1, ep=2))}
     assert activations[2] - activations[1] == pytest.approx((whole_saved - split_saved) * 4)
