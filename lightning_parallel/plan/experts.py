@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.parallelize.expert.experts import RoutedExperts, find_routed_experts
-from lightning_parallel.parallelize.expert.module_list import ExpertList, find_expert_lists, router_of
+from lightning_parallel.parallelize.common.expert_lists import ExpertList, find_expert_lists, router_of
 
 _UP_NAMES = ("gate_up_proj", "up_proj")
 

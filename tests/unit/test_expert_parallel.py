@@ -18,7 +18,8 @@ from lightning_parallel.parallelize.expert.experts import (
     find_routed_experts,
     routed_experts,
 )
-from lightning_parallel.parallelize.expert.module_list import ExpertList, RemoteExpert, divide_expert_list, find_expert_lists
+from lightning_parallel.parallelize.common.expert_lists import ExpertList, find_expert_lists
+from lightning_parallel.parallelize.expert.module_list import RemoteExpert, divide_expert_list
 
 
 class Experts(nn.Module):

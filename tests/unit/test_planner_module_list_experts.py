@@ -15,7 +15,7 @@ def test_the_planner_divides_nn_module_list_experts_as_the_fused_ones():
     """Experts kept as an nn.ModuleList (the hand-written MoE, top-2 of 4 SwiGLU experts, and transformers 4.x's
     Mixtral block) are found as the strategy finds them: under ep their memory is divided, their (token, choice)
     pairs travel through the all-to-alls, tensor parallelism leaves them whole, and no pipeline divides them."""
-    from lightning_parallel.parallelize.expert.module_list import find_expert_lists
+    from lightning_parallel.parallelize.common.expert_lists import find_expert_lists
     from tests.hf_models import ListMoELM
 
     hardware = replace(ANY_HARDWARE, intra_node_latency_us=0.0)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_parallel.parallelize.expert.module_list import find_expert_lists
+from lightning_parallel.parallelize.common.expert_lists import find_expert_lists
 
 
 def find_trunk(module: nn.Module, calls: Mapping[int, int] | None = None) -> tuple[str, nn.Module]:

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
-from lightning_parallel.parallelize.expert.module_list import find_expert_lists
+from lightning_parallel.parallelize.common.expert_lists import find_expert_lists
 
 #: The attribute holding a block's key, and the one naming its expert lists (copied with the module: a meta
 #: skeleton keeps both).

@@ -26,7 +26,8 @@ from lightning_parallel.parallelize.expert.experts import (
     shard_experts,
 )
 from lightning_parallel.parallelize.expert.gradients import reduce_expert_gradients
-from lightning_parallel.parallelize.expert.module_list import ExpertList, RemoteExpert, divide_expert_list, find_expert_lists
+from lightning_parallel.parallelize.common.expert_lists import ExpertList, find_expert_lists
+from lightning_parallel.parallelize.expert.module_list import RemoteExpert, divide_expert_list
 from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.strategies.components.base import Component
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.expert.experts import find_routed_experts
-from lightning_parallel.parallelize.expert.module_list import find_expert_lists
+from lightning_parallel.parallelize.common.expert_lists import find_expert_lists
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 from lightning_parallel.parallelize.tensor.split_region import reduce_split_region_gradients
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
