@@ -64,3 +64,26 @@ def test_static_graph_with_accumulation_is_refused():
     DataParallelConfig().check_accumulation(4)
     with pytest.raises(ValueError, match=r"static_graph=True cannot be combined with accumulate_grad_batches=2"):
         DataParallelConfig(static_graph=True).check_accumulation(2)
+
+
+def test_ddp_finds_unused_parameters_for_replicated_expert_lists() -> None:
+    """Experts kept as an nn.ModuleList are called only for the tokens routed to them: replicas disagree on which get
+    a gradient, and DDP without find_unused_parameters all-reduced different buckets on each rank (a hang)."""
+    from types import SimpleNamespace
+
+    from lightning_parallel.parallelize.data.periodic_sync import SyncConfig
+    from lightning_parallel.parallelize.data.replicated import DataParallelConfig
+    from lightning_parallel.strategies.components.data import DataParallelComponent
+    from tests.hf_models import ListMoELM
+
+    def config(module: nn.Module, ep: int = 1, **options: bool) -> DataParallelConfig:
+        layout = SimpleNamespace(expert_parallel_size=ep, data_parallel_size=2)
+        engine = SimpleNamespace(lightning_module=module, layout=layout)
+        return DataParallelComponent(engine, DataParallelConfig(**options), SyncConfig(), sync_batchnorm=False)._ddp_config()
+
+    moe = ListMoELM(n_layers=1)
+    assert config(moe).find_unused_parameters
+    assert not config(moe, ep=2).find_unused_parameters  # expert parallelism takes the experts out of DDP
+    assert not config(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))).find_unused_parameters
+    with pytest.raises(ValueError, match=r"static_graph=True, but layers.0.moe.experts"):
+        config(moe, static_graph=True)

@@ -8,6 +8,7 @@ pipeline component (once per optimizer step), so none of the wrapping here appli
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities.exceptions import _augment_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -23,6 +24,7 @@ from torchmetrics import Metric
 
 from lightning_parallel.layout import ParallelLayout, replica_mesh
 from lightning_parallel.measure.collectives import outside_training
+from lightning_parallel.parallelize.common.expert_lists import find_expert_lists
 from lightning_parallel.parallelize.data.batchnorm import (
     batch_statistics_layers,
     convert_sync_batchnorm,
@@ -173,7 +175,35 @@ class DataParallelComponent(Component):
             self.periodic_sync = PeriodicSync(self.sync, list(engine.lightning_module.parameters()), engine.data_parallel_group)
             return
         device_ids = None if engine.root_device.type == "cpu" else [engine.root_device.index]
-        engine.model = apply_ddp(engine.model, engine.replica_group, self.config, device_ids, engine.comm_stats)
+        engine.model = apply_ddp(engine.model, engine.replica_group, self._ddp_config(), device_ids, engine.comm_stats)
+
+    def _ddp_config(self) -> DataParallelConfig:
+        """The DDP options, with ``find_unused_parameters`` on where experts kept as an ``nn.ModuleList`` are replicated.
+
+        Their block calls only the experts its tokens chose, so which experts get a gradient differs between
+        replicas: DDP without ``find_unused_parameters`` then all-reduces its gradient buckets in a different order
+        on each rank and hangs in the first backward. (Expert parallelism takes such experts out of DDP.)
+
+        Raises:
+            ValueError: ``static_graph=True`` with such experts (the graph changes with the routing).
+        """
+        config, engine = self.config, self.engine
+        if config.find_unused_parameters or engine.layout.expert_parallel_size > 1:
+            return config
+        lists = find_expert_lists(engine.lightning_module)
+        if not lists:
+            return config
+        names = ", ".join(lists)
+        if config.static_graph:
+            raise ValueError(
+                f"static_graph=True, but {names} are experts kept as an nn.ModuleList, called only for the tokens routed "
+                f"to them: which of them get a gradient differs between steps and replicas. Set static_graph=False."
+            )
+        rank_zero_info(
+            f"lightning_parallel: DDP with find_unused_parameters=True: the experts of {names} get a gradient only "
+            f"where a token chose them, which differs between replicas."
+        )
+        return replace(config, find_unused_parameters=True)
 
     def _reduce_metrics_over_data_parallel(self) -> None:
         # torchmetrics sync over the whole world by default; TP/PP peers hold the same samples, so
