@@ -17,8 +17,9 @@ from lightning_parallel.parallelize.placement.deferred_init import (
 from lightning_parallel.strategies.components.placement import local_targets
 from tests.harness import JobSpec, make_model
 
-#: Models whose every random draw at construction is a reset_parameters() or an _init_weights (the contract).
-REPLAYED = ["gpt", "gpt_moe", "hf_mixtral", "view_attention", "hand_norm_attention", "hf_llama", "hf_qwen2", "hf_phi3", "hf_gpt_neox"]
+#: Models whose every random draw at construction is a reset_parameters() or an _init_weights (the contract); list_moe
+#: and old_mixtral build layers in __init__ that they replace or delete.
+REPLAYED = ["gpt", "gpt_moe", "hf_mixtral", "view_attention", "hand_norm_attention", "list_moe", "old_mixtral", "hf_llama", "hf_qwen2", "hf_phi3", "hf_gpt_neox"]
 
 
 class WithTable(nn.Module):
@@ -343,3 +344,33 @@ def test_weights_from_a_per_expert_checkpoint_without_its_config_says_how_to_loa
     with pytest.raises(RuntimeError, match="stores each expert as a module of its own.*from_pretrained") as raised:
         load_pretrained(tmp_path, local_targets(model), None, whole_shapes=shapes)
     assert "experts.gate_up_proj" in str(raised.value) and "experts.0.w1.weight" in str(raised.value)
+
+
+class Discarding(nn.Module):
+    """Builds layers in ``__init__`` and throws them away (``del``, a replaced attribute, a temporary)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.dropped = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+        del self.dropped
+        self.second = nn.Linear(4, 3)
+        self.second = nn.Linear(4, 5)  # replaces the one just built
+        nn.Linear(4, 4)  # a temporary, never attached
+        self.third = nn.Linear(5, 2)
+
+
+@pytest.mark.parametrize("build", [Discarding, lambda: nn.Sequential(Discarding(), nn.Linear(2, 2))])
+def test_modules_discarded_in_init_draw_their_random_numbers_in_turn(build):
+    """Eager construction drew the discarded layers' random numbers before the layers built after them: the replay
+    draws them too, in the same place, so meta-built weights equal eager ones under the same seed."""
+    torch.manual_seed(7)
+    eager = build()
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(7)
+    module, values = _built_on_meta(build)
+    torch.manual_seed(7)
+    values.write(local_targets(module))
+    for name, expected in eager.state_dict().items():
+        assert torch.equal(module.state_dict()[name], expected), name
+    assert torch.equal(torch.get_rng_state(), after_eager)

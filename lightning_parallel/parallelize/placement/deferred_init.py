@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.checkpoint.state import copy_part_into, copy_whole_into, listing
-from lightning_parallel.parallelize.placement.deferred_record import Node, Recipe, recipes_of
+from lightning_parallel.parallelize.placement.deferred_record import CONSTRUCTION, RECIPES, Node, Recipe, construction_of, recipes_of
 from lightning_parallel.parallelize.placement.deferred_record import parameters_on_meta as parameters_on_meta  # the strategies' entry point
 from lightning_parallel.parallelize.placement.deferred_replay import ReplayError, constant, reason_not_replayable, replay
 from lightning_parallel.parallelize.tensor.fused import FusedLayout
@@ -130,16 +130,28 @@ class InitialValues:
     step that initialised them, as in eager. A module whose parameters are all one value everywhere and that
     nothing else initialises is not materialised: each rank fills its shard directly.
 
+    Modules built and then discarded in ``__init__`` (``del self.w1``, a temporary layer) are initialised in their
+    turn in the first pass too (their creations and ``reset_parameters()``), as eager construction drew their
+    random numbers before those of the modules built after them.
+
     Args:
         skeleton: A meta-device copy of the whole module taken before it was split (no memory).
         recipes: How each parameter was made, by full name (:func:`recipes_of`).
+        discarded: Meta modules built with it and not part of it, with when each finished building.
+        positions: When each module of the skeleton finished building, by full name (places the discarded ones).
 
     Raises:
         TypeError: A module holds parameters that neither its ``reset_parameters``, an ``_init_weights``
             above it, nor a replayable recorded creation initialises.
     """
 
-    def __init__(self, skeleton: nn.Module, recipes: Mapping[str, Recipe] | None = None) -> None:
+    def __init__(
+        self,
+        skeleton: nn.Module,
+        recipes: Mapping[str, Recipe] | None = None,
+        discarded: list[tuple[int, nn.Module]] | None = None,
+        positions: Mapping[str, int] | None = None,
+    ) -> None:
         self.skeleton = skeleton
         self.units = init_units(skeleton)
         owners = initializers(skeleton)
@@ -186,13 +198,44 @@ class InitialValues:
                 f"{listing(uncovered)}. Give each module a reset_parameters() that sets its own parameters (torch's "
                 f"convention for deferred initialisation), or build the model without trainer.init_module(empty_init=True)."
             )
-        self.steps = _construction_steps(skeleton, {id(u) for _, u in self.units}, {id(o) for o in owners})
+        steps = _construction_steps(skeleton, {id(u) for _, u in self.units}, {id(o) for o in owners})
+        self.steps = _in_construction_order(steps, self._replayable_discarded(discarded or []), skeleton, positions or {})
+
+    def _replayable_discarded(self, discarded: list[tuple[int, nn.Module]]) -> list[tuple[int, nn.Module]]:
+        """The discarded modules holding parameters, each with what of its own creations can be replayed (the rest
+        drew nothing that can be known: left out, as eager construction's values for them are thrown away anyway)."""
+        kept = []
+        for position, unit in discarded:
+            resets = _reset_method(unit) is not None
+            nodes = {}
+            for local, param in unit._parameters.items():
+                recipe = RECIPES.get(param) if param is not None else None
+                node = None if recipe is None else recipe.created if resets else recipe.final
+                if node is not None and reason_not_replayable(node) is None:
+                    nodes[local] = node
+            if nodes or resets:
+                self.replayed[id(unit)] = nodes
+                kept.append((position, unit))
+        return kept
 
     @classmethod
     def of(cls, module: nn.Module) -> InitialValues:
         """Record ``module`` (built with meta parameters) before it is split."""
         check_buffers_built(module)
-        return cls(meta_skeleton(module), recipes_of(module))
+        construction = construction_of(module)
+        discarded: list[tuple[int, nn.Module]] = []
+        positions: dict[str, int] = {}
+        if construction is not None:
+            named = dict(module.named_modules(remove_duplicate=False))
+            present = {id(m) for m in named.values()}
+            for name, sub in named.items():
+                if name and (position := construction.position(sub)) is not None:
+                    positions.setdefault(name, position)
+            for sub in construction.modules:
+                position = construction.position(sub)
+                if id(sub) not in present and position is not None and any(True for _ in sub.parameters(recurse=False)):
+                    discarded.append((position, sub))
+        return cls(meta_skeleton(module), recipes_of(module), discarded, positions)
 
     def _construct(self, unit: nn.Module) -> None:
         """``unit``'s own step of eager construction, on its materialised parameters: creations, then reset."""
@@ -297,6 +340,33 @@ def _construction_steps(
 
     build(module)
     return steps
+
+
+def _in_construction_order(
+    steps: list[tuple[str, nn.Module, nn.Module | None]],
+    discarded: list[tuple[int, nn.Module]],
+    skeleton: nn.Module,
+    positions: Mapping[str, int],
+) -> list[tuple[str, nn.Module, nn.Module | None]]:
+    """``steps`` (the module tree's order) with a ``("reset", module, None)`` step per discarded module, all ordered by
+    when each module finished building (an ``_init_weights`` step: when its owner did; the root last).
+
+    The tree's order is construction's unless ``__init__`` replaced a child (``self.layers = ...`` again keeps
+    the first one's place among the children although it was built later) or threw modules away; a step whose
+    module's end is unknown keeps its place after the step before it.
+    """
+    if not positions and not discarded:
+        return steps
+    at = {id(sub): positions.get(name) for name, sub in skeleton.named_modules(remove_duplicate=False) if name}
+    keyed: list[tuple[float, int, tuple[str, nn.Module, nn.Module | None]]] = []
+    last = float("-inf")
+    for index, (kind, unit, owner) in enumerate(steps):
+        module = unit if kind == "reset" else owner
+        known = float("inf") if module is skeleton else at.get(id(module))
+        last = last if known is None else known
+        keyed.append((last, index, (kind, unit, owner)))
+    keyed += [(made, -1, ("reset", unit, None)) for made, unit in discarded]
+    return [step for _, _, step in sorted(keyed, key=lambda k: (k[0], k[1]))]
 
 
 def meta_skeleton(module: nn.Module) -> nn.Module:

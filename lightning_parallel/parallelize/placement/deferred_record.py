@@ -211,6 +211,47 @@ class Recipe:
 
 #: Meta parameter -> its recipe (forgotten with the parameter).
 RECIPES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: The attribute of a meta parameter that holds its :class:`Construction` (dropped with the meta parameter when
+#: the strategy allocates real memory; an attribute, not a weak mapping, since the construction holds the
+#: parameter's module: a weak-keyed mapping would keep both alive for good).
+CONSTRUCTION = "_lightning_parallel_construction"
+
+
+class Construction:
+    """Every module that registered a parameter under one :func:`parameters_on_meta`, and when each finished building.
+
+    Kept so that modules built and then discarded in ``__init__`` (``del self.w1``, a temporary layer) are
+    initialised again in their turn: eager construction drew their random numbers, which moved the stream
+    for every module built after them.
+    """
+
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []  # registration order; strong: a discarded module is kept to be replayed
+        self._ended: dict[int, int] = {}  # id -> event number of its first attachment to a parent
+        self._registered: dict[int, int] = {}  # id -> event number of its last parameter registration
+        self._events = 0
+
+    def registered(self, module: nn.Module) -> None:
+        if id(module) not in self._registered:
+            self.modules.append(module)
+        self._registered[id(module)] = self._next()
+
+    def attached(self, module: nn.Module) -> None:
+        """``module`` was given a parent: its ``__init__`` is done (a module never attached ends at its last registration)."""
+        self._ended.setdefault(id(module), self._next())
+
+    def position(self, module: nn.Module) -> int | None:
+        """When ``module`` finished building, relative to the others (``None``: not built here or never attached)."""
+        return self._ended.get(id(module), self._registered.get(id(module)))
+
+    def _next(self) -> int:
+        self._events += 1
+        return self._events
+
+
+def construction_of(module: nn.Module) -> Construction | None:
+    """The :class:`Construction` ``module`` was built in, if it was built under :func:`parameters_on_meta`."""
+    return next((c for p in module.parameters() if (c := getattr(p, CONSTRUCTION, None)) is not None), None)
 
 
 @contextmanager
@@ -227,6 +268,7 @@ def parameters_on_meta() -> Iterator[None]:
     original = nn.Module.register_parameter
     original_new = nn.Parameter.__dict__["__new__"]
     recorder = Recorder()
+    construction = Construction()
     before = torch.get_rng_state()
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -239,6 +281,8 @@ def parameters_on_meta() -> Iterator[None]:
                 module._parameters[name] = parameter_class(param.to("meta"), requires_grad=param.requires_grad, **extra)
             if param is not None:
                 recorder.registered(param, module._parameters[name])
+                construction.registered(module)
+                setattr(module._parameters[name], CONSTRUCTION, construction)
         finally:
             recorder.paused = False
 
@@ -253,6 +297,7 @@ def parameters_on_meta() -> Iterator[None]:
 
     def note_attached(child: Any) -> None:
         if isinstance(child, nn.Module):
+            construction.attached(child)
             for param in child.parameters():
                 if param in recorder.creations and param not in attached:
                     attached[param] = recorder.nodes.get(param, recorder.creations[param])
