@@ -231,6 +231,9 @@ class Construction:
         self._registered: dict[int, int] = {}  # id -> event number of its last parameter registration
         self._events = 0
 
+    def __deepcopy__(self, memo: dict) -> Construction:
+        return self  # a record of one build, shared by copies of its meta parameters (not a copy of every module)
+
     def registered(self, module: nn.Module) -> None:
         if id(module) not in self._registered:
             self.modules.append(module)
@@ -282,7 +285,10 @@ def parameters_on_meta() -> Iterator[None]:
             if param is not None:
                 recorder.registered(param, module._parameters[name])
                 construction.registered(module)
-                setattr(module._parameters[name], CONSTRUCTION, construction)
+                try:
+                    setattr(module._parameters[name], CONSTRUCTION, construction)
+                except AttributeError:  # a parameter subclass without a __dict__: its discarded siblings are not replayed
+                    pass
         finally:
             recorder.paused = False
 
