@@ -261,6 +261,15 @@ class MoEStack(nn.Module):
         return x
 
 
+def eager_reference(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """``model(x)`` and every parameter's gradient of its output's sum of squares (the gradients then cleared)."""
+    expected = model(x)
+    expected.square().sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return expected, grads
+
+
 def trace_and_compare(model: nn.Module, traced: nn.Module, x: torch.Tensor, expected: torch.Tensor, grads: dict) -> list:
     """Trace ``traced`` (``model`` or its meta copy) in two stages cut before ``layers.1``, run them on ``x`` with
     ``model``'s parameters, and check the output and every parameter's gradient against ``expected`` and ``grads``."""
@@ -327,10 +336,7 @@ def test_routed_experts_trace_as_one_operator_calling_the_live_module(experts):
     model, x = MoEStack(experts), torch.randn(B, L, D, dtype=torch.float64)
     with pytest.raises(Exception):
         _trace(model, (x,), {}, ["layers.1"], training=True)
-    expected = model(x)
-    expected.square().sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
+    expected, grads = eager_reference(model, x)
     assert set(mark_routed_experts(model)) == {"layers.0.experts", "layers.1.experts"}
     for traced in (model, meta_copy(model)):
         stages = trace_and_compare(model, traced, x, expected, grads)
@@ -401,11 +407,8 @@ def test_custom_autograd_functions_keep_their_backward_in_traced_stages():
 
     torch.manual_seed(0)
     model, x = CustomBackwardStack(), torch.randn(B, L, D, dtype=torch.float64)
-    expected = model(x)
-    expected.square().sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    expected, grads = eager_reference(model, x)
     assert all(g.abs().sum() > 0 for g in grads.values())  # round's own derivative would make them zero
-    model.zero_grad()
     for traced in (model, meta_copy(model)):
         trace_and_compare(model, traced, x, expected, grads)
     assert torch.autograd.Function.apply.__func__ is torch.autograd.Function.__dict__["apply"].__func__
@@ -509,10 +512,7 @@ def test_a_no_grad_block_in_forward_runs_in_its_stage_without_gradient():
 
     torch.manual_seed(0)
     model, x = NoGradStack(), torch.randn(B, L, D, dtype=torch.float64)
-    expected = model(x)
-    expected.square().sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
+    expected, grads = eager_reference(model, x)
     for traced in (model, meta_copy(model)):
         trace_and_compare(model, traced, x, expected, grads)
 
@@ -576,10 +576,7 @@ def test_moe_blocks_looping_over_expert_lists_trace_as_one_operator(moe):
     assert find_trunk(model)[0] == "layers"
     with pytest.raises(Exception):
         _trace(model, (x,), {}, ["layers.1"], training=True)
-    expected = model(x)
-    expected.square().sum().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
+    expected, grads = eager_reference(model, x)
     mark_routed_experts(model)
     for traced in (model, meta_copy(model)):
         stages = trace_and_compare(model, traced, x, expected, grads)
