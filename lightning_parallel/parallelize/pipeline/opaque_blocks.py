@@ -219,11 +219,12 @@ def opaque_expert_loops(module: nn.Module) -> Iterator[None]:
             if key is not None:
                 forward = sub.__dict__.get("forward")
                 sub.forward = _OpaqueBlock(sub, key)
-                stack.callback(_restore, sub, forward)
+                stack.callback(restore_forward, sub, forward)
         yield
 
 
-def _restore(sub: nn.Module, forward: Any) -> None:
+def restore_forward(sub: nn.Module, forward: Any) -> None:
+    """Put back the instance ``forward`` a module had before it was patched (``None``: it had none, its class's runs)."""
     if forward is None:
         sub.__dict__.pop("forward", None)
     else:

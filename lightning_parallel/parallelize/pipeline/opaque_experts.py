@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_parallel.parallelize.expert.experts import RoutedExperts, routed_experts
-from lightning_parallel.parallelize.pipeline.opaque_blocks import mark_expert_loops, opaque_expert_loops
+from lightning_parallel.parallelize.pipeline.opaque_blocks import mark_expert_loops, opaque_expert_loops, restore_forward
 
 #: The attribute holding a routed-experts module's key (copied with the module: a meta skeleton keeps it).
 KEY_ATTRIBUTE = "_lightning_parallel_experts_key"
@@ -162,10 +162,7 @@ def opaque_routed_experts(module: nn.Module) -> Iterator[None]:
             yield
     finally:
         for sub, forward in patched:
-            if forward is None:
-                sub.__dict__.pop("forward", None)
-            else:
-                sub.forward = forward
+            restore_forward(sub, forward)
 
 
 class _OpaqueCall:
