@@ -1,6 +1,6 @@
 """Predicted vs measured: the planner's step time and efficiency against the ScalingMonitor, for every layout here.
 
-    python benchmarks/planner_accuracy.py     # ~10 min on 2 cores; writes benchmarks/results/planner_accuracy.{md,json,png}
+    python benchmarks/planner_accuracy.py [--rounds 3]  # ~25 min on 2 cores; writes benchmarks/results/planner_accuracy.{md,json,png}
 
 Each layout trains the recipe GPT (4 blocks × 128 wide, 0.8M parameters, float32, AdamW, 32 sequences of 64
 tokens per data-parallel replica) through ``recipes/train.py`` with the ScalingMonitor on (as the recipes
@@ -8,7 +8,13 @@ run by default) and ``hardware=cpu_local``: the monitor's means over the steps a
 measurement, the planner's prediction for the same layout and hardware (computed by the recipe from a meta
 dry run) is the prediction. Reported per layout: step time, compute share of the step (the seed's
 efficiency), exposed communication, bubble, and true scaling efficiency = throughput / (devices × single-device
-throughput), measured and predicted. The scaling plot draws the true efficiency against devices for pure
+throughput), measured and predicted.
+
+A shared machine's step time moves by up to a fifth between runs of the same layout (other tenants, the OS's
+scheduling of 8 processes on 2 cores). So every layout runs ``--rounds`` times, the rounds interleaved (each round
+runs every layout once, so a slow minute touches every layout alike rather than one), and a layout's row is its
+median round: the goal (predicted / measured step time within 0.8–1.25) is judged on it, and the table shows every
+round's measured step time beside it so the spread is visible. The scaling plot draws the true efficiency against devices for pure
 data, tensor and pipeline parallelism (weak scaling for dp: the global batch grows with the replicas).
 
 The monitor's own cost is measured too: the data-parallel layout with ``scaling_monitor=false`` and ``true``,
@@ -32,6 +38,8 @@ from benchmarks.common import REPO_ROOT, RESULTS, scratch_dir
 from lightning_parallel.plan.measure import read_scaling, run_training
 
 STEPS = 30
+ROUNDS = 3
+GOAL = (0.8, 1.25)  # predicted / measured step time
 #: name -> (processes, overrides). Each data-parallel replica reads data.batch_size=32 sequences.
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "single": (1, ["strategy=single"]),
@@ -84,7 +92,15 @@ def _summary_seconds(run_dir: Path) -> float:
     raise RuntimeError(f"no summary/seconds in {run_dir}")
 
 
-def row_for(name: str, devices: int, scaling: dict[str, Any], single: dict[str, Any] | None) -> dict[str, Any]:
+def median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose measured step time is the median (the lower middle of an even count): one real run, so its
+    figures (step, compute, communication, bubble) belong together."""
+    ordered = sorted(rounds, key=lambda scaling: scaling["measured"]["step_s"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def row_for(name: str, devices: int, rounds: list[dict[str, Any]], single: dict[str, Any] | None) -> dict[str, Any]:
+    scaling = median_round(rounds)
     measured, predicted = scaling["measured"], scaling["predicted"]
     row = {
         "layout": name,
@@ -100,39 +116,54 @@ def row_for(name: str, devices: int, scaling: dict[str, Any], single: dict[str, 
         "measured_samples_per_s": measured["samples_per_s"],
         "predicted_samples_per_s": predicted["samples_per_s"],
         "predicted_efficiency": predicted["efficiency"],
+        "measured_step_s_every_round": [r["measured"]["step_s"] for r in rounds],
     }
     if single is not None:
         row["measured_efficiency"] = measured["samples_per_s"] / (devices * single["measured"]["samples_per_s"])
     return row
 
 
-def write_report(rows: list[dict[str, Any]], overhead: dict[str, Any], plot: Path) -> None:
+def write_report(rows: list[dict[str, Any]], overhead: dict[str, Any], plot: Path, rounds: int) -> None:
     lines = [
         "# Planner accuracy: predicted vs measured (recipe GPT, hardware=cpu_local)",
         "",
         (
             f"`python benchmarks/planner_accuracy.py` · {platform.processor() or platform.machine()}, {os.cpu_count()} cores · "
-            f"{STEPS} steps per layout, means after the warm-up step · float32 · 32 sequences × 64 tokens per replica"
+            f"{STEPS} steps per run, means after the warm-up step · {rounds} interleaved rounds, each layout's median round "
+            "shown · float32 · 32 sequences × 64 tokens per replica"
         ),
         "",
         (
-            "| layout | procs | step s pred / meas | compute share pred / meas | comm s pred / meas | bubble s pred / meas | "
-            "samples/s pred / meas | efficiency pred / meas |"
+            "| layout | procs | step s pred / meas | pred / meas | meas, every round | compute share pred / meas | comm s pred / meas | "
+            "bubble s pred / meas | samples/s pred / meas | efficiency pred / meas |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['layout']} | {r['processes']} | {r['predicted_step_s']:.3f} / {r['measured_step_s']:.3f} | "
+            f"{r['predicted_step_s'] / r['measured_step_s']:.2f} | {', '.join(f'{s:.3f}' for s in r['measured_step_s_every_round'])} | "
             f"{r['predicted_compute_share']:.2f} / {r['measured_compute_share']:.2f} | "
             f"{r['predicted_comm_s']:.3f} / {r['measured_comm_s']:.3f} | {r['predicted_bubble_s']:.3f} / {r['measured_bubble_s']:.3f} | "
             f"{r['predicted_samples_per_s']:.0f} / {r['measured_samples_per_s']:.0f} | "
             f"{r['predicted_efficiency']:.2f} / {r.get('measured_efficiency', float('nan')):.2f} |"
         )
     ratios = [r["predicted_step_s"] / r["measured_step_s"] for r in rows]
+    within = sum(GOAL[0] <= ratio <= GOAL[1] for ratio in ratios)
+    spreads = [max(r["measured_step_s_every_round"]) / min(r["measured_step_s_every_round"]) - 1 for r in rows]
     lines += [
         "",
-        f"Step time predicted / measured: median {statistics.median(ratios):.2f}, range {min(ratios):.2f}–{max(ratios):.2f}.",
+        (
+            f"Step time predicted / measured (median rounds): median {statistics.median(ratios):.2f}, range "
+            f"{min(ratios):.2f}–{max(ratios):.2f}; {within} of {len(ratios)} layouts within {GOAL[0]}–{GOAL[1]}. "
+            f"Spread of a layout's measured step over its rounds (slowest / fastest − 1): median {statistics.median(spreads):.0%}, "
+            f"largest {max(spreads):.0%}."
+        ),
+        "",
+        (
+            "Held out: no figure of the hardware profile comes from these layouts; each is a micro-benchmark of its own "
+            "(`lightning_parallel/measure/hardware.py`, docs/planner-and-monitor.md)."
+        ),
         "",
         (
             f"ScalingMonitor overhead ({overhead['layout']}, {overhead['repeats']} interleaved runs each, whole-fit wall time): "
@@ -147,17 +178,21 @@ def write_report(rows: list[dict[str, Any]], overhead: dict[str, Any], plot: Pat
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="layout names to run (default: all)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"runs per layout, interleaved (default: {ROUNDS})")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     from lightning_parallel.observe.plots import render_scaling
 
     names = args.only or list(LAYOUTS)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with scratch_dir() as scratch:
-        for index, name in enumerate(names):
-            devices, overrides = LAYOUTS[name]
-            results[name] = run_recipe(devices, overrides, scratch / f"run{index}")["scaling"]
-            print(f"{name:24s} measured {results[name]['measured']['step_s']:.3f} s/step", flush=True)
-        single = results.get("single")
+        for round_index in range(args.rounds):
+            for index, name in enumerate(names):
+                devices, overrides = LAYOUTS[name]
+                results[name].append(run_recipe(devices, overrides, scratch / f"run{round_index}-{index}")["scaling"])
+                print(f"round {round_index + 1}: {name:24s} measured {results[name][-1]['measured']['step_s']:.3f} s/step", flush=True)
+        single = median_round(results["single"]) if "single" in results else None
         rows = [row_for(name, LAYOUTS[name][0], results[name], single) for name in names]
         overhead_runs: dict[bool, list[float]] = {False: [], True: []}
         for repeat in range(3):
@@ -173,7 +208,7 @@ def main() -> None:
     plot = render_scaling(measured_points, predicted_points, RESULTS / "planner_accuracy.png",
                           "recipe GPT on cpu_local: efficiency = throughput / (devices × single device)")
     (RESULTS / "planner_accuracy.json").write_text(json.dumps({"rows": rows, "overhead": overhead}, indent=2))
-    write_report(rows, overhead, plot)
+    write_report(rows, overhead, plot, args.rounds)
     print((RESULTS / "planner_accuracy.md").read_text())
 
 
