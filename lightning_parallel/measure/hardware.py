@@ -45,7 +45,7 @@ from lightning_parallel.measure.dispatch import (
     optimizer_op_seconds,
 )
 from lightning_parallel.measure.peak import TORCH_DTYPES, measured_matmul_tflops
-from lightning_parallel.measure.runtime_memory import pipeline_runtime_bytes
+from lightning_parallel.measure.runtime_memory import runtime_bytes
 
 #: Set to 1 to measure again instead of reading the cache.
 REMEASURE_ENV = "LIGHTNING_PARALLEL_MEASURE_HARDWARE"
@@ -93,8 +93,10 @@ class LocalMeasurements:
     # host time of one operator of an optimizer step (AdamW; no autograd), on plain tensors and on DTensors
     optimizer_op_us: float
     optimizer_dtensor_op_us: float
-    # resident memory the first pipeline trace adds to a process (measure.runtime_memory)
+    # C-allocator bytes the first training steps, and the first pipeline trace besides, add to a process
+    # (measure.runtime_memory)
     pipeline_runtime_bytes: float
+    training_runtime_bytes: float
     # processes on the node (more than its cores) -> what they compute together, as ``shared_tflops`` (per dtype) and
     # ``memory_gbps``: time slices, cache refills and switches cost the crowded node part of its throughput
     crowded_rates: dict[str, dict[str, float]]
@@ -107,6 +109,7 @@ class LocalMeasurements:
             f"{self.dtensor_op_us:.0f} µs per DTensor operator, {self.op_us:.1f} µs per operator (optimizer: "
             f"{self.optimizer_dtensor_op_us:.0f} and {self.optimizer_op_us:.1f} µs); non-matmul operators "
             f"{self.alone_memory_gbps:.3g} GB/s for one process, {self.per_thread_memory_gbps:.3g} per thread; "
+            f"{self.training_runtime_bytes / 2**20:.0f} MiB of training runtime and "
             f"{self.pipeline_runtime_bytes / 2**20:.0f} MiB of pipeline tracing runtime per process"
             + "".join(f"; {us / 1e3:.1f} ms per all-reduce among {n} processes" for n, us in self.crowded_latency_us.items())
             + "".join(f"; {rates['fp32']:.3g} TFLOP/s fp32 for {n} processes together" for n, rates in self.crowded_rates.items())
@@ -177,6 +180,7 @@ def measure_here() -> LocalMeasurements:
         torch.set_num_threads(threads)
     latency_s, large_s, dtensor_op_s, optimizer_dtensor_op_s = _all_reduce_seconds()
     crowded = {str(n): _crowded_all_reduce_seconds(n) * 1e6 for n in CROWDED_PROCESSES if n > cores}
+    runtime = runtime_bytes()
     sharing = min(cores, SHARED_PROCESSES_MAX)
     shared = _node_rates(sharing, cores, per_thread, per_thread_memory)
     scale = cores / sharing
@@ -203,7 +207,8 @@ def measure_here() -> LocalMeasurements:
         crowded_latency_us=crowded,
         optimizer_op_us=optimizer_op_s * 1e6,
         optimizer_dtensor_op_us=optimizer_dtensor_op_s * 1e6,
-        pipeline_runtime_bytes=pipeline_runtime_bytes(),
+        pipeline_runtime_bytes=runtime["pipeline"],
+        training_runtime_bytes=runtime["training"],
         crowded_rates=crowded_rates,
     )
 
@@ -378,6 +383,7 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
         "optimizer_op_us": found.optimizer_op_us,
         "optimizer_dtensor_op_us": found.optimizer_dtensor_op_us,
         "pipeline_runtime_bytes": found.pipeline_runtime_bytes,
+        "training_runtime_bytes": found.training_runtime_bytes,
         "memory_gbps": alone_memory(),
         # Matmuls at the measured peak: the roofline counts the rest (memory-bound operators, host time).
         "achievable_fraction": 1.0,

@@ -207,9 +207,11 @@ class ScalingMonitor(Callback):
         if not self.enabled:
             return
         self._exit.close()
+        self._peak_memory.stop()
         ranks = _gather(trainer, {"rank": trainer.global_rank, "steps": [asdict(s) for s in self.steps],
                                   "events": [asdict(e) for e in self._pipeline.events],
-                                  "peak_memory_bytes": self._peak_memory.peak_bytes()})
+                                  "peak_memory_bytes": self._peak_memory.peak_bytes(),
+                                  "resident_peak_bytes": self._peak_memory.resident_peak_bytes()})
         directory = self._directory(trainer)  # Trainer.log_dir is a collective: every rank asks
         if not trainer.is_global_zero:
             return
@@ -225,6 +227,9 @@ class ScalingMonitor(Callback):
             peaks = [r["peak_memory_bytes"] for r in ranks]
             if all(p is not None for p in peaks):  # the rank that decides whether a layout fits: the largest
                 measured["peak_memory_bytes"] = max(peaks)
+            resident = [r["resident_peak_bytes"] for r in ranks]
+            if all(p is not None for p in resident):
+                measured["resident_peak_bytes"] = max(resident)
         prediction = self._predict(trainer)
         self.summary = {
             "layout": _describe(trainer),
@@ -232,6 +237,7 @@ class ScalingMonitor(Callback):
             "measured": measured,
             "measured_by_rank": [_means(r["steps"], _replicas(trainer)) for r in ranks],
             "peak_memory_bytes_by_rank": [r["peak_memory_bytes"] for r in ranks],
+            "resident_peak_bytes_by_rank": [r["resident_peak_bytes"] for r in ranks],
             "predicted": prediction.as_dict() if prediction is not None else None,
         }
         directory.mkdir(parents=True, exist_ok=True)
@@ -249,6 +255,7 @@ class ScalingMonitor(Callback):
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._exit.close()  # never leave torch's collectives wrapped after a failed fit
+        self._peak_memory.stop()  # nor the memory sampling thread running
 
     # ------------------------------------------------------------------ pieces
 

@@ -31,9 +31,11 @@ def scaling_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float
         ("tensor-parallel MiB per step", pick(comm.get("tp", 0) / 2**20 if predicted else None), measured["tp_bytes"] / 2**20),
         ("context-parallel MiB per step", pick(comm.get("cp", 0) / 2**20 if predicted else None), measured.get("cp_bytes", 0) / 2**20),
     ]
-    if measured.get("peak_memory_bytes"):  # setup included; on a CPU resident memory, an upper bound (measure/peak_memory)
+    if measured.get("peak_memory_bytes"):  # setup included; on a CPU the C allocator's, sampled (measure/peak_memory)
         rows.append(("peak memory, largest rank (MiB)", pick(predicted and predicted["peak_memory_bytes"] / 2**20),
                      measured["peak_memory_bytes"] / 2**20))
+    if measured.get("resident_peak_bytes"):  # a CPU's resident peak: glibc's cache of freed blocks included, not predicted
+        rows.append(("resident peak, largest rank (MiB)", None, measured["resident_peak_bytes"] / 2**20))
     if measured.get("ep_bytes"):  # expert parallelism: the token all-to-alls and how evenly the routers spread tokens
         rows[4:4] = [("expert-parallel all-to-all, exposed (s)", pick(seconds.get("ep")), measured["ep_s"])]
         rows += [("expert-parallel MiB per step", pick(comm.get("ep", 0) / 2**20 if predicted and "ep" in comm else None),

@@ -49,7 +49,7 @@ class RankMemory:
     # Beside the state during the optimizer step, once the step's activations are gone: the optimizer's own
     # temporaries, and DDP's bucket copy of the gradients (kept for the whole run)
     optimizer_step: float = 0.0
-    runtime: float = 0.0  # the pipeline's tracing runtime, where the device's memory is the host's (kept for the run)
+    runtime: float = 0.0  # the training runtime and a pipeline's tracing runtime, where the device's memory is the host's
 
     @property
     def state(self) -> float:
@@ -241,7 +241,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight * tokens,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
                 optimizer_step=_optimizer_step_bytes(step, unsplit, layout, dense - step.frozen, experts - step.frozen, shards),
-                runtime=hardware.pipeline_runtime_bytes if layout.pp > 1 else 0.0,
+                runtime=hardware.training_runtime_bytes + (hardware.pipeline_runtime_bytes if layout.pp > 1 else 0.0),
                 setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
         )

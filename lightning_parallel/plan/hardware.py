@@ -71,6 +71,9 @@ class HardwareProfile:
             FX graphs: tens of MiB whatever the model), counted beside a pipeline rank's tensors where the device's
             memory is the host's. Measured on CPUs (``measured: true``,
             :mod:`lightning_parallel.measure.runtime_memory`); 0 on GPUs, whose memory it does not touch.
+        training_runtime_bytes: The same for what any training process allocates in its first steps (the
+            autograd engine, operator caches, Lightning's loop: about a MiB whatever the model), counted beside every
+            rank's tensors.
         description: Free text (where the numbers come from).
     """
 
@@ -100,6 +103,7 @@ class HardwareProfile:
     optimizer_op_us: float = 0.0
     optimizer_dtensor_op_us: float = 0.0
     pipeline_runtime_bytes: float = 0.0
+    training_runtime_bytes: float = 0.0
     crowded_node_tflops: Mapping[int, float] | None = None
     crowded_node_memory_gbps: Mapping[int, float] | None = None
     description: str = ""

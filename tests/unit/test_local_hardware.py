@@ -13,7 +13,7 @@ FIGURES = hardware.LocalMeasurements(
     collective_gbps=0.8, collective_latency_us=1500.0, memory_gib=32.0, dtensor_op_us=120.0, op_us=2.0,
     alone_memory_gbps=20.0, per_thread_memory_gbps=8.0, shared_tflops={"fp32": 0.2, "fp64": 0.1}, shared_memory_gbps=24.0,
     matmul_efficiency={"matmul/32": 0.5, "attention/32": 0.25, "matmul/512": 1.0}, crowded_latency_us={"8": 6000.0},
-    optimizer_op_us=3.0, optimizer_dtensor_op_us=15.0, pipeline_runtime_bytes=35 * 2**20,
+    optimizer_op_us=3.0, optimizer_dtensor_op_us=15.0, pipeline_runtime_bytes=35 * 2**20, training_runtime_bytes=2**20,
     crowded_rates={"8": {"fp32": 0.16, "fp64": 0.08, "memory_gbps": 16.0}},
 )
 

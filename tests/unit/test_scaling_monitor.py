@@ -36,6 +36,10 @@ def test_monitor_reports_measured_and_predicted(tmp_path):
     assert measured["compute_s"] == pytest.approx(measured["step_s"])  # one process: nothing to wait for
     assert predicted["layout"] == {**predicted["layout"], "dp": 1, "tp": 1, "pp": 1}
     assert predicted["memory_by_pipeline_rank"][0]["parameters"] > 0
+    # A CPU's peak: the allocated bytes (what is predicted) and the resident set (glibc's cache too), the sampling
+    # thread gone with the fit.
+    assert 0 < measured["peak_memory_bytes"] and 0 < measured["resident_peak_bytes"]
+    assert monitor._peak_memory._sampler is None
 
 
 def test_disabled_monitor_does_nothing(tmp_path):
