@@ -2,11 +2,13 @@
 
     python benchmarks/memory_accuracy.py                 # recipe GPT, ~5 min on 2 cores
     python benchmarks/memory_accuracy.py --model llama   # transformers' Llama (model=llama), ~5 min
-    # each writes its model's rows of benchmarks/results/memory_accuracy.{md,json}, keeping the other model's
+    python benchmarks/memory_accuracy.py --model qwen2_tied   # transformers' Qwen2, tied embeddings, ~5 min
+    # each writes its model's rows of benchmarks/results/memory_accuracy.{md,json}, keeping the other models'
 
 Each layout trains a model at a size where the training state dominates a process (the recipe GPT 8 blocks × 1024
 wide, ~100M parameters; or transformers' ``LlamaForCausalLM`` from ``model=llama``, 6 layers × 1024 wide, GQA,
-SwiGLU, RoPE, SDPA attention, ~70M parameters; float32, AdamW) for 3 steps through ``recipes/train.py``, built
+SwiGLU, RoPE, SDPA attention, ~70M parameters; or a Qwen2 whose tied embeddings a pipeline holds on both
+ends; float32, AdamW) for 3 steps through ``recipes/train.py``, built
 under ``trainer.init_module(empty_init=True)`` where our strategies run (each rank allocates its part only) and
 eagerly for single-device training. The ScalingMonitor measures every rank's peak from before the strategy sets
 the model up (:mod:`lightning_parallel.measure.peak_memory`: on a CPU the peak of the bytes glibc's allocator has
@@ -42,6 +44,12 @@ MODELS: dict[str, tuple[str, list[str]]] = {
               ["model=llama", "model.config.hidden_size=1024", "model.config.intermediate_size=2816",
                "model.config.num_hidden_layers=6", "model.config.num_attention_heads=8",
                "model.config.num_key_value_heads=4", *DATA]),
+    # Tied input and output embeddings over a 32k vocabulary (the data's 128 characters use its first rows): one
+    # 128 MiB matrix, held by both ends of the model, so by both stages of a pipeline.
+    "qwen2_tied": ("transformers Qwen2ForCausalLM 4×1024, tied embeddings over a 32k vocabulary, 8 heads / 4 key-value heads, MLP 2816 (~80M parameters)",
+                   ["model=llama", "model.model_type=qwen2", "data.vocab_size=32000", "+model.config.tie_word_embeddings=true",
+                    "model.config.hidden_size=1024", "model.config.intermediate_size=2816", "model.config.num_hidden_layers=4",
+                    "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", *DATA]),
 }
 #: name -> (processes, overrides).
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -55,7 +63,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
                         "strategy.pipeline_parallel_size=2", "strategy.microbatches=4"]),
 }
 #: model -> the layouts it runs (the Llama's: those that fit the ~15 minutes a busy 2-core machine gives it).
-MODEL_LAYOUTS = {"gpt": list(LAYOUTS), "llama": ["single", "dp=2", "dp=2 shard", "tp=2", "pp=2 (1f1b, m=4)", "dp=2 × tp=2"]}
+MODEL_LAYOUTS = {"gpt": list(LAYOUTS), "llama": ["single", "dp=2", "dp=2 shard", "tp=2", "pp=2 (1f1b, m=4)", "dp=2 × tp=2"],
+                 "qwen2_tied": ["single", "tp=2", "pp=2 (1f1b, m=4)"]}
 
 
 def measure(devices: int, overrides: list[str], model: list[str], run_dir: Path) -> dict[str, Any]:
@@ -84,7 +93,7 @@ def write_report(results: dict[str, dict[str, Any]]) -> None:
     lines = [
         "# Peak memory per rank: predicted vs measured",
         "",
-        f"`python benchmarks/memory_accuracy.py [--model gpt|llama]` — float32, AdamW, 4 sequences of 32 tokens per "
+        f"`python benchmarks/memory_accuracy.py [--model gpt|llama|qwen2_tied]` — float32, AdamW, 4 sequences of 32 tokens per "
         f"replica, {STEPS} steps; CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, the ScalingMonitor's "
         "per-rank peak from before setup (on a CPU the bytes glibc's allocator has handed out, its cache of freed "
         "blocks left out, sampled every 50 ms), with the C allocator as a user runs it. Resident peak: what the OS sees, that "
