@@ -16,6 +16,7 @@ bar on, as in a user's run), the pipeline runtime while that model, trained, is 
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 
@@ -43,7 +44,7 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm_2(x))
 
 
-def _in_use() -> int:
+def _allocated() -> int:
     gc.collect()
     return allocated_bytes() or 0
 
@@ -83,19 +84,31 @@ def _measure_in_this_process() -> tuple[int, int]:
 
     model = nn.Sequential(nn.Embedding(64, 32), _Block(), _Block(), nn.LayerNorm(32), nn.Linear(32, 64))
     tokens = torch.randint(0, 64, (2, 16))
-    before = _in_use() - held_tensor_bytes(model)
+    before = _allocated() - held_tensor_bytes(model)
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-runtime-") as directory:
         optimizer = _fit(model, tokens, directory)
     state = sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
     gradients = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
-    trained = _in_use()
+    trained = _allocated()
     training = trained - held_tensor_bytes(model) - state - gradients - before
     # torch's pipeline frontend, as the strategies cut a model (parallelize/pipeline/build.py)
     pipe = pipeline(model, (tokens,), split_spec={"2": SplitPoint.BEGINNING})
     pipe(tokens)[0].sum().backward()  # the stages' generated code run once, forward and backward
-    traced = _in_use() - trained
+    traced = _allocated() - trained
     del pipe
     return max(training, 0), max(traced, 0)
+
+
+#: Variables by which Lightning would take the measuring process for a rank of the job that started it.
+_LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                       "LOCAL_WORLD_SIZE", "JSM_NAMESPACE_SIZE")
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "LSB_", "KUBEFLOW_")
+
+
+def _standalone_environment() -> dict[str, str]:
+    """This process's environment without what makes a child one of a distributed job's ranks."""
+    return {key: value for key, value in os.environ.items()
+            if key not in _LAUNCHER_VARIABLES and not key.startswith(_LAUNCHER_PREFIXES)}
 
 
 def runtime_bytes() -> dict[str, float]:
@@ -103,7 +116,9 @@ def runtime_bytes() -> dict[str, float]:
     ``{"training": ..., "pipeline": ...}``, both 0 where the allocator's figures cannot be read."""
     if allocated_bytes() is None:
         return {"training": 0.0, "pipeline": 0.0}
-    done = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True, timeout=300, check=False)
+    # Measured alone even when a rank of a launched job asks (the hardware profile is measured at a job's start).
+    done = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True, timeout=300, check=False,
+                          env=_standalone_environment())
     if done.returncode != 0:
         raise RuntimeError(f"Measuring the training runtime's memory failed:\n{done.stderr[-2000:]}")
     training, traced = done.stdout.strip().splitlines()[-1].split()
