@@ -6,7 +6,10 @@ the memory bandwidth of the operators that are not matmuls, and the host time of
 (:mod:`lightning_parallel.measure.dispatch`).
 Collectives: two processes of the backend in use (gloo on CPU) time an all-reduce of 4 KiB (latency) and of 8 MiB
 (bandwidth, wire bytes per rank per second), each after a little compute and without a barrier, as a step meets
-them, and on the same two ranks one DTensor operator's host overhead
+them; a small all-reduce in lockstep (right after the previous one, as tensor parallelism's collectives meet ranks
+that run the same operators between them); a small send to a rank already waiting in its receive (half a ping-pong,
+as a pipeline stage's output or gradient meets the next stage); and on the same two ranks one DTensor operator's
+host overhead
 (on a one-rank mesh: no communication in it). Crowded collectives: where a node may run more processes than it has
 cores (``CROWDED_PROCESSES``), that many processes time back-to-back small all-reduces. A blocked rank waits until
 every peer has been scheduled again, so one collective then costs milliseconds, not microseconds: the figure tensor
@@ -60,6 +63,8 @@ CROWDED_PROCESSES = (4, 8)
 SHARED_PROCESSES_MAX = 16
 #: Seconds the node's processes compute together per measured figure (their common window, after a barrier).
 NODE_WORK_SECONDS = 0.6
+#: Windows per figure of the node's processes together; the figure is their median.
+NODE_WINDOWS = 3
 MATMUL_SIZE = 512
 _BACKEND = "gloo"  # the CPU processes' backend; GPU profiles stay datasheet-based
 
@@ -76,7 +81,11 @@ class LocalMeasurements:
     alone_tflops: dict[str, float]  # one process using every core
     per_thread_tflops: dict[str, float]  # one thread
     collective_gbps: float  # wire bytes per rank per second of a large all-reduce between 2 processes
-    collective_latency_us: float  # one small all-reduce between 2 processes
+    collective_latency_us: float  # one small all-reduce between 2 processes, each arriving from its own compute
+    # one small all-reduce between 2 processes in lockstep (the previous collective lined them up), and one small
+    # send to a process already waiting for it; no defaults: a cache written before them is measured again
+    lockstep_latency_us: float
+    send_latency_us: float
     memory_gib: float  # host RAM
     dtensor_op_us: float  # host time one DTensor operator costs beyond the plain one (measure.dispatch)
     op_us: float  # host time of one plain operator of forward or backward (dispatch and autograd)
@@ -105,7 +114,8 @@ class LocalMeasurements:
         return (
             f"measured on {self.host} ({self.cores} cores, torch {self.torch_version}) at {self.measured_at}: matmul "
             f"{self.alone_tflops['fp32']:.3g} TFLOP/s fp32 for one process, {self.per_thread_tflops['fp32']:.3g} per thread; "
-            f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency; "
+            f"{self.backend} all-reduce {self.collective_gbps:.3g} GB/s, {self.collective_latency_us:.0f} µs latency "
+            f"({self.lockstep_latency_us:.0f} in lockstep), {self.send_latency_us:.0f} µs per send to a waiting rank; "
             f"{self.dtensor_op_us:.0f} µs per DTensor operator, {self.op_us:.1f} µs per operator (optimizer: "
             f"{self.optimizer_dtensor_op_us:.0f} and {self.optimizer_op_us:.1f} µs); non-matmul operators "
             f"{self.alone_memory_gbps:.3g} GB/s for one process, {self.per_thread_memory_gbps:.3g} per thread; "
@@ -178,7 +188,7 @@ def measure_here() -> LocalMeasurements:
         alone_memory = memory_bytes_per_second()
     finally:
         torch.set_num_threads(threads)
-    latency_s, large_s, dtensor_op_s, optimizer_dtensor_op_s = _all_reduce_seconds()
+    collectives = _all_reduce_seconds()
     crowded = {str(n): _crowded_all_reduce_seconds(n) * 1e6 for n in CROWDED_PROCESSES if n > cores}
     runtime = runtime_bytes()
     sharing = min(cores, SHARED_PROCESSES_MAX)
@@ -194,10 +204,12 @@ def measure_here() -> LocalMeasurements:
         alone_tflops=alone,
         per_thread_tflops=per_thread,
         # A 2-rank ring all-reduce puts 2 (n - 1) / n = 1 × the payload on each rank's wire.
-        collective_gbps=LARGE_BYTES / max(large_s - latency_s, 1e-9) / 1e9,
-        collective_latency_us=latency_s * 1e6,
+        collective_gbps=LARGE_BYTES / max(collectives["large_s"] - collectives["small_s"], 1e-9) / 1e9,
+        collective_latency_us=collectives["small_s"] * 1e6,
+        lockstep_latency_us=collectives["lockstep_s"] * 1e6,
+        send_latency_us=collectives["send_s"] * 1e6,
         memory_gib=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,  # POSIX, as fcntl
-        dtensor_op_us=dtensor_op_s * 1e6,
+        dtensor_op_us=collectives["dtensor_op_s"] * 1e6,
         op_us=op_s * 1e6,
         alone_memory_gbps=alone_memory / 1e9,
         per_thread_memory_gbps=per_thread_memory / 1e9,
@@ -206,7 +218,7 @@ def measure_here() -> LocalMeasurements:
         matmul_efficiency=efficiency,
         crowded_latency_us=crowded,
         optimizer_op_us=optimizer_op_s * 1e6,
-        optimizer_dtensor_op_us=optimizer_dtensor_op_s * 1e6,
+        optimizer_dtensor_op_us=collectives["optimizer_dtensor_op_s"] * 1e6,
         pipeline_runtime_bytes=runtime["pipeline"],
         training_runtime_bytes=runtime["training"],
         crowded_rates=crowded_rates,
@@ -221,16 +233,16 @@ def _fresh_matmul_tflops(dtype: str) -> float:
         measured_matmul_tflops.cache_clear()
 
 
-def _all_reduce_seconds(world_size: int = 2) -> tuple[float, float, float, float]:
-    """(small, large) all-reduce seconds between ``world_size`` gloo processes on this host (means, each after a
-    little compute), and on their meshes one DTensor operator's host overhead and one DTensor optimizer operator's
-    host time."""
+def _all_reduce_seconds(world_size: int = 2) -> dict[str, float]:
+    """Seconds between ``world_size`` gloo processes on this host (means): a small and a large all-reduce each after a
+    little compute (``small_s``, ``large_s``), a small one in lockstep (``lockstep_s``), a small send to a waiting
+    rank (``send_s``); and on their own meshes one DTensor operator's host overhead (``dtensor_op_s``) and one DTensor
+    optimizer operator's host time (``optimizer_dtensor_op_s``)."""
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
         init = Path(scratch) / "store"
         out = Path(scratch) / "result.json"
         mp.start_processes(_all_reduce_worker, args=(world_size, str(init), str(out)), nprocs=world_size, start_method="spawn")
-        result = json.loads(out.read_text())
-    return result["small_s"], result["large_s"], result["dtensor_op_s"], result["optimizer_dtensor_op_s"]
+        return json.loads(out.read_text())
 
 
 def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
@@ -256,6 +268,8 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
                 dist.all_reduce(tensor)
                 seconds.append(time.perf_counter() - start)
             timings[name] = statistics.mean(seconds)
+        timings["lockstep_s"] = _lockstep_all_reduce_seconds(small, b)
+        timings["send_s"] = _send_to_waiting_seconds(rank, small, b)
         from torch.distributed.device_mesh import DeviceMesh
 
         # Each rank times DTensor on a mesh of its own: the operators' host work without their communication.
@@ -269,13 +283,50 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _lockstep_all_reduce_seconds(tensor: torch.Tensor, weight: torch.Tensor, repeats: int = 30) -> float:
+    """A small all-reduce met in lockstep: the ranks run the same small matmul between collectives, so each arrives as
+    its peers do (the previous collective lined them up), as a tensor-parallel layer's collectives meet them."""
+    rows = torch.randn(32, weight.shape[0])
+    dist.barrier()
+    seconds = []
+    for _ in range(repeats):
+        rows @ weight
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        seconds.append(time.perf_counter() - start)
+    return statistics.mean(seconds)
+
+
+def _send_to_waiting_seconds(rank: int, tensor: torch.Tensor, weight: torch.Tensor, repeats: int = 30) -> float:
+    """A small send to a rank already waiting in its receive, as a pipeline stage's output (or gradient) meets the
+    next stage: half of a ping-pong that rank 0 starts after a little compute while rank 1 waits (the mean)."""
+    a = torch.randn(256, weight.shape[0])
+    dist.barrier()
+    seconds = []
+    for _ in range(repeats):
+        if rank == 0:
+            for _ in range(3):
+                a @ weight
+            start = time.perf_counter()
+            dist.send(tensor, 1)
+            dist.recv(tensor, 1)
+            seconds.append((time.perf_counter() - start) / 2)
+        elif rank == 1:
+            dist.recv(tensor, 0)
+            dist.send(tensor, 0)
+    dist.barrier()
+    # Only rank 0 timed; every rank returns its figure (rank 0's is the one written).
+    return statistics.mean(seconds) if seconds else 0.0
+
+
 def _node_rates(processes: int, cores: int, per_thread_tflops: dict[str, float], per_thread_memory: float) -> dict[str, float]:
     """What ``processes`` one-thread processes compute together: matmul TFLOP/s per dtype and non-matmul GB/s
     (``memory_gbps``), each the work of all over the window from their common start (a barrier) to the last one's end.
 
     A fixed amount of work each, sized for about :data:`NODE_WORK_SECONDS` together, not each process's best window:
     where processes outnumber the cores, a short window of one process may fall inside its time slice and measure a
-    core of its own, which no step of a training run gets.
+    core of its own, which no step of a training run gets. Each figure is the median of :data:`NODE_WINDOWS` such
+    windows: one window of a shared VM moves by 10-30 % between measurements.
     """
     share = min(1.0, cores / processes)  # of a core, per process
     flops = 2 * MATMUL_SIZE**3
@@ -288,8 +339,8 @@ def _node_rates(processes: int, cores: int, per_thread_tflops: dict[str, float],
     units = {"memory_gbps": moved / 1e9, **{dtype: flops / 1e12 for dtype in per_thread_tflops}}
     rates = {}
     for name, unit in units.items():
-        window = max(span[name][1] for span in spans) - min(span[name][0] for span in spans)
-        rates[name] = processes * work[name] * unit / max(window, 1e-9)
+        windows = [max(span[name][k][1] for span in spans) - min(span[name][k][0] for span in spans) for k in range(NODE_WINDOWS)]
+        rates[name] = processes * work[name] * unit / max(statistics.median(windows), 1e-9)
     return rates
 
 
@@ -300,14 +351,15 @@ def _node_worker(rank: int, processes: int, scratch: str, work: dict[str, int]) 
     # A file store's counter as the barrier (a multiprocessing Barrier's semaphores outlive spawned processes and
     # make the resource tracker warn at exit, on the user's first screen).
     store = dist.FileStore(str(Path(scratch, "barrier")), processes)
-    spans = {}
+    spans: dict[str, list[tuple[float, float]]] = {}
     for name, run in runs.items():
         run()  # warm-up (kernels, pages)
-        _barrier(store, name, processes)
-        start = time.monotonic()  # one clock for every process of the host
-        for _ in range(work[name]):
-            run()
-        spans[name] = (start, time.monotonic())
+        for window in range(NODE_WINDOWS):
+            _barrier(store, f"{name}/{window}", processes)
+            start = time.monotonic()  # one clock for every process of the host
+            for _ in range(work[name]):
+                run()
+            spans.setdefault(name, []).append((start, time.monotonic()))
     Path(scratch, f"spans-{rank}.json").write_text(json.dumps(spans))
 
 
@@ -377,6 +429,8 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
         "inter_node_gbps": found.collective_gbps,
         "intra_node_latency_us": found.collective_latency_us,
         "inter_node_latency_us": found.collective_latency_us,
+        "lockstep_latency_us": found.lockstep_latency_us,
+        "send_latency_us": found.send_latency_us,
         "device_memory_gib": found.memory_gib / devices_per_node,
         "dtensor_op_us": found.dtensor_op_us,
         "op_us": found.op_us,

@@ -384,7 +384,9 @@ def _micro_seconds(
         tp_b = sum(step.tp_bytes_by_segment.get(s, 0.0) for s in segments) * micro * tokens
     else:
         tp_b = step.tp_bytes * micro * share * tokens
-    tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce")
+    # The tp ranks of a layer run the same operators between its collectives: they meet each one together.
+    tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce",
+                               meeting="lockstep")
     p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
     p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
     ep_b = _all_to_all_bytes(step, layout) * micro * tokens * share  # this stage's share of the MoE layers
@@ -575,16 +577,22 @@ def _ring_factor(ranks: int, kind: str) -> float:
     return (2 if kind == "all_reduce" else 1) * (ranks - 1) / ranks
 
 
-def _collective_seconds(hardware: HardwareProfile, ranks: int, payload: float, calls: float, crosses: bool, kind: str) -> float:
+def _collective_seconds(
+    hardware: HardwareProfile, ranks: int, payload: float, calls: float, crosses: bool, kind: str, meeting: str = "arriving",
+) -> float:
+    """``calls`` collectives of ``kind`` over ``ranks`` handing them ``payload`` bytes in all (``meeting``: how the ranks
+    meet them, see :meth:`HardwareProfile.link`)."""
     if ranks <= 1 or payload <= 0:
         return 0.0
     # Ring messages one after another: an all-reduce passes 2(n − 1), an all-gather or reduce-scatter n − 1.
-    bandwidth, latency = hardware.link(crosses, messages=(2 if kind == "all_reduce" else 1) * (ranks - 1))
+    bandwidth, latency = hardware.link(crosses, messages=(2 if kind == "all_reduce" else 1) * (ranks - 1), meeting=meeting)
     return calls * latency + _ring_factor(ranks, kind) * payload / bandwidth
 
 
 def _transfer_seconds(hardware: HardwareProfile, payload: float, crosses: bool) -> float:
-    bandwidth, latency = hardware.link(crosses, messages=1)
+    """A pipeline rank's sends of one micro-batch (its output forward, its input's gradient back: ``payload`` bytes):
+    each meets a stage already waiting for it (in 1F1B's steady state a stage posts its receive before it is due)."""
+    bandwidth, latency = hardware.link(crosses, messages=1, meeting="send")
     return 2 * latency + payload / bandwidth
 
 

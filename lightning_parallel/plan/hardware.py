@@ -15,6 +15,8 @@ from itertools import pairwise
 from typing import Any
 
 GIB = 2**30
+#: How ranks meet a collective inside a node -> the profile field with its fixed cost (see HardwareProfile.link).
+_MEETINGS = {"arriving": "intra_node_latency_us", "lockstep": "lockstep_latency_us", "send": "send_latency_us"}
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,13 @@ class HardwareProfile:
         inter_node_gbps: Per-device bandwidth between nodes, GB/s (InfiniBand, Ethernet).
         intra_node_latency_us: Fixed cost of one collective inside a node, microseconds.
         inter_node_latency_us: Fixed cost of one collective across nodes, microseconds.
+        lockstep_latency_us: Fixed cost of one collective inside a node whose ranks arrive together (the previous
+            collective lined them up and the same operators ran between: tensor parallelism's), microseconds;
+            ``None``: ``intra_node_latency_us``, which is for ranks arriving from compute of their own (a gradient
+            synchronization). Measured on CPUs (``measured: true``).
+        send_latency_us: Fixed cost of one point-to-point send inside a node to a rank already waiting in its receive
+            (a pipeline stage's output or gradient), microseconds; ``None``: ``intra_node_latency_us``. Measured on
+            CPUs.
         memory_reserve_fraction: Device memory held back for allocator fragmentation, workspaces and buffers.
         node_tflops: Compute of a whole node shared by its processes (CPU cores); ``None`` when every device
             computes on its own (GPUs). Each process then gets ``node_tflops / processes on the node``, at most
@@ -86,6 +95,8 @@ class HardwareProfile:
     inter_node_gbps: float
     intra_node_latency_us: float = 5.0
     inter_node_latency_us: float = 20.0
+    lockstep_latency_us: float | None = None
+    send_latency_us: float | None = None
     memory_reserve_fraction: float = 0.1
     node_tflops: float | None = None
     peak_dtype: str = "bf16"
@@ -234,14 +245,20 @@ class HardwareProfile:
             peak = min(peak, self.node_tflops * peak / self.peak_tflops / max(1, processes_on_node))
         return peak * 1e12
 
-    def link(self, crosses_nodes: bool, messages: int | None = None) -> tuple[float, float]:
+    def link(self, crosses_nodes: bool, messages: int | None = None, meeting: str = "arriving") -> tuple[float, float]:
         """(bytes per second, seconds of latency) of the links a group uses, for a collective that passes ``messages``
         one after another (a ring all-reduce over n ranks: 2(n − 1); a send: 1). They count only where the node's
         processes outnumber its cores (:meth:`sharing_node`): each message then waits for its receiver to be
-        scheduled again."""
+        scheduled again. ``meeting`` says how the ranks meet it inside a node: ``"arriving"`` each from compute of
+        its own, ``"lockstep"`` together (``lockstep_latency_us``), ``"send"`` a send to a waiting rank
+        (``send_latency_us``)."""
         if crosses_nodes:
             return self.inter_node_gbps * 1e9, self.inter_node_latency_us * 1e-6
-        latency = self.intra_node_latency_us
+        if meeting not in _MEETINGS:
+            raise ValueError(f"meeting={meeting!r} is not one of {list(_MEETINGS)}.")
+        latency = getattr(self, _MEETINGS[meeting])
+        if latency is None:
+            latency = self.intra_node_latency_us
         if messages and self.host_cores and self.sharing_processes > self.host_cores and self.crowded_latency_us:
             latency = max(latency, messages * self.crowded_message_us(self.sharing_processes))
         return self.intra_node_gbps * 1e9, latency * 1e-6

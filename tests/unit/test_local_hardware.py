@@ -10,7 +10,7 @@ from lightning_parallel.plan.hardware import HardwareProfile
 FIGURES = hardware.LocalMeasurements(
     host="here", cores=4, torch_version="x", backend="gloo", measured_at="now",
     alone_tflops={"fp32": 0.2, "fp64": 0.1}, per_thread_tflops={"fp32": 0.06, "fp64": 0.03},
-    collective_gbps=0.8, collective_latency_us=1500.0, memory_gib=32.0, dtensor_op_us=120.0, op_us=2.0,
+    collective_gbps=0.8, collective_latency_us=1500.0, lockstep_latency_us=900.0, send_latency_us=150.0, memory_gib=32.0, dtensor_op_us=120.0, op_us=2.0,
     alone_memory_gbps=20.0, per_thread_memory_gbps=8.0, shared_tflops={"fp32": 0.2, "fp64": 0.1}, shared_memory_gbps=24.0,
     matmul_efficiency={"matmul/32": 0.5, "attention/32": 0.25, "matmul/512": 1.0}, crowded_latency_us={"8": 6000.0},
     optimizer_op_us=3.0, optimizer_dtensor_op_us=15.0, pipeline_runtime_bytes=35 * 2**20, training_runtime_bytes=2**20,
@@ -74,6 +74,10 @@ def test_a_measured_profile_takes_this_machines_figures_and_keeps_what_it_writes
     assert profile.crowded_latency_us == {8: 6000.0}
     assert profile.sharing_node(4).link(False, messages=14) == (0.8e9, pytest.approx(1500e-6))
     assert profile.sharing_node(8).link(False, messages=14) == (0.8e9, pytest.approx(6000e-6))  # all 8 ranks: as measured
+    # How the ranks meet a collective: from compute of their own, in lockstep (tensor parallelism), a send to a waiting rank.
+    assert profile.link(False, messages=2, meeting="lockstep") == (0.8e9, pytest.approx(900e-6))
+    assert profile.link(False, messages=1, meeting="send") == (0.8e9, pytest.approx(150e-6))
+    assert profile.sharing_node(8).link(False, messages=1, meeting="send") == (0.8e9, pytest.approx(6000e-6 / 14))  # crowded: rescheduled
 
 
 def test_crowded_collective_latency_by_messages_between_and_past_the_measured_process_counts():
@@ -92,3 +96,7 @@ def test_crowded_collective_latency_by_messages_between_and_past_the_measured_pr
     uncrowded = HardwareProfile(name="gpu", device_memory_gib=80, peak_tflops=900, achievable_fraction=0.4, devices_per_node=8,
                                 intra_node_gbps=400, inter_node_gbps=50)
     assert uncrowded.sharing_node(8).link(False, messages=14) == uncrowded.link(False)
+    # A datasheet profile without the lockstep and send figures: every meeting costs the collective's latency.
+    assert uncrowded.link(False, meeting="send") == uncrowded.link(False, meeting="lockstep") == uncrowded.link(False)
+    with pytest.raises(ValueError, match="meeting='waiting'"):
+        uncrowded.link(False, meeting="waiting")

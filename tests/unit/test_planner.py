@@ -448,3 +448,18 @@ def test_the_optimizer_step_and_the_runtimes_are_in_the_predicted_peak():
     assert memory.peak == max(memory.total, memory.state + memory.runtime + memory.optimizer_step, memory.setup)
     pipeline = predict(profile(1), Layout(dp=1, tp=1, pp=2, schedule="1f1b", microbatches=2), workload, hardware)
     assert all(m.runtime == 31 * 2**20 and m.peak >= m.state + m.runtime + m.optimizer_step for m in pipeline.memory)
+
+
+def test_collectives_are_charged_by_how_their_ranks_meet_them():
+    """A gradient all-reduce meets ranks arriving from their own compute (the collective latency); tensor parallelism's
+    meet ranks in lockstep (the lockstep latency); a pipeline's sends meet a stage already waiting (the send latency)."""
+    hardware = replace(ANY_HARDWARE, intra_node_gbps=1e9, intra_node_latency_us=1000.0, lockstep_latency_us=400.0, send_latency_us=50.0)
+    slower = replace(hardware, lockstep_latency_us=600.0, send_latency_us=150.0)
+    workload = Workload(devices_per_node=2, num_nodes=1, global_batch=8)
+    tp, tp_slower = (predict(profile(), Layout(1, 2, 1), workload, h) for h in (hardware, slower))
+    assert tp_slower.tp_s - tp.tp_s == pytest.approx(profile().step(2).tp_collectives * 200e-6)
+    pipeline = [predict(profile(), Layout(1, 1, 2, schedule="1f1b", microbatches=4), workload, h) for h in (hardware, slower)]
+    # Each rank's micro-batch: its output forward and its input's gradient back, two sends of the critical path.
+    assert pipeline[1].p2p_s - pipeline[0].p2p_s == pytest.approx(4 * 2 * 100e-6)
+    dp = [predict(profile(), Layout(2, 1, 1), workload, h) for h in (hardware, slower)]
+    assert dp[0].dp_s == dp[1].dp_s  # the gradient all-reduce: neither figure
