@@ -43,10 +43,17 @@ class _MallInfo2(ctypes.Structure):
 
 
 @functools.cache
-def _mallinfo2() -> object | None:
+def _libc() -> ctypes.CDLL | None:
     try:
-        function = ctypes.CDLL(ctypes.util.find_library("c")).mallinfo2
-    except (OSError, AttributeError, TypeError):  # not glibc, or older than 2.33
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def _mallinfo2() -> object | None:
+    function = getattr(_libc(), "mallinfo2", None)
+    if function is None:  # not glibc, or older than 2.33
         return None
     function.restype = _MallInfo2
     return function
@@ -76,11 +83,9 @@ def _status_bytes(field: str) -> int | None:
 def _release_free_heap() -> None:
     """Hand memory freed earlier back to the OS (glibc ``malloc_trim``), so that the baseline counts none of it:
     allocations that reuse freed but still resident pages would not raise the resident peak."""
-    name = ctypes.util.find_library("c")
-    try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc: the figure may then read low by what was free
-        pass
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:  # not glibc: the figure may then read low by what was free
+        trim(0)
 
 
 def held_tensor_bytes(module: nn.Module) -> int:

@@ -16,13 +16,13 @@ bar on, as in a user's run), the pipeline runtime while that model, trained, is 
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 
 import torch
 from torch import nn
 
+from lightning_parallel.measure.environment import standalone_environment
 from lightning_parallel.measure.peak_memory import allocated_bytes, held_tensor_bytes
 
 
@@ -99,18 +99,6 @@ def _measure_in_this_process() -> tuple[int, int]:
     return max(training, 0), max(traced, 0)
 
 
-#: Variables by which Lightning would take the measuring process for a rank of the job that started it.
-_LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                       "LOCAL_WORLD_SIZE", "JSM_NAMESPACE_SIZE")
-_LAUNCHER_PREFIXES = ("TORCHELASTIC_", "SLURM_", "OMPI_", "PMI_", "LSB_", "KUBEFLOW_")
-
-
-def _standalone_environment() -> dict[str, str]:
-    """This process's environment without what makes a child one of a distributed job's ranks."""
-    return {key: value for key, value in os.environ.items()
-            if key not in _LAUNCHER_VARIABLES and not key.startswith(_LAUNCHER_PREFIXES)}
-
-
 def runtime_bytes() -> dict[str, float]:
     """What training, and tracing a pipeline besides, add to a fresh process's memory on this machine (bytes):
     ``{"training": ..., "pipeline": ...}``, both 0 where the allocator's figures cannot be read."""
@@ -118,7 +106,7 @@ def runtime_bytes() -> dict[str, float]:
         return {"training": 0.0, "pipeline": 0.0}
     # Measured alone even when a rank of a launched job asks (the hardware profile is measured at a job's start).
     done = subprocess.run([sys.executable, "-m", __name__], capture_output=True, text=True, timeout=300, check=False,
-                          env=_standalone_environment())
+                          env=standalone_environment())
     if done.returncode != 0:
         raise RuntimeError(f"Measuring the training runtime's memory failed:\n{done.stderr[-2000:]}")
     training, traced = done.stdout.strip().splitlines()[-1].split()

@@ -50,6 +50,8 @@ class RankMemory:
     # temporaries, and DDP's bucket copy of the gradients (kept for the whole run)
     optimizer_step: float = 0.0
     runtime: float = 0.0  # the training runtime and a pipeline's tracing runtime, where the device's memory is the host's
+    # Beside the state at the end of backward: a vocabulary-split table's lookup gradient added to its tied head's
+    lookup_backward: float = 0.0
 
     @property
     def state(self) -> float:
@@ -62,7 +64,7 @@ class RankMemory:
     @property
     def peak(self) -> float:
         """The most this rank holds: in forward and backward, in the optimizer step, or during setup."""
-        return max(self.total, self.state + self.runtime + self.optimizer_step, self.setup)
+        return max(self.total, self.state + self.runtime + max(self.optimizer_step, self.lookup_backward), self.setup)
 
     def as_dict(self) -> dict[str, float]:
         return {**asdict(self), "state": self.state, "total": self.total, "peak": self.peak}
@@ -242,6 +244,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
                 optimizer_step=_optimizer_step_bytes(step, unsplit, layout, dense - step.frozen, experts - step.frozen, shards),
                 runtime=hardware.training_runtime_bytes + (hardware.pipeline_runtime_bytes if layout.pp > 1 else 0.0),
+                lookup_backward=_lookup_backward_bytes(profile, step, dense - step.frozen, shards),
                 setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
         )
@@ -555,6 +558,18 @@ def _optimizer_step_bytes(
     if layout.uses_ddp and not layout.gradient_as_bucket_view:
         buckets = sum(step.parameter_bytes[n] for n in dense)
     return step.optimizer_temporaries_per_largest * largest + buckets
+
+
+def _lookup_backward_bytes(profile: ModelProfile, step: StepProfile, trained: set[str], shards: int) -> float:
+    """What the backward of an embedding split over the vocabulary and tied to the head holds beside the state
+    (``trained``: the rank's parameters with gradients): the lookup's gradient of this rank's rows
+    (:mod:`lightning_parallel.parallelize.tensor.vocabulary`), then their sum with the head's gradient, a new tensor,
+    before the head's is freed. An untied table's lookup gradient is the state's own."""
+    held = 0.0
+    for name in step.vocabulary_lookups & trained:
+        if len(profile.parameter_segments.get(name, ())) > 1:  # looked up before the trunk and read by the head after it
+            held += 2 * step.parameter_bytes[name] / shards
+    return held
 
 
 def _boundary_bytes(profile: ModelProfile, stages: list[list[str]]) -> float:

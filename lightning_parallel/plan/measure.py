@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from lightning_parallel.measure.environment import standalone_environment
 from lightning_parallel.plan.planner import Plan
 
 #: Settings --measure chooses itself; the user's overrides of them are dropped.
@@ -31,7 +31,7 @@ def run_training(script: str | Path, overrides: list[str], run_dir: Path, cwd: P
         RuntimeError: The job failed (its last output is quoted).
     """
     command = [sys.executable, str(script), *overrides, f"hydra.run.dir={run_dir}"]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")}
+    env = standalone_environment()  # a job of its own, even when a rank of another runs it
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(command, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:

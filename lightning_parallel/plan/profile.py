@@ -110,6 +110,9 @@ class StepProfile:
     # The most bytes the optimizer step's temporaries hold at once, per byte of the largest parameter tensor it steps
     # (measured on meta, where optimizers choose their per-tensor loop: temporaries of one tensor at a time)
     optimizer_temporaries_per_largest: float = 0.0
+    # Weights of embeddings split over the vocabulary here (their lookup's gradient is computed for the rank's rows,
+    # and added to a tied head's at the end of backward)
+    vocabulary_lookups: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,8 @@ def _dry_run(
         expert_forward_flops=expert_flops if whole is None else {},
         expert_activation_bytes=expert_saved,
         dtensor_parameters=frozenset(names[id(p)] for p in module.parameters() if isinstance(p, DTensor)),
+        vocabulary_lookups=frozenset(names[id(sub.weight)] for sub in module.modules() if isinstance(sub, nn.Embedding)
+                                     and isinstance(sub.weight, DTensor) and any(p.is_shard(0) for p in sub.weight.placements)),
     )
 
 

@@ -62,7 +62,11 @@ from lightning_parallel.parallelize.tensor.sequence import (
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
 from lightning_parallel.parallelize.tensor.state_space import check_state_space, split_state_space
 from lightning_parallel.parallelize.tensor.tied import aliases, check_tied_parameters, merge_tied_units, tie_again, tied_groups
-from lightning_parallel.parallelize.tensor.vocabulary import gather_reads_elsewhere, reduce_lookups_in
+from lightning_parallel.parallelize.tensor.vocabulary import (
+    gather_reads_elsewhere,
+    reduce_lookups_in,
+    split_lookup_backward,
+)
 from lightning_parallel.parallelize.tensor.plan import (
     STYLE_ALIASES,
     STYLES,
@@ -443,6 +447,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
     vocabulary_split = {fqn for fqn, style in resolved.styles.items() if style == "embedding_rowwise"}
     for fqn in vocabulary_split:
         reduce_lookups_in(modules[fqn])  # an embedding that scales its rows (Gemma) loses the lookup's mask
+        split_lookup_backward(modules[fqn])  # torch's backward computes the whole table's gradient
         gather_reads_elsewhere(fqn, modules[fqn], ancestors(fqn), log.warning)
     # A head tied to a vocabulary-split table may be read, not called, by the model's code (MobileBERT's prediction
     # head multiplies by torch.cat([decoder.weight.t(), dense.weight])): it gets the whole weight the same way.

@@ -4,7 +4,13 @@ A lookup in a vocabulary-sharded table (torch's ``RowwiseParallel`` on an ``nn.E
 partial sum whose mask DTensor keeps only until the next op. An embedding subclass that scales its rows in its
 own forward (Gemma's ``embed_scale``) passes it on, the mask is lost, and the reduction after the module fails.
 :func:`reduce_lookups_in` reduces each lookup inside such a module's forward instead, as a traced pipeline stage
-does for its embedding nodes. No Lightning here.
+does for its embedding nodes.
+
+:func:`split_lookup_backward` gives such a table a backward of its own rows. DTensor's strategies for
+``embedding_dense_backward`` (torch 2.13) offer no split over the vocabulary: the lookup's gradient comes back for
+the whole table on every rank, tp times a rank's rows, beside the state, at the end of every backward (an untied
+table keeps it whole until the optimizer step). :class:`_SplitLookup` computes each rank's rows only, as Megatron's
+vocabulary-parallel embedding does: the positions whose token is another rank's are masked out. No Lightning here.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import Function
 from torch.overrides import TorchFunctionMode
 
 
@@ -32,8 +39,10 @@ def replicate_partials(value: Tensor) -> Tensor:
 
 class _ReducedLookups(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        return replicate_partials(out) if func is F.embedding else out
+        if func is not F.embedding:
+            return func(*args, **(kwargs or {}))
+        # torch leaves this mode while it runs a call: the lookup's own F.embedding does not come back here.
+        return replicate_partials(split_lookup(*args, **(kwargs or {})))
 
 
 class _ForwardWithReducedLookups:
@@ -105,3 +114,75 @@ def gather_reads_elsewhere(fqn: str, embedding: nn.Module, ancestors: list[nn.Mo
     names = [name for name in ("weight", "bias") if isinstance(embedding._parameters.get(name), DTensor)]
     base = type(embedding)
     embedding.__class__ = type(base.__name__, (base,), {**{name: read(name) for name in names}, "__module__": base.__module__})
+
+
+def split_lookup_backward(module: nn.Embedding) -> None:
+    """Make a vocabulary-split ``nn.Embedding`` compute its weight's gradient for this rank's rows only."""
+    if type(module).forward is nn.Embedding.forward:
+        # An instance attribute shadows the class's forward: nn.Module.__call__ (and torch's hooks) call this one.
+        module.forward = _SplitLookupForward(module)
+
+
+class _SplitLookupForward:
+    def __init__(self, module: nn.Embedding) -> None:
+        self.module = module
+
+    def __call__(self, input: Tensor) -> Tensor:
+        m = self.module
+        return split_lookup(input, m.weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)
+
+
+def split_lookup(input: Tensor, weight: Tensor, padding_idx: int | None = None, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> Tensor:
+    """``F.embedding`` whose backward computes the gradient of this rank's rows of a vocabulary-split ``weight`` only.
+
+    Anything but a plain lookup of every rank's whole ``input`` in a table split over its rows on a one-dimensional
+    mesh (a renormalising ``max_norm``, gradients scaled by frequency: counted over every position, sparse gradients,
+    a compiled or traced forward) is torch's lookup, whose backward computes the whole table.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    plain = (
+        not isinstance(weight, DTensor) or weight.device_mesh.ndim != 1 or not weight.placements[0].is_shard(0)
+        or (isinstance(input, DTensor) and not all(p.is_replicate() for p in input.placements))
+        or max_norm is not None or scale_grad_by_freq or sparse or not weight.requires_grad
+        or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+    )
+    if plain:
+        return F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
+    return _SplitLookup.apply(input, weight, padding_idx)
+
+
+class _SplitLookup(Function):
+    """Forward: torch's vocabulary-split lookup (a masked partial sum, reduced after the module). Backward: this rank's
+    rows of the weight's gradient, from the positions whose token falls in them (exact: the same sums, row by row,
+    as the whole table's gradient has)."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
+        from torch.distributed.tensor import DTensor
+
+        ctx.ids = input.to_local() if isinstance(input, DTensor) else input
+        ctx.padding_idx, ctx.mesh, ctx.placements = padding_idx, weight.device_mesh, weight.placements
+        ctx.shape, ctx.stride, ctx.rows = weight.shape, weight.stride(), weight.to_local().shape[0]
+        return F.embedding(input, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, Tensor, None]:
+        import torch
+        from torch.distributed.tensor import DTensor, Replicate
+        from torch.distributed.tensor.placement_types import Shard, _MaskPartial
+
+        if isinstance(grad_output, DTensor):
+            grad_output = grad_output.redistribute(ctx.mesh, [Replicate()]).to_local()
+        # This rank's rows, and its tokens among them, as torch's masked lookup finds them (private, checked against
+        # torch 2.13: its coordinate is also right for ranks simulated in one process, LocalTensorMode).
+        rows, first = Shard.local_shard_size_and_offset(ctx.shape[0], ctx.mesh.size(0), ctx.mesh._sym_get_coordinate(0))
+        elsewhere, ids = _MaskPartial._mask_tensor(ctx.ids, first, rows)
+        grad_output = grad_output.masked_fill(elsewhere.unsqueeze(-1), 0)
+        grad = torch.ops.aten.embedding_dense_backward(grad_output, ids, ctx.rows, -1, False)
+        if ctx.padding_idx is not None:  # the padding row, on whichever rank holds it, gets no gradient
+            row = torch.arange(ctx.rows, device=grad.device) + first
+            grad = grad.masked_fill((row == ctx.padding_idx).unsqueeze(-1), 0)
+        return None, DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape, stride=ctx.stride), None
