@@ -251,15 +251,17 @@ class HardwareProfile:
         processes outnumber its cores (:meth:`sharing_node`): each message then waits for its receiver to be
         scheduled again. ``meeting`` says how the ranks meet it inside a node: ``"arriving"`` each from compute of
         its own, ``"lockstep"`` together (``lockstep_latency_us``), ``"send"`` a send to a waiting rank
-        (``send_latency_us``)."""
+        (``send_latency_us``). Both of the last assume every rank runs on a core of its own: on a crowded node the
+        peers are time-sliced and the waiting rank sleeps, so they cost what ranks arriving apart do."""
         if crosses_nodes:
             return self.inter_node_gbps * 1e9, self.inter_node_latency_us * 1e-6
         if meeting not in _MEETINGS:
             raise ValueError(f"meeting={meeting!r} is not one of {list(_MEETINGS)}.")
-        latency = getattr(self, _MEETINGS[meeting])
+        crowded = bool(messages and self.host_cores and self.sharing_processes > self.host_cores and self.crowded_latency_us)
+        latency = None if crowded else getattr(self, _MEETINGS[meeting])
         if latency is None:
             latency = self.intra_node_latency_us
-        if messages and self.host_cores and self.sharing_processes > self.host_cores and self.crowded_latency_us:
+        if crowded:
             latency = max(latency, messages * self.crowded_message_us(self.sharing_processes))
         return self.intra_node_gbps * 1e9, latency * 1e-6
 
