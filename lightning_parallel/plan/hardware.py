@@ -135,6 +135,11 @@ class HardwareProfile:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"hardware.{name}={value!r} must be a positive number (or null).")
+        for name in ("lockstep_latency_us", "send_latency_us"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"hardware.{name}={value!r} must be a number of microseconds, 0 or more (or null: "
+                                 f"intra_node_latency_us).")
         if self.node_tflops is not None and self.node_tflops <= 0:
             raise ValueError(f"hardware.node_tflops={self.node_tflops} must be positive (or null for independent devices).")
 

@@ -215,6 +215,8 @@ def test_hardware_profiles_load_and_bad_ones_are_refused():
         HardwareProfile.from_config({**good, "nvlink": True})
     with pytest.raises(ValueError, match=r"hardware.intra_node_gbps=0"):
         HardwareProfile.from_config({**good, "intra_node_gbps": 0})
+    with pytest.raises(ValueError, match=r"hardware.send_latency_us=-5 must be a number of microseconds"):
+        HardwareProfile.from_config({**good, "send_latency_us": -5})
 
 
 def test_configured_layout_reads_the_strategy_config():
