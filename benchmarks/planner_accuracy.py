@@ -177,7 +177,7 @@ def write_report(rows: list[dict[str, Any]], overhead: dict[str, Any], plot: Pat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", help="layout names to run (default: all)")
+    parser.add_argument("--only", nargs="*", help="layout names to run and print, leaving the committed results (default: all, written)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"runs per layout, interleaved (default: {ROUNDS})")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -194,6 +194,12 @@ def main() -> None:
                 print(f"round {round_index + 1}: {name:24s} measured {results[name][-1]['measured']['step_s']:.3f} s/step", flush=True)
         single = median_round(results["single"]) if "single" in results else None
         rows = [row_for(name, LAYOUTS[name][0], results[name], single) for name in names]
+        if args.only:  # a look at a few layouts: printed, the committed results (every layout) left as they are
+            for row in rows:
+                print(f"{row['layout']:24s} step {row['predicted_step_s']:.3f} / {row['measured_step_s']:.3f} s = "
+                      f"{row['predicted_step_s'] / row['measured_step_s']:.2f}; comm {row['predicted_comm_s']:.3f} / "
+                      f"{row['measured_comm_s']:.3f} s; bubble {row['predicted_bubble_s']:.3f} / {row['measured_bubble_s']:.3f} s")
+            return
         overhead_runs: dict[bool, list[float]] = {False: [], True: []}
         for repeat in range(3):
             for monitor in (False, True):

@@ -58,6 +58,10 @@ SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
 #: Process counts whose crowded collective latency is measured, where they outnumber the cores (the planner's
 #: local layouts use up to 8 processes per node).
 CROWDED_PROCESSES = (4, 8)
+#: Matmuls (256 × 512 by 512 × 512, one thread) each rank runs between two collectives of its group on a crowded
+#: node: none (back to back) and as many as the uncrowded "arriving" benchmark runs. The planner interpolates at a
+#: layout's own compute between collectives (a peer's wait grows with it until it outlasts a time slice).
+CROWDED_GAP_MATMULS = (0, 3)
 #: At most this many one-thread processes measure the node's shared figures together; on a bigger host their sum is
 #: scaled to every core (each process imports torch: hundreds of MiB apiece).
 SHARED_PROCESSES_MAX = 16
@@ -99,6 +103,10 @@ class LocalMeasurements:
     # processes on the node (more than its cores) -> one small all-reduce among all of them, microseconds; no
     # default: a cache written before it was measured is measured again
     crowded_latency_us: dict[str, float]
+    # processes on the node -> group size -> [[compute between, all-reduce], ...] (microseconds, one point per
+    # CROWDED_GAP_MATMULS): a small all-reduce among each group of that many ranks, every group at once, each rank
+    # arriving from that much compute of its own (the wall time it took, time-sliced); no default, as above
+    crowded_group_latency_us: dict[str, dict[str, list[list[float]]]]
     # host time of one operator of an optimizer step (AdamW; no autograd), on plain tensors and on DTensors
     optimizer_op_us: float
     optimizer_dtensor_op_us: float
@@ -189,7 +197,7 @@ def measure_here() -> LocalMeasurements:
     finally:
         torch.set_num_threads(threads)
     collectives = _all_reduce_seconds()
-    crowded = {str(n): _crowded_all_reduce_seconds(n) * 1e6 for n in CROWDED_PROCESSES if n > cores}
+    crowded_runs = {str(n): _crowded_all_reduce_seconds(n) for n in CROWDED_PROCESSES if n > cores}
     runtime = runtime_bytes()
     sharing = min(cores, SHARED_PROCESSES_MAX)
     shared = _node_rates(sharing, cores, per_thread, per_thread_memory)
@@ -216,7 +224,8 @@ def measure_here() -> LocalMeasurements:
         shared_tflops={dtype: scale * shared[dtype] for dtype in MEASURED_DTYPES},
         shared_memory_gbps=scale * shared["memory_gbps"],
         matmul_efficiency=efficiency,
-        crowded_latency_us=crowded,
+        crowded_latency_us={n: run["seconds"] * 1e6 for n, run in crowded_runs.items()},
+        crowded_group_latency_us={n: run["groups_us"] for n, run in crowded_runs.items()},
         optimizer_op_us=optimizer_op_s * 1e6,
         optimizer_dtensor_op_us=collectives["optimizer_dtensor_op_s"] * 1e6,
         pipeline_runtime_bytes=runtime["pipeline"],
@@ -376,12 +385,13 @@ def _matmul_run(dtype: str) -> Any:
     return lambda: a @ b
 
 
-def _crowded_all_reduce_seconds(world_size: int, repeats: int = 40) -> float:
-    """Seconds of one small all-reduce among ``world_size`` gloo processes (more than the cores), back to back."""
+def _crowded_all_reduce_seconds(world_size: int, repeats: int = 40) -> dict[str, Any]:
+    """``world_size`` gloo processes (more than the cores): one small all-reduce among all of them back to back
+    (``seconds``), and the crowded group figures (``groups_us``, see :func:`_crowded_group_latency_us`)."""
     with tempfile.TemporaryDirectory(prefix="lightning-parallel-hw-") as scratch:
         init, out = Path(scratch) / "store", Path(scratch) / "result.json"
         mp.start_processes(_crowded_worker, args=(world_size, str(init), str(out), repeats), nprocs=world_size, start_method="spawn")
-        return json.loads(out.read_text())["seconds"]
+        return json.loads(out.read_text())
 
 
 def _crowded_worker(rank: int, world_size: int, init: str, out: str, repeats: int) -> None:
@@ -395,10 +405,44 @@ def _crowded_worker(rank: int, world_size: int, init: str, out: str, repeats: in
         start = time.perf_counter()
         for _ in range(repeats):
             dist.all_reduce(small)
+        seconds = (time.perf_counter() - start) / repeats
+        groups = _crowded_group_latency_us(rank, world_size, small)
         if rank == 0:
-            Path(out).write_text(json.dumps({"seconds": (time.perf_counter() - start) / repeats}))
+            Path(out).write_text(json.dumps({"seconds": seconds, "groups_us": groups}))
     finally:
         dist.destroy_process_group()
+
+
+def _crowded_group_latency_us(rank: int, world_size: int, tensor: torch.Tensor, repeats: int = 20) -> dict[str, list[list[float]]]:
+    """Group size (2, 4, ... up to ``world_size``) -> one point per :data:`CROWDED_GAP_MATMULS`: [wall microseconds of
+    the compute each rank ran between two collectives, microseconds of one small all-reduce], means over the ranks.
+
+    Every group of the node runs at once, as a layout's tensor-parallel groups do: a rank waits in the collective
+    until each peer has been scheduled and finished its compute, which takes longer the more compute it had to do
+    on a time-sliced core (the planner interpolates at a layout's own compute between collectives)."""
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    sizes = [size for size in (2**k for k in range(1, world_size.bit_length())) if world_size % size == 0]
+    figures: dict[str, list[list[float]]] = {}
+    for size in sizes:
+        # new_group is collective: every rank creates every group, in the same order.
+        group = [dist.new_group(list(range(first, first + size))) for first in range(0, world_size, size)][rank // size]
+        dist.all_reduce(tensor, group=group)  # warm-up (connections)
+        points = []
+        for matmuls in CROWDED_GAP_MATMULS:
+            dist.barrier()
+            computing = waiting = 0.0
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(matmuls):
+                    a @ b
+                arrived = time.perf_counter()
+                dist.all_reduce(tensor, group=group)
+                computing, waiting = computing + arrived - start, waiting + time.perf_counter() - arrived
+            means = torch.tensor([computing, waiting], dtype=torch.float64) / repeats / world_size
+            dist.all_reduce(means)
+            points.append([value * 1e6 for value in means.tolist()])
+        figures[str(size)] = points
+    return figures
 
 
 def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None) -> dict[str, object]:
@@ -444,6 +488,10 @@ def measured_profile_fields(devices_per_node: int, remeasure: bool | None = None
         "node_memory_gbps": found.shared_memory_gbps,
         "matmul_efficiency": found.matmul_efficiency,
         "crowded_latency_us": {int(n): us for n, us in found.crowded_latency_us.items()},
+        "crowded_group_latency_us": {
+            int(n): {int(size): [tuple(point) for point in points] for size, points in groups.items()}
+            for n, groups in found.crowded_group_latency_us.items()
+        },
         "crowded_node_tflops": {int(n): rates["fp32"] for n, rates in found.crowded_rates.items()},
         "crowded_node_memory_gbps": {int(n): rates["memory_gbps"] for n, rates in found.crowded_rates.items()},
         "host_cores": found.cores,

@@ -388,8 +388,9 @@ def _micro_seconds(
     else:
         tp_b = step.tp_bytes * micro * share * tokens
     # The tp ranks of a layer run the same operators between its collectives: they meet each one together.
-    tp_t = _collective_seconds(hardware, layout.tp, tp_b, step.tp_collectives * share, _tp_crosses(layout, workload), "all_reduce",
-                               meeting="lockstep")
+    tp_calls = step.tp_collectives * share
+    tp_t = _collective_seconds(hardware, layout.tp, tp_b, tp_calls, _tp_crosses(layout, workload), "all_reduce",
+                               meeting="lockstep", between_s=compute / tp_calls if tp_calls else None)
     p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
     p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
     ep_b = _all_to_all_bytes(step, layout) * micro * tokens * share  # this stage's share of the MoE layers
@@ -594,13 +595,16 @@ def _ring_factor(ranks: int, kind: str) -> float:
 
 def _collective_seconds(
     hardware: HardwareProfile, ranks: int, payload: float, calls: float, crosses: bool, kind: str, meeting: str = "arriving",
+    between_s: float | None = None,
 ) -> float:
     """``calls`` collectives of ``kind`` over ``ranks`` handing them ``payload`` bytes in all (``meeting``: how the ranks
-    meet them, see :meth:`HardwareProfile.link`)."""
+    meet them, ``between_s``: each rank's compute between two of them, ``None``: a step's; see
+    :meth:`HardwareProfile.link`)."""
     if ranks <= 1 or payload <= 0:
         return 0.0
     # Ring messages one after another: an all-reduce passes 2(n − 1), an all-gather or reduce-scatter n − 1.
-    bandwidth, latency = hardware.link(crosses, messages=(2 if kind == "all_reduce" else 1) * (ranks - 1), meeting=meeting)
+    messages = (2 if kind == "all_reduce" else 1) * (ranks - 1)
+    bandwidth, latency = hardware.link(crosses, messages=messages, meeting=meeting, ranks=ranks, between_s=between_s)
     return calls * latency + _ring_factor(ranks, kind) * payload / bandwidth
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from itertools import pairwise
 from typing import Any
@@ -71,6 +71,11 @@ class HardwareProfile:
         crowded_latency_us: Processes on the node (more than ``host_cores``) -> fixed cost of one collective among
             them, microseconds: a rank blocked in a collective waits until every peer has been scheduled again.
             Measured on CPUs (``measured: true``); empty where every process has a core of its own.
+        crowded_group_latency_us: Processes on the node (more than ``host_cores``) -> ranks of a group -> points
+            ``(compute between, all-reduce)``, microseconds: a small all-reduce within each group, every group at
+            once, each rank arriving from that much compute of its own (the wall time it took on the time-sliced
+            cores). A group's collectives cost this where given (see :meth:`crowded_collective_us`); measured on
+            CPUs (``measured: true``).
         crowded_node_tflops: Processes on the node (more than ``host_cores``) -> the node's compute they get together,
             TFLOP/s (as ``node_tflops``, which is for ``host_cores`` processes): time slices, cache refills and
             switches cost a crowded node part of its throughput. Between the counts given it is interpolated, past the
@@ -106,6 +111,7 @@ class HardwareProfile:
     dtensor_op_us: float = 0.0
     host_cores: int = 0
     crowded_latency_us: Mapping[int, float] | None = None
+    crowded_group_latency_us: Mapping[int, Mapping[int, Sequence[Sequence[float]]]] | None = None
     op_us: float = 0.0
     memory_gbps: float | None = None
     node_memory_gbps: float | None = None
@@ -140,6 +146,11 @@ class HardwareProfile:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise ValueError(f"hardware.{name}={value!r} must be a number of microseconds, 0 or more (or null: "
                                  f"intra_node_latency_us).")
+        for processes, groups in (self.crowded_group_latency_us or {}).items():
+            for ranks, points in groups.items():
+                if not points or any(len(point) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in point) for point in points):
+                    raise ValueError(f"hardware.crowded_group_latency_us[{processes}][{ranks}]={points!r} must be "
+                                     f"[compute between, all-reduce] pairs of microseconds, 0 or more.")
         if self.node_tflops is not None and self.node_tflops <= 0:
             raise ValueError(f"hardware.node_tflops={self.node_tflops} must be positive (or null for independent devices).")
 
@@ -250,14 +261,20 @@ class HardwareProfile:
             peak = min(peak, self.node_tflops * peak / self.peak_tflops / max(1, processes_on_node))
         return peak * 1e12
 
-    def link(self, crosses_nodes: bool, messages: int | None = None, meeting: str = "arriving") -> tuple[float, float]:
+    def link(
+        self, crosses_nodes: bool, messages: int | None = None, meeting: str = "arriving", ranks: int | None = None,
+        between_s: float | None = None,
+    ) -> tuple[float, float]:
         """(bytes per second, seconds of latency) of the links a group uses, for a collective that passes ``messages``
         one after another (a ring all-reduce over n ranks: 2(n − 1); a send: 1). They count only where the node's
         processes outnumber its cores (:meth:`sharing_node`): each message then waits for its receiver to be
         scheduled again. ``meeting`` says how the ranks meet it inside a node: ``"arriving"`` each from compute of
         its own, ``"lockstep"`` together (``lockstep_latency_us``), ``"send"`` a send to a waiting rank
         (``send_latency_us``). Both of the last assume every rank runs on a core of its own: on a crowded node the
-        peers are time-sliced and the waiting rank sleeps, so they cost what ranks arriving apart do."""
+        peers are time-sliced and the waiting rank sleeps, so they cost what ranks arriving apart do. There a
+        collective of a group of ``ranks``, with ``between_s`` seconds of compute on each rank since its last one
+        (``None``: the compute of a whole step), costs the figure measured for such groups where the profile has it
+        (:meth:`crowded_collective_us`)."""
         if crosses_nodes:
             return self.inter_node_gbps * 1e9, self.inter_node_latency_us * 1e-6
         if meeting not in _MEETINGS:
@@ -266,9 +283,38 @@ class HardwareProfile:
         latency = None if crowded else getattr(self, _MEETINGS[meeting])
         if latency is None:
             latency = self.intra_node_latency_us
+        if crowded and meeting != "send" and ranks and ranks > 1 and self.crowded_group_latency_us:
+            # Measured for ring all-reduces (2(n − 1) messages): other collectives of the group pass fewer.
+            group_us = self.crowded_collective_us(self.sharing_processes, ranks, None if between_s is None else between_s * 1e6)
+            return self.intra_node_gbps * 1e9, group_us * messages / (2 * (ranks - 1)) * 1e-6
         if crowded:
             latency = max(latency, messages * self.crowded_message_us(self.sharing_processes))
         return self.intra_node_gbps * 1e9, latency * 1e-6
+
+    def crowded_collective_us(self, processes: int, ranks: int, between_us: float | None) -> float:
+        """One small all-reduce among ``ranks`` of ``processes`` sharing the node (more than its cores), each rank
+        arriving from ``between_us`` of compute (``None``: more than any measured point), from
+        ``crowded_group_latency_us``: linear in the compute between the points measured and flat past them (a peer's
+        wait stops growing once the compute outlasts its time slices); per ring message, linear in the group size
+        between those measured and flat past them; between the process counts measured linear from the uncrowded
+        latency at ``host_cores``, and past the last one growing with the processes each core takes turns with."""
+        table = {int(n): groups for n, groups in (self.crowded_group_latency_us or {}).items()}
+        if not table:
+            raise ValueError(f"hardware {self.name!r} has no crowded_group_latency_us.")
+
+        def at(n: int) -> float:
+            per_message = sorted(
+                (int(size), _interpolate([tuple(point) for point in points], between_us) / (2 * (int(size) - 1)))
+                for size, points in table[n].items()
+            )
+            return _interpolate(per_message, ranks) * 2 * (ranks - 1)
+
+        counts = sorted(table)
+        points = [(self.host_cores, self.intra_node_latency_us)] if self.host_cores and self.host_cores < counts[0] else []
+        points += [(n, at(n)) for n in counts]
+        if processes > counts[-1]:
+            return points[-1][1] * processes / counts[-1]
+        return _interpolate(points, processes)
 
     def sharing_node(self, processes_on_node: int) -> HardwareProfile:
         """This profile as ``processes_on_node`` processes sharing one node see it (their collectives' latency)."""
@@ -288,6 +334,20 @@ class HardwareProfile:
         (n0, us0), (n1, us1) = per_message[-2], per_message[-1]
         exponent = math.log(max(us1, 1e-9) / max(us0, 1e-9)) / math.log(n1 / n0)
         return us1 * (processes / n1) ** max(exponent, 0.0)
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float | None) -> float:
+    """The value at ``x`` of the (x, value) ``points`` (sorted), linear between them and flat past either end
+    (``None``: past the last)."""
+    points = sorted(points)
+    if x is None or x >= points[-1][0]:
+        return points[-1][1]
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, v0), (x1, v1) in pairwise(points):
+        if x <= x1:
+            return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
+    raise AssertionError("unreachable: x is inside the points")
 
 
 #: Dtype names a peak is given for.

@@ -15,6 +15,7 @@ FIGURES = hardware.LocalMeasurements(
     matmul_efficiency={"matmul/32": 0.5, "attention/32": 0.25, "matmul/512": 1.0}, crowded_latency_us={"8": 6000.0},
     optimizer_op_us=3.0, optimizer_dtensor_op_us=15.0, pipeline_runtime_bytes=35 * 2**20, training_runtime_bytes=2**20,
     crowded_rates={"8": {"fp32": 0.16, "fp64": 0.08, "memory_gbps": 16.0}},
+    crowded_group_latency_us={"8": {"2": [[0.0, 1000.0], [8000.0, 6000.0]], "8": [[0.0, 14000.0], [6000.0, 21000.0]]}},
 )
 
 
@@ -72,6 +73,7 @@ def test_a_measured_profile_takes_this_machines_figures_and_keeps_what_it_writes
     assert one_thread.peak_tflops == pytest.approx(0.06) and one_thread.memory_gbps == pytest.approx(8.0)
     # Eight processes on the 4 cores: each message of a collective waits for its receiver to be scheduled again.
     assert profile.crowded_latency_us == {8: 6000.0}
+    assert profile.crowded_group_latency_us == {8: {2: [(0.0, 1000.0), (8000.0, 6000.0)], 8: [(0.0, 14000.0), (6000.0, 21000.0)]}}
     assert profile.sharing_node(4).link(False, messages=14) == (0.8e9, pytest.approx(1500e-6))
     assert profile.sharing_node(8).link(False, messages=14) == (0.8e9, pytest.approx(6000e-6))  # all 8 ranks: as measured
     # How the ranks meet a collective: from compute of their own, in lockstep (tensor parallelism), a send to a waiting rank.
@@ -102,3 +104,36 @@ def test_crowded_collective_latency_by_messages_between_and_past_the_measured_pr
     assert uncrowded.link(False, meeting="send") == uncrowded.link(False, meeting="lockstep") == uncrowded.link(False)
     with pytest.raises(ValueError, match="meeting='waiting'"):
         uncrowded.link(False, meeting="waiting")
+
+
+def test_crowded_group_collectives_cost_what_such_groups_measured():
+    """A collective of a group of ranks on a crowded node costs the figure measured for such groups, every group at once,
+    at the layout's own compute between collectives: a peer's wait grows with the compute it had to finish."""
+    profile = HardwareProfile(
+        name="x", device_memory_gib=8, peak_tflops=0.1, achievable_fraction=0.5, devices_per_node=32, intra_node_gbps=1,
+        inter_node_gbps=1, intra_node_latency_us=500, host_cores=2, crowded_latency_us={4: 6000.0, 8: 28000.0},
+        crowded_group_latency_us={4: {2: [(0, 800), (4000, 3000)], 4: [(0, 4000), (4000, 7000)]},
+                                  8: {2: [(0, 1000), (8000, 6000)], 8: [(0, 14000), (6000, 21000)]}},
+    )
+    # Linear in the compute between the measured points, flat past them; None is a whole step's compute.
+    assert profile.crowded_collective_us(4, 2, 0) == 800 and profile.crowded_collective_us(4, 2, 2000) == pytest.approx(1900)
+    assert profile.crowded_collective_us(4, 2, None) == profile.crowded_collective_us(4, 2, 1e6) == 3000
+    # Per ring message linear in the group size between those measured (1500 for 2 ranks, 7000 / 6 for 4), flat past.
+    assert profile.crowded_collective_us(4, 3, None) == pytest.approx((1500 + 7000 / 6) / 2 * 4)
+    assert profile.crowded_collective_us(4, 8, None) == pytest.approx(7000 / 6 * 14)
+    # Between the process counts measured linear (from the uncrowded latency at the cores' count); past the last
+    # growing with the processes each core takes turns with.
+    assert profile.crowded_collective_us(6, 2, None) == pytest.approx(4500)
+    assert profile.crowded_collective_us(3, 2, None) == pytest.approx(1750)
+    assert profile.crowded_collective_us(16, 2, None) == pytest.approx(12000)
+    crowded = profile.sharing_node(8)
+    assert crowded.link(False, messages=2, meeting="lockstep", ranks=2, between_s=0.004) == (1e9, pytest.approx(3500e-6))
+    assert crowded.link(False, messages=1, ranks=2, between_s=0.004) == (1e9, pytest.approx(1750e-6))  # an all-gather: half
+    # A send keeps the per-message figure of the all-rank collective (28 ms over 14 messages); across nodes the network's.
+    assert crowded.link(False, messages=1, meeting="send", ranks=2) == (1e9, pytest.approx(2000e-6))
+    assert crowded.link(True, messages=2, ranks=2) == (1e9, pytest.approx(20e-6))
+    # A core each: the table does not apply.
+    assert profile.sharing_node(2).link(False, messages=2, meeting="lockstep", ranks=2, between_s=0.004) == (1e9, pytest.approx(500e-6))
+    with pytest.raises(ValueError, match=r"crowded_group_latency_us\[4\]\[2\]"):
+        HardwareProfile(name="x", device_memory_gib=8, peak_tflops=0.1, achievable_fraction=0.5, devices_per_node=4,
+                        intra_node_gbps=1, inter_node_gbps=1, crowded_group_latency_us={4: {2: [(0, -1)]}})

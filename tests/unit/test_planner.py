@@ -465,3 +465,21 @@ def test_collectives_are_charged_by_how_their_ranks_meet_them():
     assert pipeline[1].p2p_s - pipeline[0].p2p_s == pytest.approx(4 * 2 * 100e-6)
     dp = [predict(profile(), Layout(2, 1, 1), workload, h) for h in (hardware, slower)]
     assert dp[0].dp_s == dp[1].dp_s  # the gradient all-reduce: neither figure
+
+
+def test_crowded_tensor_parallel_collectives_are_charged_at_the_compute_between_them():
+    """On a crowded node a tp collective costs the crowded group figure at the layout's own compute between two
+    collectives (a micro-batch's compute over its collectives); the gradient all-reduce the figure after a whole step."""
+    table = {4: {2: [(0.0, 1000.0), (1e9, 1000.0 + 1e9)]}}  # 1 µs more per µs of compute between
+    hardware = replace(ANY_HARDWARE, intra_node_gbps=1e9, intra_node_latency_us=1000.0, host_cores=2, crowded_latency_us={4: 6000.0},
+                       crowded_group_latency_us=table)
+    workload = Workload(devices_per_node=4, num_nodes=1, global_batch=8)
+    tp = predict(profile(), Layout(2, 2, 1), workload, hardware)
+    calls = profile().step(2).tp_collectives
+    # Each collective: 1 ms plus the compute before it, the forward and backward's over the calls: together 1 ms per
+    # call plus that compute once (ANY_HARDWARE's optimizer step costs next to nothing beside it).
+    assert tp.compute_s > 0 and tp.tp_s - calls * 1e-3 == pytest.approx(tp.compute_s, rel=1e-3)
+    flat = predict(profile(), Layout(2, 2, 1), workload, replace(hardware, crowded_group_latency_us={4: {2: [(0.0, 1000.0)]}}))
+    assert flat.tp_s == pytest.approx(calls * 1e-3)
+    # The gradient all-reduce among the 2 replicas: after a whole step's compute, the last point measured.
+    assert flat.dp_s < tp.dp_s
