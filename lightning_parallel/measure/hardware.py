@@ -59,9 +59,10 @@ SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
 #: local layouts use up to 8 processes per node).
 CROWDED_PROCESSES = (4, 8)
 #: Matmuls (256 × 512 by 512 × 512, one thread) each rank runs between two collectives of its group on a crowded
-#: node: none (back to back) and as many as the uncrowded "arriving" benchmark runs. The planner interpolates at a
-#: layout's own compute between collectives (a peer's wait grows with it until it outlasts a time slice).
-CROWDED_GAP_MATMULS = (0, 3)
+#: node: none (back to back), as many as the uncrowded "arriving" benchmark runs, and a layer's worth of several time
+#: slices. The planner interpolates at a layout's own compute between collectives (a peer's wait grows with it until
+#: the compute outlasts the turns the scheduler gives the processes sharing a core).
+CROWDED_GAP_MATMULS = (0, 3, 12)
 #: At most this many one-thread processes measure the node's shared figures together; on a bigger host their sum is
 #: scaled to every core (each process imports torch: hundreds of MiB apiece).
 SHARED_PROCESSES_MAX = 16

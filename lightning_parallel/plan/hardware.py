@@ -279,7 +279,8 @@ class HardwareProfile:
             return self.inter_node_gbps * 1e9, self.inter_node_latency_us * 1e-6
         if meeting not in _MEETINGS:
             raise ValueError(f"meeting={meeting!r} is not one of {list(_MEETINGS)}.")
-        crowded = bool(messages and self.host_cores and self.sharing_processes > self.host_cores and self.crowded_latency_us)
+        crowded = bool(messages and self.host_cores and self.sharing_processes > self.host_cores
+                       and (self.crowded_latency_us or self.crowded_group_latency_us))
         latency = None if crowded else getattr(self, _MEETINGS[meeting])
         if latency is None:
             latency = self.intra_node_latency_us
@@ -337,8 +338,8 @@ class HardwareProfile:
 
 
 def _interpolate(points: Sequence[tuple[float, float]], x: float | None) -> float:
-    """The value at ``x`` of the (x, value) ``points`` (sorted), linear between them and flat past either end
-    (``None``: past the last)."""
+    """The value at ``x`` of the (x, value) ``points``, linear between them and flat past either end (``None``: past
+    the last)."""
     points = sorted(points)
     if x is None or x >= points[-1][0]:
         return points[-1][1]
