@@ -219,8 +219,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         dense = names - experts
         # Divided experts: 1/ep of each, held whole by the data-parallel mode (FSDP2 and DDP leave them alone).
         params = sum(step.parameter_bytes[n] for n in dense)
-        gradients = sum(step.parameter_bytes[n] for n in dense - step.frozen) + _whole_lookup_gradient_bytes(
-            profile, step, dense - step.frozen, segments, layout, shards)
+        gradients = sum(step.parameter_bytes[n] for n in dense - step.frozen)
         optimizer = sum(step.optimizer_bytes.get(n, 0) for n in dense)
         # Tensor parallelism leaves divided experts whole (its plan excludes them): their bytes are the unsplit ones.
         expert_params = sum(unsplit.parameter_bytes[n] for n in experts) / layout.ep
@@ -245,7 +244,7 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
                 optimizer_step=_optimizer_step_bytes(step, unsplit, layout, dense - step.frozen, experts - step.frozen, shards),
                 runtime=hardware.training_runtime_bytes + (hardware.pipeline_runtime_bytes if layout.pp > 1 else 0.0),
-                lookup_backward=_lookup_backward_bytes(profile, step, dense - step.frozen, shards, segments, layout),
+                lookup_backward=_lookup_backward_bytes(profile, step, dense - step.frozen, shards),
                 setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
             )
         )
@@ -562,42 +561,16 @@ def _optimizer_step_bytes(
     return step.optimizer_temporaries_per_largest * largest + buckets
 
 
-def _lookup_backward_bytes(
-    profile: ModelProfile, step: StepProfile, trained: set[str], shards: int, segments: list[str], layout: Layout,
-) -> float:
+def _lookup_backward_bytes(profile: ModelProfile, step: StepProfile, trained: set[str], shards: int) -> float:
     """What the backward of an embedding split over the vocabulary and tied to the head holds beside the state
-    (``trained``: the rank's parameters with gradients, ``segments``: the ones it runs): the lookup's gradient of this
-    rank's rows (:mod:`lightning_parallel.parallelize.tensor.vocabulary`; a traced pipeline stage's, the whole table),
-    then its sum with the head's gradient, a new tensor, before the head's is freed. An untied table's lookup
-    gradient is the state's own, and so is a tied one's where the head runs on another pipeline rank."""
+    (``trained``: the rank's parameters with gradients): the lookup's gradient of this rank's rows
+    (:mod:`lightning_parallel.parallelize.tensor.vocabulary`), then their sum with the head's gradient, a new tensor,
+    before the head's is freed. An untied table's lookup gradient is the state's own."""
     held = 0.0
     for name in step.vocabulary_lookups & trained:
-        used = profile.parameter_segments.get(name, ())
-        if len(used) > 1 and all(segment in segments for segment in used):  # looked up before the trunk, read by the head
-            lookup = step.parameter_bytes[name] * (layout.tp if _traced_tensor_parallel(layout) else 1)
-            held += (lookup + step.parameter_bytes[name]) / shards
+        if len(profile.parameter_segments.get(name, ())) > 1:  # looked up before the trunk and read by the head after it
+            held += 2 * step.parameter_bytes[name] / shards
     return held
-
-
-def _whole_lookup_gradient_bytes(
-    profile: ModelProfile, step: StepProfile, trained: set[str], segments: list[str], layout: Layout, shards: int,
-) -> float:
-    """Gradient bytes beyond a tensor-parallel shard that a traced pipeline stage keeps for a vocabulary-split table it
-    looks up in: DTensor has no vocabulary-split backward for ``aten.embedding``, so the stage's graph computes the
-    whole table's gradient and keeps it (replicated) until the optimizer step (plain stages compute their rows only,
-    :mod:`lightning_parallel.parallelize.tensor.vocabulary`). Sharded data parallelism reduce-scatters it away."""
-    if not _traced_tensor_parallel(layout) or shards > 1:
-        return 0.0
-    return sum(
-        step.parameter_bytes[name] * (layout.tp - 1)
-        for name in step.vocabulary_lookups & trained
-        if profile.parameter_segments.get(name, ("",))[0] in segments  # the first use is the lookup
-    )
-
-
-def _traced_tensor_parallel(layout: Layout) -> bool:
-    """Whether the layout's stages are traced graphs run on DTensors (tensor parallelism inside a pipeline)."""
-    return layout.pp > 1 and layout.tp > 1
 
 
 def _boundary_bytes(profile: ModelProfile, stages: list[list[str]]) -> float:

@@ -14,8 +14,6 @@ from hydra import compose, initialize_config_dir
 from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.plan.config import configured_layout, parameter_dtype
 from lightning_parallel.plan.cost import (
-    _parameters_of,
-    _stages_by_pipeline_rank,
     bubble_fraction,
     computing_processes,
     in_flight_microbatches,
@@ -485,20 +483,3 @@ def test_crowded_tensor_parallel_collectives_are_charged_at_the_compute_between_
     assert flat.tp_s == pytest.approx(calls * 1e-3)
     # The gradient all-reduce among the 2 replicas: after a whole step's compute, the last point measured.
     assert flat.dp_s < tp.dp_s
-
-
-def test_a_vocabulary_split_tables_gradient_is_counted_as_each_kind_of_stage_computes_it():
-    """Plain tp: the lookup's gradient of this rank's rows, summed with the tied head's beside the state (two shards).
-    A traced pipeline stage computes (and keeps until the optimizer step) the whole table's gradient; its tied head
-    runs on the last pipeline rank, so nothing is summed on the first."""
-    step = profile().step(2)
-    table = step.parameter_bytes["model.tok_emb.weight"]  # this rank's half
-    tp = predict(profile(), Layout(1, 2, 1), Workload(devices_per_node=2, num_nodes=1, global_batch=8), ANY_HARDWARE)
-    assert tp.memory[0].lookup_backward == 2 * table
-    layout = Layout(1, 2, 2, schedule="1f1b", microbatches=4)
-    first, last = predict(profile(), layout, Workload(devices_per_node=4, num_nodes=1, global_batch=8), ANY_HARDWARE).memory
-    assert first.lookup_backward == last.lookup_backward == 0
-    held = [sum(step.parameter_bytes[n] for n in _parameters_of(step, [s for stage in stages for s in stage]))
-            for stages in _stages_by_pipeline_rank(profile(), layout)]
-    # The first stage's gradients: its parameters' shards and the table's other half; the head's stage its shards.
-    assert first.gradients == held[0] + table and last.gradients == held[1]
