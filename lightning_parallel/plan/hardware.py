@@ -213,11 +213,7 @@ class HardwareProfile:
         crowded counts measured, the last one's past them."""
         if not crowded or not self.host_cores or processes_on_node <= self.host_cores:
             return node
-        points = sorted({self.host_cores: node, **{int(n): value for n, value in crowded.items()}}.items())
-        for (n0, v0), (n1, v1) in pairwise(points):
-            if processes_on_node <= n1:
-                return v0 + (v1 - v0) * (processes_on_node - n0) / (n1 - n0)
-        return points[-1][1]
+        return _interpolate(list({self.host_cores: node, **{int(n): value for n, value in crowded.items()}}.items()), processes_on_node)
 
     def _crowding(self, processes_on_node: int) -> float:
         return max(1.0, processes_on_node / self.host_cores) if self.host_cores else 1.0
