@@ -13,6 +13,7 @@ Outputs (CSV metrics, checkpoints/, Hydra config) go to outputs/<date>/<time>/ u
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -70,6 +71,16 @@ warnings.filterwarnings(
 warnings.filterwarnings(
     "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning, module=r"copyreg\Z",
 )
+
+# Lightning 2.6.6 advertises its cloud logger ("💡 Tip: ... try installing litlogger") on every Trainer whose loggers
+# include no LitLogger: an advertisement, not about the user's run. Dropped from Lightning's rank-zero logger by its
+# opening words only (any other message of that logger still shows).
+class _NoLitLoggerTip(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip: For seamless cloud logging")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_NoLitLoggerTip())
 
 
 def train(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> dict[str, Any]:

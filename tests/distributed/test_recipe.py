@@ -42,7 +42,7 @@ def run_recipe(args: list[str], timeout: float = 240) -> subprocess.CompletedPro
 
 def assert_first_screen_is_the_users(output: str) -> None:
     """None of the third-party noise issue 30 found on `make train`'s first screen (from any rank)."""
-    for noise in ("set_vital", "LeafSpec", "Epoch 0/-2", "Total FLOPs: 0"):
+    for noise in ("set_vital", "LeafSpec", "Epoch 0/-2", "Total FLOPs: 0", "litlogger"):
         assert noise not in output, f"{noise!r} on the first screen:\n{output[-6000:]}"
     assert "FLOPs ┃" not in output  # no per-module FLOPs column: Lightning's read 0 on every row
     flops = re.search(r"Training FLOPs per sample: ([\d.]+) ([KMGT]?)", output)

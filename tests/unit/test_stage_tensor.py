@@ -215,3 +215,52 @@ def test_views_of_tensors_written_in_place_stay_views():
     assert of_input.args[0].target is contiguous_local and of_input.args[0].args == (x,)
     x_value = torch.arange(4.0)
     torch.testing.assert_close(module.inner(x_value), x_value * 2 + 1 + x_value)
+
+
+class TiedLM(nn.Module):
+    """A lookup (with a padding row) in a table the head reads again, around MLP blocks."""
+
+    def __init__(self, width: int = 16, layers: int = 4, vocab: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=3)
+        self.layers = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(),
+                                                  nn.Linear(2 * width, width)) for _ in range(layers))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for layer in self.layers:
+            hidden = hidden + layer(hidden)
+        return self.head(hidden)
+
+
+def test_a_stages_lookup_computes_the_gradient_of_its_own_rows(simulated_ranks, monkeypatch):
+    """A traced stage's lookup in a vocabulary-split table runs the split backward (each rank's rows of the gradient,
+    not DTensor's whole table on every rank), and the gradients stay the whole model's, padding row and tied head
+    included."""
+    from lightning_parallel.parallelize.tensor import vocabulary
+
+    rows = []
+    backward = vocabulary._SplitLookup.backward
+
+    def counted(ctx, grad_output):
+        rows.append(ctx.rows)
+        return backward(ctx, grad_output)
+
+    monkeypatch.setattr(vocabulary._SplitLookup, "backward", staticmethod(counted))
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    tokens = torch.randint(0, 32, (2, 8))
+    tokens[0, :3] = 3  # the padding row, looked up
+    whole = whole_model(model, tokens)
+    split = run_split_over_tp(model, tokens, "layers.2", simulated_ranks)
+    assert split[2]["embed.weight"] == Shard(0)
+    assert rows and set(rows) == {16}, rows  # half of the 32 rows
+    output, grads, _ = split
+    torch.testing.assert_close(output, whole[0], rtol=0, atol=1e-12)
+    # The stages hold the tied table under both names (the pipeline sums their gradients): together, the whole's.
+    torch.testing.assert_close(grads.pop("embed.weight") + grads.pop("head.weight"), whole[1].pop("embed.weight"), rtol=0, atol=1e-12)
+    assert grads.keys() == whole[1].keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, whole[1][name], rtol=0, atol=1e-12, msg=name)

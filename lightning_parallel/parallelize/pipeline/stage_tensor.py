@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 import lightning_parallel.parallelize.tensor.dtensor_ops  # noqa: F401  (CPU attention rules for DTensor)
 from lightning_parallel.parallelize.pipeline.stage_views import contiguous_before_views
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
-from lightning_parallel.parallelize.tensor.vocabulary import replicate_partials
+from lightning_parallel.parallelize.tensor.vocabulary import aten_split_lookup, replicate_partials
 
 #: Placement of each parameter of a module, by style; anything not listed is replicated. Fused projections
 #: are split along their output features in the module's own order: in the global view DTensor slices
@@ -124,6 +124,7 @@ class StageTensorParallel:
         """Inputs enter ``stage_module`` as replicated DTensors; its outputs leave as whole tensors."""
         stage_module.register_forward_pre_hook(self._inputs_to_dtensor, with_kwargs=True)
         stage_module.register_forward_hook(self._outputs_to_whole)
+        _lookups_of_own_rows(stage_module)
         _reduce_where_computed(stage_module)
         if "channelwise" in self.styles.values():
             _convolutions_over_local_channels(stage_module)
@@ -157,6 +158,7 @@ class StageTensorParallel:
 #: (its input split over the features, its weight over its columns) and a lookup in a vocabulary-split table.
 _PARTIAL_PRODUCERS = (
     torch.ops.aten.embedding.default,
+    aten_split_lookup,
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
@@ -164,6 +166,23 @@ _PARTIAL_PRODUCERS = (
     torch.ops.aten.matmul.default,
     torch.ops.aten.linear.default,
 )
+
+
+def _lookups_of_own_rows(stage_module: nn.Module) -> None:
+    """Run every lookup of ``stage_module``'s graphs through :func:`aten_split_lookup`: in a vocabulary-split table, its
+    backward computes this rank's rows of the gradient, not the whole table's that DTensor's ``aten.embedding``
+    backward gives (tp times the rank's rows, on every rank, at the end of every backward). Any other lookup runs as
+    traced."""
+    from torch.export.unflatten import InterpreterModule
+
+    for submodule in stage_module.modules():
+        if not isinstance(submodule, InterpreterModule):
+            continue
+        lookups = [n for n in submodule.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.embedding.default]
+        for node in lookups:
+            node.target = aten_split_lookup
+        if lookups:
+            submodule.finalize()
 
 
 def _reduce_where_computed(stage_module: nn.Module) -> None:

@@ -138,7 +138,8 @@ def split_lookup(input: Tensor, weight: Tensor, padding_idx: int | None = None, 
 
     Anything but a plain lookup of every rank's whole ``input`` in a table split over its rows on a one-dimensional
     mesh (a renormalising ``max_norm``, gradients scaled by frequency: counted over every position, sparse gradients,
-    a compiled or traced forward) is torch's lookup, whose backward computes the whole table.
+    a compiled forward) is torch's lookup, whose backward computes the whole table. A traced pipeline stage's lookups
+    come here through :func:`aten_split_lookup`.
     """
     import torch
     from torch.distributed.tensor import DTensor
@@ -152,6 +153,13 @@ def split_lookup(input: Tensor, weight: Tensor, padding_idx: int | None = None, 
     if plain:
         return F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse)
     return _SplitLookup.apply(input, weight, padding_idx)
+
+
+def aten_split_lookup(weight: Tensor, indices: Tensor, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+                      sparse: bool = False) -> Tensor:
+    """:func:`split_lookup` called as ``aten.embedding`` is (its arguments, ``-1``: no padding row): what a traced graph's
+    lookup nodes run instead, so that a traced pipeline stage's backward computes this rank's rows too."""
+    return split_lookup(indices, weight, None if padding_idx == -1 else padding_idx, None, 2.0, scale_grad_by_freq, sparse)
 
 
 class _SplitLookup(Function):
