@@ -2,8 +2,8 @@
 
 Compute: a dense matmul with every core (what one process alone trains on) and with one thread (a process's share
 when several share the cores: Lightning gives each ``cores // processes`` threads, at least one), per dtype; alike
-the memory bandwidth of the operators that are not matmuls, and the host time of one operator
-(:mod:`lightning_parallel.measure.dispatch`).
+the memory bandwidth of the operators that are not matmuls (each the median of three samples spread over the
+measurement: :func:`_process_rates`), and the host time of one operator (:mod:`lightning_parallel.measure.dispatch`).
 Collectives: two processes of the backend in use (gloo on CPU) time an all-reduce of 4 KiB (latency) and of 8 MiB
 (bandwidth, wire bytes per rank per second), each after a little compute and without a barrier, as a step meets
 them; a small all-reduce in lockstep (right after the previous one, as tensor parallelism's collectives meet ranks
@@ -182,24 +182,23 @@ def measure_here() -> LocalMeasurements:
     """Measure compute, collectives and memory of this machine now."""
     cores = os.cpu_count() or 1
     threads = torch.get_num_threads()
+    samples = [_process_rates(cores)]
     try:
-        alone, per_thread = {}, {}
-        for dtype in MEASURED_DTYPES:
-            torch.set_num_threads(cores)
-            alone[dtype] = _fresh_matmul_tflops(dtype)
-            torch.set_num_threads(1)
-            per_thread[dtype] = _fresh_matmul_tflops(dtype)
+        torch.set_num_threads(1)
         op_s = op_seconds()
         optimizer_op_s = optimizer_op_seconds()
-        per_thread_memory = memory_bytes_per_second()
         efficiency = matmul_efficiency()
-        torch.set_num_threads(cores)
-        alone_memory = memory_bytes_per_second()
     finally:
         torch.set_num_threads(threads)
     collectives = _all_reduce_seconds()
+    samples.append(_process_rates(cores))
     crowded_runs = {str(n): _crowded_all_reduce_seconds(n) for n in CROWDED_PROCESSES if n > cores}
     runtime = runtime_bytes()
+    samples.append(_process_rates(cores))
+    rates = {key: statistics.median(sample[key] for sample in samples) for key in samples[0]}
+    alone = {dtype: rates[f"alone/{dtype}"] for dtype in MEASURED_DTYPES}
+    per_thread = {dtype: rates[f"thread/{dtype}"] for dtype in MEASURED_DTYPES}
+    alone_memory, per_thread_memory = rates["alone/memory"], rates["thread/memory"]
     sharing = min(cores, SHARED_PROCESSES_MAX)
     shared = _node_rates(sharing, cores, per_thread, per_thread_memory)
     scale = cores / sharing
@@ -233,6 +232,31 @@ def measure_here() -> LocalMeasurements:
         training_runtime_bytes=runtime["training"],
         crowded_rates=crowded_rates,
     )
+
+
+def _process_rates(cores: int) -> dict[str, float]:
+    """One sample of a process's compute and bandwidth: matmul TFLOP/s per dtype with every core (``alone/<dtype>``)
+    and with one thread (``thread/<dtype>``), and the non-matmul operators' bytes per second alike (``alone/memory``,
+    ``thread/memory``).
+
+    :func:`measure_here` takes three, spread over its whole run (before the collectives, between them and the crowded
+    runs, at the end), and keeps each figure's median: a VM's speed moves by a tenth from one second to the next (a
+    one-thread matmul read 88, 90 and 100 GFLOP/s on this project's 2-core VM, seconds apart), and a step runs at
+    the machine's usual speed, not at its best moment, which the best of three rounds of one sample finds."""
+    threads = torch.get_num_threads()
+    rates = {}
+    try:
+        for dtype in MEASURED_DTYPES:
+            torch.set_num_threads(cores)
+            rates[f"alone/{dtype}"] = _fresh_matmul_tflops(dtype)
+            torch.set_num_threads(1)
+            rates[f"thread/{dtype}"] = _fresh_matmul_tflops(dtype)
+        rates["thread/memory"] = memory_bytes_per_second()
+        torch.set_num_threads(cores)
+        rates["alone/memory"] = memory_bytes_per_second()
+    finally:
+        torch.set_num_threads(threads)
+    return rates
 
 
 def _fresh_matmul_tflops(dtype: str) -> float:
