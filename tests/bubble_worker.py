@@ -82,3 +82,7 @@ if __name__ == "__main__":
         summary = run(name, out_dir)
         if summary:  # rank 0
             (out_dir / f"{name}.json").write_text(json.dumps(summary, default=str))
+        # Rank 0 draws the timeline at the end of fit; rank 1 waits here for it rather than in the next run's setup,
+        # where it aborted twice (SIGABRT, the cause not captured) while rank 0 was drawing.
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
