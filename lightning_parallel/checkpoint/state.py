@@ -58,8 +58,7 @@ def gather_pipeline_parts(part: dict[str, Any], group: dist.ProcessGroup, dst_gr
 
     Every rank of the group must call it; the destination gets the whole state, the others their own part.
     """
-    parts: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == dst_group_rank else None
-    dist.gather_object(part, parts, group_dst=dst_group_rank, group=group)
+    parts = collectives.gather_object(part, group, dst_group_rank)
     if parts is None:
         return part
     return _merge_optimizer_parts(parts) if _is_optimizer_state(part) else {k: v for p in parts for k, v in p.items()}
@@ -67,8 +66,7 @@ def gather_pipeline_parts(part: dict[str, Any], group: dist.ProcessGroup, dst_gr
 
 def all_pipeline_parts(part: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
     """:func:`gather_pipeline_parts`, merged on every rank of ``group``."""
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, part, group=group)
+    parts = collectives.all_gather_object(part, group)
     return _merge_optimizer_parts(parts) if _is_optimizer_state(part) else {k: v for p in parts for k, v in p.items()}
 
 
@@ -164,3 +162,4 @@ def copy_whole_into(target: Tensor, value: Tensor) -> None:
     if isinstance(target, DTensor):
         value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh, target.placements, src_data_rank=None)
     target.copy_(value)
+from lightning_parallel import collectives

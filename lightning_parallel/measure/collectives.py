@@ -14,14 +14,15 @@ No Lightning here.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+
+from lightning_parallel.measure.device_clock import DeviceClock, Elapsed
 
 #: How many context-parallel exchanges (ring attention, sequence gathers) are running on this thread.
 _exchanging = [0]
@@ -114,14 +115,20 @@ _COLLECTIVES = (
 
 @dataclass
 class CollectiveTally:
-    """Totals since the last :meth:`reset`: collectives issued, bytes handed to them, seconds spent in them."""
+    """Totals since the last :meth:`reset`: collectives issued, bytes handed to them, and the time the training
+    stream spent issuing and waiting for them (device time on a GPU, see :mod:`.device_clock`)."""
 
     calls: int = 0
     bytes: int = 0
-    seconds: float = 0.0
+    elapsed: Elapsed = field(default_factory=Elapsed, repr=False, compare=False)
+
+    @property
+    def seconds(self) -> float:
+        return self.elapsed.total
 
     def reset(self) -> None:
-        self.calls, self.bytes, self.seconds = 0, 0, 0.0
+        self.calls, self.bytes = 0, 0
+        self.elapsed.reset()
 
     def as_dict(self) -> dict[str, float]:
         return {"calls": self.calls, "bytes": self.bytes, "seconds": self.seconds}
@@ -140,6 +147,8 @@ class DTensorCollectives:
         self.context_tally = CollectiveTally()  # ring attention and sequence gathers (context parallelism)
         self.expert_tally = CollectiveTally()  # token dispatch and combine (expert parallelism)
         self.expert_load = ExpertLoad()
+        #: Where the time spent in collectives is read (the monitor sets the training device's clock).
+        self.clock = DeviceClock("cpu")
         self._paused = False
         # funcol's functions call one another (all_gather_tensor -> all_gather_single -> wait_tensor when the
         # gather dimension is not 0): only the outermost call is counted, or its seconds (and bytes) count twice
@@ -202,9 +211,9 @@ class DTensorCollectives:
     def _outermost(self, tally: CollectiveTally) -> Iterator[None]:
         """Times the block into ``tally``; the funcol calls made inside it are not counted again."""
         self._depth += 1
-        start = time.perf_counter()
+        start = self.clock.mark()
         try:
             yield
         finally:
-            tally.seconds += time.perf_counter() - start
+            tally.elapsed.add(start, self.clock.mark())
             self._depth -= 1

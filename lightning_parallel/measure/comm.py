@@ -6,13 +6,14 @@ crosses the wire (and what accumulation skips) without patching torch.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_parallel.measure.device_clock import DeviceClock, Elapsed
 
 
 @dataclass
@@ -32,7 +33,12 @@ class CommStats:
     bucket_calls: int = 0
     rounds: int = 0
     bytes: int = 0
-    exposed_seconds: float = 0.0
+    exposed: Elapsed = field(default_factory=Elapsed, repr=False, compare=False)
+
+    @property
+    def exposed_seconds(self) -> float:
+        """Seconds of exposed communication (device time on a GPU: read from events here, a window's edge)."""
+        return self.exposed.total
 
     def record(self, bucket: dist.GradBucket) -> None:
         """Account for one bucket; the last bucket of a backward pass closes a round."""
@@ -49,7 +55,7 @@ class CommStats:
         self.bucket_calls += buckets
         self.bytes += nbytes
         self.rounds += 1
-        self.exposed_seconds += seconds
+        self.exposed.add_seconds(seconds)
 
     def record_transfer(self, nbytes: int) -> None:
         """Account for one collective of sharded data parallelism (an all-gather of parameters or a reduce-scatter
@@ -60,7 +66,7 @@ class CommStats:
     def reset(self) -> None:
         """Zero all counters (e.g. after a warm-up)."""
         self.bucket_calls = self.rounds = self.bytes = 0
-        self.exposed_seconds = 0.0
+        self.exposed.reset()
 
     def as_dict(self) -> dict[str, float]:
         """Counters as a plain dict, for logging and JSON."""
@@ -79,10 +85,12 @@ def counting_comm_hook(
         future = hook(state, bucket)
         if not bucket.is_last():
             return future
-        handed_over = time.perf_counter()
+        # On a GPU, marks on the stream (see measure/device_clock.py): the host clock would time the launch only.
+        clock = DeviceClock(bucket.buffer().device)
+        handed_over = clock.mark()
 
         def reduced(done):
-            stats.exposed_seconds += time.perf_counter() - handed_over
+            stats.exposed.add(handed_over, clock.mark())
             return done.value()
 
         return future.then(reduced)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_parallel import collectives
 from lightning_parallel.measure.dispatch import (
     dtensor_op_seconds,
     matmul_efficiency,
@@ -292,14 +293,14 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
         # pays every one.
         a, b = torch.randn(256, 512), torch.randn(512, 512)
         for name, tensor, repeats in (("small_s", small, 30), ("large_s", large, 8)):
-            dist.all_reduce(tensor)  # warm-up (connections, buffers)
-            dist.barrier()
+            collectives.all_reduce(tensor)  # warm-up (connections, buffers)
+            collectives.barrier()
             seconds = []
             for _ in range(repeats):
                 for _ in range(3):
                     a @ b
                 start = time.perf_counter()
-                dist.all_reduce(tensor)
+                collectives.all_reduce(tensor)
                 seconds.append(time.perf_counter() - start)
             timings[name] = statistics.mean(seconds)
         timings["lockstep_s"] = _lockstep_all_reduce_seconds(small, b)
@@ -308,7 +309,7 @@ def _all_reduce_worker(rank: int, world_size: int, init: str, out: str) -> None:
 
         # Each rank times DTensor on a mesh of its own: the operators' host work without their communication.
         own = [dist.new_group([r]) for r in range(world_size)][rank]
-        dist.barrier()
+        collectives.barrier()
         timings["dtensor_op_s"] = dtensor_op_seconds(DeviceMesh.from_group(own, "cpu"))
         timings["optimizer_dtensor_op_s"] = optimizer_op_seconds(DeviceMesh.from_group(own, "cpu"))
         if rank == 0:
@@ -321,12 +322,12 @@ def _lockstep_all_reduce_seconds(tensor: torch.Tensor, weight: torch.Tensor, rep
     """A small all-reduce met in lockstep: the ranks run the same small matmul between collectives, so each arrives as
     its peers do (the previous collective lined them up), as a tensor-parallel layer's collectives meet them."""
     rows = torch.randn(32, weight.shape[0])
-    dist.barrier()
+    collectives.barrier()
     seconds = []
     for _ in range(repeats):
         rows @ weight
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        collectives.all_reduce(tensor)
         seconds.append(time.perf_counter() - start)
     return statistics.mean(seconds)
 
@@ -335,20 +336,20 @@ def _send_to_waiting_seconds(rank: int, tensor: torch.Tensor, weight: torch.Tens
     """A small send to a rank already waiting in its receive, as a pipeline stage's output (or gradient) meets the
     next stage: half of a ping-pong that rank 0 starts after a little compute while rank 1 waits (the mean)."""
     a = torch.randn(256, weight.shape[0])
-    dist.barrier()
+    collectives.barrier()
     seconds = []
     for _ in range(repeats):
         if rank == 0:
             for _ in range(3):
                 a @ weight
             start = time.perf_counter()
-            dist.send(tensor, 1)
-            dist.recv(tensor, 1)
+            collectives.send(tensor, 1)
+            collectives.recv(tensor, 1)
             seconds.append((time.perf_counter() - start) / 2)
         elif rank == 1:
-            dist.recv(tensor, 0)
-            dist.send(tensor, 0)
-    dist.barrier()
+            collectives.recv(tensor, 0)
+            collectives.send(tensor, 0)
+    collectives.barrier()
     # Only rank 0 timed; every rank returns its figure (rank 0's is the one written).
     return statistics.mean(seconds) if seconds else 0.0
 
@@ -425,11 +426,11 @@ def _crowded_worker(rank: int, world_size: int, init: str, out: str, repeats: in
     try:
         small = torch.zeros(SMALL_BYTES // 4)
         for _ in range(3):  # warm-up (connections, buffers)
-            dist.all_reduce(small)
+            collectives.all_reduce(small)
         # No barrier between calls: as in a training step, each rank enters when it gets there.
         start = time.perf_counter()
         for _ in range(repeats):
-            dist.all_reduce(small)
+            collectives.all_reduce(small)
         seconds = (time.perf_counter() - start) / repeats
         groups = _crowded_group_latency_us(rank, world_size, small)
         if rank == 0:
@@ -451,20 +452,20 @@ def _crowded_group_latency_us(rank: int, world_size: int, tensor: torch.Tensor, 
     for size in sizes:
         # new_group is collective: every rank creates every group, in the same order.
         group = [dist.new_group(list(range(first, first + size))) for first in range(0, world_size, size)][rank // size]
-        dist.all_reduce(tensor, group=group)  # warm-up (connections)
+        collectives.all_reduce(tensor, group=group)  # warm-up (connections)
         points = []
         for matmuls in CROWDED_GAP_MATMULS:
-            dist.barrier()
+            collectives.barrier()
             computing = waiting = 0.0
             for _ in range(repeats):
                 start = time.perf_counter()
                 for _ in range(matmuls):
                     a @ b
                 arrived = time.perf_counter()
-                dist.all_reduce(tensor, group=group)
+                collectives.all_reduce(tensor, group=group)
                 computing, waiting = computing + arrived - start, waiting + time.perf_counter() - arrived
             means = torch.tensor([computing, waiting], dtype=torch.float64) / repeats / world_size
-            dist.all_reduce(means)
+            collectives.all_reduce(means)
             points.append([value * 1e6 for value in means.tolist()])
         figures[str(size)] = points
     return figures

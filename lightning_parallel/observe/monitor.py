@@ -21,7 +21,6 @@ the planner's prediction for the same layout (given a model profile and hardware
 from __future__ import annotations
 
 import json
-import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +32,9 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_parallel import collectives
 from lightning_parallel.measure.collectives import DTensorCollectives
+from lightning_parallel.measure.device_clock import DeviceClock, Mark
 from lightning_parallel.measure.peak_memory import PeakMemory
 from lightning_parallel.observe.utilization import (
     Utilization,
@@ -108,6 +109,8 @@ class ScalingMonitor(Callback):
         self._pipeline = PipelineEvents()
         self._exit = ExitStack()
         self._step_start: dict[str, float] = {}
+        self._clock = DeviceClock("cpu")
+        self._step_mark: Mark = 0.0
         self._samples = 0
         self._tokens = 0
         self._batch_rows = 0
@@ -135,6 +138,8 @@ class ScalingMonitor(Callback):
         if chosen_on is not None:
             # strategy=auto chose the layout on its own dry run and hardware: compare with what it predicted.
             self.profile, self.hardware = chosen_on, trainer.strategy.hardware
+        self._clock = DeviceClock(trainer.strategy.root_device)
+        self._collectives.clock = self._clock
         self._exit.enter_context(self._collectives.active())
 
     @override
@@ -149,6 +154,7 @@ class ScalingMonitor(Callback):
                 self._pipeline.record_next_step()
             self._pipeline.take_totals()
             self._step_start = self._counters(trainer)
+            self._step_mark = self._clock.mark()
             self._samples = self._tokens = 0
 
     @override
@@ -161,9 +167,12 @@ class ScalingMonitor(Callback):
         self._batch_rows = max(self._batch_rows, rows)
         if (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
+        # The step's device time (on a GPU: events, read here once per step, the measuring window's edge).
+        step_s = self._clock.seconds(self._step_mark, self._clock.mark())
         now, start = self._counters(trainer), self._step_start
         span, busy = self._pipeline.take_totals()
         delta = {key: now[key] - start[key] for key in now}
+        delta["time"] = step_s
         bubble = max(0.0, span - busy)
         timing = StepTiming(
             step_s=delta["time"],
@@ -263,7 +272,6 @@ class ScalingMonitor(Callback):
         comm = getattr(trainer.strategy, "comm_stats", None)
         tally = self._collectives.tally
         return {
-            "time": time.perf_counter(),
             "dp_s": comm.exposed_seconds if comm is not None else 0.0,
             "dp_bytes": comm.bytes if comm is not None else 0,
             "tp_s": tally.seconds,
@@ -350,8 +358,7 @@ def _describe(trainer: Trainer) -> str:
 def _gather(trainer: Trainer, payload: dict[str, Any]) -> list[dict[str, Any]]:
     if trainer.world_size == 1 or not dist.is_initialized():
         return [payload]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, payload)
+    gathered = collectives.all_gather_object(payload)
     return sorted(gathered, key=lambda r: r["rank"])
 
 

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_parallel import collectives
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.common.activation_checkpointing import normalize_patterns
 from lightning_parallel.plan.hardware import HardwareProfile
@@ -163,7 +164,7 @@ class AutoParallelStrategy(HybridParallelStrategy):
     def _share(self, proposal: dict[str, Any] | None) -> dict[str, Any]:
         """Every rank receives rank 0's decision; an error there is raised on every rank (no rank waits forever)."""
         box = [proposal]
-        dist.broadcast_object_list(box, src=0)
+        collectives.broadcast_object_list(box, src=0)
         decision = box[0]
         if "error" in decision:
             raise ValueError(f"strategy=auto could not choose a layout: {decision['error']}")

@@ -27,6 +27,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning_utilities.core.apply_func import apply_to_collection
 
+from lightning_parallel import collectives
 from lightning_parallel.checkpoint.data_position import (
     check_same_global_batch,
     global_batch,
@@ -264,8 +265,7 @@ class CheckpointFiles:
         engine = self.engine
         rng = _portable_rng_states()
         if dist.is_initialized():
-            states: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(states, rng)
+            states = collectives.all_gather_object(rng)
         else:
             states = [rng]
         return {

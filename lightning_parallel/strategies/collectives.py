@@ -73,16 +73,14 @@ class GroupCollectivesMixin:
         if not _distributed_is_initialized():
             return
         self._before_collective(f"barrier {name}" if name else "barrier")
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        collectives.barrier()
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized() or is_dry_run():
             return obj
         self._before_collective("broadcast")
         holder = [obj]
-        dist.broadcast_object_list(holder, src)
+        collectives.broadcast_object_list(holder, src)
         return holder[0]
 
+from lightning_parallel import collectives

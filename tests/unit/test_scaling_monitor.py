@@ -62,7 +62,7 @@ def test_a_collective_calling_another_is_counted_once(monkeypatch):
     # funcol's all_gather_tensor calls all_gather_single, which calls wait_tensor when it gathers along a dimension
     # other than 0: the nested calls must not add their seconds or bytes again (the exposed time exceeded the step).
     clock = [0.0]
-    monkeypatch.setattr("lightning_parallel.measure.collectives.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("lightning_parallel.measure.device_clock.time.perf_counter", lambda: clock[0])
 
     def wait_tensor(tensor):
         clock[0] += 1.0
@@ -100,3 +100,37 @@ def test_scaling_plot_of_a_sweep(tmp_path):
     assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")
     (tmp_path / "0" / "scaling.json").unlink()  # no one-device run: nothing to measure speedup against
     assert main([str(tmp_path)]) == 2
+
+
+def test_device_time_is_read_from_events_only_when_the_total_is_asked_for(monkeypatch):
+    # On a GPU a collective or kernel returns once queued: intervals are CUDA events, read at a window's edge.
+    from lightning_parallel.measure import device_clock
+
+    synchronized = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            self.at = None
+
+        def record(self):
+            self.at = len(recorded)
+            recorded.append(self)
+
+        def synchronize(self):
+            synchronized.append(self)
+
+        def elapsed_time(self, end):
+            return 1000.0 * (end.at - self.at)  # milliseconds, as torch.cuda.Event's
+
+    recorded: list = []
+    monkeypatch.setattr(device_clock.torch.cuda, "Event", Event)
+    clock = device_clock.DeviceClock("cuda")
+    elapsed = device_clock.Elapsed()
+    for _ in range(3):
+        start = clock.mark()
+        clock.mark()  # work queued in between
+        elapsed.add(start, clock.mark())
+    assert not synchronized  # nothing waited for inside the "step"
+    assert elapsed.total == 6.0 and len(synchronized) == 3
+    elapsed.reset()
+    assert elapsed.total == 0.0

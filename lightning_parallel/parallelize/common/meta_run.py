@@ -26,13 +26,13 @@ def summed_with_gradient(tensor: torch.Tensor, group: object) -> torch.Tensor:
 
     That function refuses to run while ``torch.compiler.is_compiling()``; inside :func:`without_values` (a dry run on
     meta, not a compilation) the check is answered as outside it."""
-    from torch.distributed.nn.functional import all_reduce
+    from lightning_parallel.collectives import differentiable_all_reduce
 
     patched = torch.compiler.is_compiling
     if patched.__module__ != __name__:  # a real compilation (or none): torch decides
-        return all_reduce(tensor, group=group)
+        return differentiable_all_reduce(tensor, group)
     torch.compiler.is_compiling = lambda: False
     try:
-        return all_reduce(tensor, group=group)
+        return differentiable_all_reduce(tensor, group)
     finally:
         torch.compiler.is_compiling = patched

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from lightning_parallel import collectives
 from lightning_parallel.measure.collectives import context_parallel_exchange
 
 if TYPE_CHECKING:
@@ -140,7 +140,7 @@ def _gather_chunks(values: Tensor, layout: SequenceLayout, group: dist.ProcessGr
             raise RuntimeError(f"An op along a sequence split over {layout.size} ranks needs their group.")
         return order_chunks(values.unsqueeze(0), layout, dim)
     with context_parallel_exchange():
-        gathered = funcol.wait_tensor(funcol.all_gather_single(values.contiguous(), 0, group))
+        gathered = collectives.functional_all_gather(values, 0, group)
     return order_chunks(gathered.view(layout.size, *values.shape), layout, dim)
 
 
@@ -229,7 +229,7 @@ def agree(flags: list[bool], group: dist.ProcessGroup | None, device: torch.devi
         return flags
     local = torch.tensor([int(f) for f in flags], device=device)
     with context_parallel_exchange():
-        agreed = funcol.wait_tensor(funcol.all_reduce(local, "min", group))
+        agreed = collectives.functional_all_reduce(local, "min", group)
     return [bool(v) for v in agreed.tolist()]
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from lightning_parallel import collectives
 from lightning_parallel.measure.collectives import context_parallel_exchange
 
 #: Dimension of the sequence in the model call's ``[batch, sequence, ...]`` tensors.
@@ -73,7 +73,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, local: Tensor, layout: SequenceLayout, group: dist.ProcessGroup, dim: int) -> Tensor:
         # Functional collectives: what the monitor counts (as context-parallel traffic, inside the exchange).
         with context_parallel_exchange():
-            gathered = funcol.wait_tensor(funcol.all_gather_single(local.contiguous(), dim, group))
+            gathered = collectives.functional_all_gather(local, dim, group)
         ctx.layout, ctx.dim = layout, dim
         return gathered.index_select(dim, layout.global_order(local.device))
 

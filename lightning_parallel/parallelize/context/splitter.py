@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_parallel import collectives
 from lightning_parallel.parallelize.common.activation_checkpointing import inside_mode_carrying_checkpoint
 from lightning_parallel.parallelize.context.ops import handle_sequence_op, mask_as_causal, sequence_op
 from lightning_parallel.measure.collectives import outside_training
@@ -318,9 +319,9 @@ class SequenceSplitter:
                     "Set context_parallel_size=1 for this model."
                 ) from error
         difference, where = _largest_difference(whole, split, layout.length)
-        agreed = torch.tensor([difference], dtype=torch.float64)
+        agreed = torch.tensor([difference], dtype=torch.float64, device=collectives.group_device(self.group))
         with outside_training():
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+            collectives.all_reduce(agreed, collectives.MAX, self.group)
         tolerance = _PROBE_TOLERANCE.get(where[1] if where else torch.float32, 3e-2)
         if agreed.item() > tolerance:
             raise ValueError(

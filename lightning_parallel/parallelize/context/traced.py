@@ -108,13 +108,12 @@ class StageSequenceSplit:
             RuntimeError: No stage called ``scaled_dot_product_attention``: attention written by hand (or Hugging
                 Face's ``attn_implementation="eager"``) would attend within each rank's part only.
         """
-        import torch.distributed as dist
-
+        from lightning_parallel import collectives
         from lightning_parallel.measure.collectives import outside_training
 
-        calls = torch.tensor([mode.attention_calls], dtype=torch.int64)
+        calls = torch.tensor([mode.attention_calls], dtype=torch.int64, device=collectives.group_device(pp_group))
         with outside_training():
-            dist.all_reduce(calls, group=pp_group)
+            collectives.all_reduce(calls, collectives.SUM, pp_group)
         if int(calls) == 0:
             raise RuntimeError(
                 "No pipeline stage made a scaled_dot_product_attention call under context parallelism: attention "

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_parallel import collectives
 
 
 class CPUSyncBatchNorm(_BatchNorm):
@@ -56,11 +57,11 @@ class CPUSyncBatchNorm(_BatchNorm):
 
         local_count = input.numel() // input.size(1)
         sums = torch.cat([input.sum(reduce_dims), input.new_tensor([local_count])])
-        sums = dist_fn.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        sums = collectives.differentiable_all_reduce(sums, group)
         count = sums[-1].detach()
         mean = sums[:-1] / count
         centered = input - mean.view(shape)
-        var = dist_fn.all_reduce((centered * centered).sum(reduce_dims), op=dist.ReduceOp.SUM, group=group) / count
+        var = collectives.differentiable_all_reduce((centered * centered).sum(reduce_dims), group) / count
 
         output = centered * torch.rsqrt(var + self.eps).view(shape)
         if self.affine:
@@ -220,11 +221,9 @@ def replica_divergent_buffers(module: nn.Module, group: dist.ProcessGroup) -> li
     if not named:
         return []
     # One tensor on the backend's device (gloo: the host), whatever device each buffer is on.
-    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else named[0][1].device
+    device = collectives.group_device(group)
     sums = torch.stack([torch.stack([b.detach().double().sum(), b.detach().double().square().sum()]).to(device) for _, b in named])
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, sums, group=group)
-    stacked = torch.stack(gathered)  # [replicas, buffers, 2]
+    stacked = torch.stack(collectives.all_gather(sums, group))  # [replicas, buffers, 2]
     differs = ~(stacked == stacked[:1]).all(dim=(0, 2))
     return [name for (name, _), different in zip(named, differs.tolist()) if different]
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel import collectives
 from lightning_parallel.measure.collectives import expert_parallel_exchange, record_expert_load
 
 
@@ -62,13 +63,13 @@ def dispatch_and_combine(
         token_of_pair = torch.arange(tokens, device=hidden.device).repeat_interleave(choices)
 
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=group)
+        collectives.all_to_all_single(recv_counts, send_counts, group=group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
 
         outgoing = hidden[token_of_pair[sent]].contiguous()
         incoming = all_to_all_with_gradient(outgoing, recv_splits, send_splits, group)
         local_index = torch.empty(sum(recv_splits), dtype=experts.dtype, device=experts.device)
-        dist.all_to_all_single(local_index, (experts[sent] % local_experts).contiguous(), recv_splits, send_splits, group=group)
+        collectives.all_to_all_single(local_index, (experts[sent] % local_experts).contiguous(), recv_splits, send_splits, group)
 
         ones = routing_weights.new_ones((incoming.shape[0], 1))
         computed = run_local_experts(incoming, local_index.unsqueeze(1), ones).contiguous()
@@ -100,9 +101,6 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(tensor: Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    # torch.distributed._functional_collectives is private (checked against torch 2.13): it is what DTensor uses,
-    # and what the monitor counts (measure/collectives.py), looked up at each call.
-    from torch.distributed import _functional_collectives as functional
-
+    # Functional collectives are what DTensor uses, and what the monitor counts (measure/collectives.py).
     with expert_parallel_exchange():
-        return functional.wait_tensor(functional.all_to_all_single(tensor, output_splits, input_splits, group))
+        return collectives.functional_all_to_all_single(tensor, output_splits, input_splits, group)

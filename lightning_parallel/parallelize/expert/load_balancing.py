@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 #: The module-level function transformers' MoE modeling files define and call from their ``forward``.
@@ -106,16 +105,17 @@ def _gathered(gate_logits: tuple[Tensor, ...], attention_mask: Tensor | None, gr
         )
     # Agree on the shapes first: token counts may differ per rank (dynamic padding), and so may having a mask.
     info = torch.tensor([rows, int(mask is not None)], device=gate_logits[0].device)
-    every = funcol.all_gather_tensor(info, 0, group).view(-1, 2)
+    every = collectives.functional_all_gather(info, 0, group).view(-1, 2)
     counts, masked = every[:, 0].tolist(), bool(every[:, 1].any())
     padded = max(counts)
     if masked or len(set(counts)) > 1:
         local = torch.ones(rows, device=info.device) if mask is None else mask.to(torch.float32)
         mask = torch.nn.functional.pad(local, (0, padded - rows))
-        mask = funcol.all_gather_tensor(mask, 0, group).view(1, -1)
+        mask = collectives.functional_all_gather(mask, 0, group).view(1, -1)
     pad = padded - rows
     logits = tuple(
-        funcol.all_gather_tensor_autograd(torch.nn.functional.pad(layer, (0, 0, 0, pad)) if pad else layer, 0, group)
+        collectives.functional_all_gather_autograd(torch.nn.functional.pad(layer, (0, 0, 0, pad)) if pad else layer, 0, group)
         for layer in gate_logits
     )
     return logits, mask
+from lightning_parallel import collectives

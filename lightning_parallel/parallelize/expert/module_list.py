@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel import collectives
 from lightning_parallel.measure.collectives import expert_parallel_exchange, record_expert_load
 from lightning_parallel.parallelize.common.expert_lists import ExpertList
 from lightning_parallel.parallelize.expert.dispatch import all_to_all_with_gradient
@@ -158,9 +159,9 @@ class TwoPassForward:
             # Counts per expert of the receiver, and this rank's input width (a rank with no call learns it).
             send = torch.cat([per_expert.view(size, local), torch.full((size, 1), width)], dim=1)
             device = anchor.device if anchor is not None else (rows[0].device if rows else torch.device("cpu"))
-            backend_device = _collective_device(self.group, device)
+            backend_device = collectives.group_device(self.group)
             received = torch.empty_like(send, device=backend_device)
-            dist.all_to_all_single(received, send.to(backend_device), group=self.group)
+            collectives.all_to_all_single(received, send.to(backend_device), group=self.group)
             received = received.cpu()
             width = width or int(received[:, -1].max())
             incoming_counts = received[:, :local]  # [source rank, local expert]
@@ -321,11 +322,6 @@ def _add_to_first_tensor(output: Any, zero: Tensor) -> Any:
         f"expert parallelism of nn.ModuleList experts needs the MoE block to return a tensor (or a tuple or list "
         f"starting with one); it returned {type(output).__name__}. Use expert_parallel_size=1 for this model."
     )
-
-
-def _collective_device(group: dist.ProcessGroup, device: torch.device) -> torch.device:
-    # NCCL exchanges device tensors only; gloo takes CPU ones.
-    return device if dist.get_backend(group) != "gloo" else torch.device("cpu")
 
 
 def _rng_state(device: torch.device) -> tuple[Tensor, Any]:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_parallel import collectives
 from lightning_parallel.parallelize.tensor.partial_gradients import ScaleGradient, gradient_summed
 from lightning_parallel.parallelize.tensor.projections import features, is_projection
 from lightning_parallel.parallelize.tensor.split_norm import SplitWidthNorm, install_split_width_norms, norm_like, recognise_norm
@@ -371,7 +372,7 @@ def reduce_split_region_gradients(root: nn.Module) -> int:
             buckets.setdefault((tracker.group, grad.dtype, grad.device), []).append(grad)
     for (group, _, _), grads in buckets.items():
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        collectives.all_reduce(flat, collectives.SUM, group)
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))

@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning_parallel.collectives import sync_module_states
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -143,7 +143,7 @@ class DataParallelComponent(Component):
             self._wrap()
         else:
             # No DDP wrapper outside fitting: make sure every rank evaluates the same weights.
-            _sync_module_states(engine.model)
+            sync_module_states(engine.model)
         self._reduce_metrics_over_data_parallel()
 
     def _wrap(self) -> None:
@@ -157,7 +157,7 @@ class DataParallelComponent(Component):
                 if engine.layout.tensor_parallel_size == 1 and not engine.placement.deferred:
                     # FSDP2 shards each rank's own copy (DDP would broadcast rank 0's): start all from rank 0's
                     # weights. (Tensor parallelism synced them before splitting.)
-                    _sync_module_states(engine.lightning_module)
+                    sync_module_states(engine.lightning_module)
                 self.sharded_units = shard_over_data_parallel(
                     engine.lightning_module,
                     replica_mesh(engine.device_mesh, sharded=True),
@@ -171,7 +171,7 @@ class DataParallelComponent(Component):
             return
         if self.sync.is_periodic:
             # Replicas step on their own gradients: no DDP. They start from rank 0's weights.
-            _sync_module_states(engine.lightning_module)
+            sync_module_states(engine.lightning_module)
             self.periodic_sync = PeriodicSync(self.sync, list(engine.lightning_module.parameters()), engine.data_parallel_group)
             return
         device_ids = None if engine.root_device.type == "cpu" else [engine.root_device.index]

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_parallel import collectives
 from lightning_parallel.layout import ParallelLayout, expert_meshes, replica_mesh
 from lightning_parallel.parallelize.expert.experts import (
     RoutedExperts,
@@ -248,8 +249,7 @@ class ExpertParallelComponent(Component):
         """Start every rank from data-parallel rank 0's experts, then keep this rank's (see :mod:`module_list`)."""
         experts = self.engine.lightning_module.get_submodule(listed.fqn)
         with torch.no_grad():
-            for tensor in (*experts.parameters(), *experts.buffers()):
-                dist.broadcast(tensor.data, group=self.engine.data_parallel_group, group_src=0)
+            collectives.broadcast_coalesced([*experts.parameters(), *experts.buffers()], self.engine.data_parallel_group)
         # Every expert has the first one's state-dict entries (found structurally identical).
         shapes = {name: tuple(t.shape) for name, t in experts[0].state_dict().items()}
         kept = divide_expert_list(self.engine.lightning_module, listed, group)
@@ -263,12 +263,10 @@ class ExpertParallelComponent(Component):
 
     def _same_experts_everywhere(self, module: nn.Module, routed: RoutedExperts) -> None:
         """Every rank keeps its slice of the experts it built: start them all from data-parallel rank 0's."""
-        group = self.engine.data_parallel_group
-        for name in routed.parameters:
-            param = module._parameters[name]
-            if param.device.type != "meta":  # on meta each rank materialises its slice by replaying the init
-                with torch.no_grad():
-                    dist.broadcast(param.data, group=group, group_src=0)
+        params = [module._parameters[name] for name in routed.parameters]
+        # On meta each rank materialises its slice by replaying the init.
+        with torch.no_grad():
+            collectives.broadcast_coalesced([p for p in params if p.device.type != "meta"], self.engine.data_parallel_group)
 
     def after_backward(self, accumulating: bool) -> None:
         if accumulating or not self._parameters:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_parallel import collectives
 from lightning_parallel.checkpoint.pretrained import load_pretrained
 from lightning_parallel.parallelize.placement.deferred_init import (
     InitialValues,
@@ -167,7 +168,7 @@ def rank_zero_random_stream() -> Iterator[None]:
         return
     own = torch.get_rng_state()
     state = [own]  # replaced by rank 0's on every other rank (a dry run's no-op broadcast keeps this rank's)
-    dist.broadcast_object_list(state, src=0)
+    collectives.broadcast_object_list(state, src=0)
     same = torch.equal(state[0], own)
     torch.set_rng_state(state[0])
     try:

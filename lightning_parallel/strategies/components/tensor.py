@@ -7,7 +7,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
-from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning_parallel.collectives import sync_module_states
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -71,7 +71,7 @@ class TensorParallelComponent(Component):
         # Neither TP (outside the split layers) nor FSDP2 copies weights between ranks: start every rank
         # from rank 0's weights, as DDP would, even if the module was not built from one seed everywhere.
         if not self.engine.placement.deferred:  # a meta module gets the same values on every rank when placed
-            _sync_module_states(module)
+            sync_module_states(module)
         apply_tensor_parallel(module, self.engine.device_mesh["tp"], resolved, self.config.sequence_parallel)
         self._split_module = module
         if "loss_parallel" in resolved.styles.values():

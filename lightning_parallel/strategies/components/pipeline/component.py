@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning_parallel.collectives import sync_module_states
 from torch import Tensor
 
 from lightning_parallel.layout import ParallelLayout, replica_mesh
@@ -82,7 +82,7 @@ class PipelineComponent(Component):
         # Stages are cut on the first batch (tracing needs real inputs); until then every rank holds the
         # whole module, starting from rank 0's weights so that replicas agree.
         if not self.staged and not engine.placement.deferred:
-            _sync_module_states(engine.model)
+            sync_module_states(engine.model)
         if self.runner is None:
             mesh, layout = engine.device_mesh, engine.layout
             tensor = engine.tensor_parallel
