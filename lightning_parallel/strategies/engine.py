@@ -9,7 +9,6 @@ config dataclasses (``strategies/options.py``).
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Generator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
@@ -438,13 +437,9 @@ class ParallelEngineStrategy(MeshStrategy):
         self.checkpoint_files.teardown()
         for component in reversed(self.components):
             component.teardown()
-        failure = sys.exc_info()[1]  # Lightning tears down inside its handler when the run failed
-        try:
-            super().teardown()
-        except (RuntimeError, NotImplementedError) as error:
-            # Lightning moves the module to the CPU; DTensor parameters that a failed step's autograd graph
-            # still references cannot be swapped. Let the failure that ended the run surface, not this.
-            # A failure before setup placed a model built on the meta device: it cannot be moved either.
-            if failure is None or not any(text in str(error) for text in ("Couldn't swap", "meta tensor")):
-                raise
-            log.debug("teardown after a failure could not move DTensor parameters: %s", error)
+        # As Lightning's ModelParallelStrategy: the model and optimizer state stay where they are. Its parent's
+        # teardown copies both to host memory, which for a model the size of a node's GPUs costs minutes and may not
+        # fit in the host's memory; the trained weights are in the checkpoint or read on the device.
+        for part in (self.cluster_environment, self.precision_plugin, self.accelerator, self.checkpoint_io):
+            if part is not None:
+                part.teardown()

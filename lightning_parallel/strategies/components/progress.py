@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,56 @@ _TIMEOUT = re.compile(r"timed out|timeout|Timeout|watchdog", re.IGNORECASE)
 
 _KEY = "lightning_parallel/progress/{rank}"
 
+#: How often a rank's position reaches the store at most. A hang lasts the process group's timeout (a minute or
+#: more), so a position a second old names the same step and phase; writing every phase of every step would be
+#: several round trips to one store host per rank per step (thousands per step at a thousand ranks).
+WRITE_INTERVAL_S = 1.0
+
+
+class _LatestValueWriter:
+    """Writes the latest value put to ``store[key]`` from a background thread, at most once per ``interval``.
+
+    The training thread only swaps a string; the thread writes while the training thread waits in a collective too
+    (the store's client is thread-safe). Errors writing (the store's host gone at the end of a job) stop it quietly.
+    """
+
+    def __init__(self, store: dist.Store, key: str, interval: float) -> None:
+        self.store, self._key, self._interval = store, key, interval
+        self._latest: str | None = None
+        self._written: str | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="lightning_parallel-progress", daemon=True)
+        self._thread.start()
+
+    def put(self, value: str) -> None:
+        self._latest = value
+        self._wake.set()
+
+    def flush(self) -> None:
+        with self._lock:
+            value = self._latest
+            if value is not None and value != self._written:
+                self.store.set(self._key, value)
+                self._written = value
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - a progress note must never take a job down
+                return
+            time.sleep(self._interval)
+
 
 class ProgressReport(Component):
     """Records each rank's step and phase in the store; on a timed-out collective, reports them all."""
@@ -44,6 +96,7 @@ class ProgressReport(Component):
         self._store: dist.Store | None = None
         self._phase: str | None = None  # the phase of the step this rank is in
         self._collectives = 0  # the strategy's collectives called in it so far
+        self._writer: _LatestValueWriter | None = None
 
     def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if hook == "training_step":
@@ -61,6 +114,8 @@ class ProgressReport(Component):
     def on_exception(self, exception: BaseException) -> None:
         if not _TIMEOUT.search(str(exception)) or self.store is None:
             return
+        if self._writer is not None:
+            self._writer.flush()  # this rank's own last position, before reading everyone's
         report = self.report()
         if report:
             exception.args = (f"{exception.args[0] if exception.args else exception}\n{report}", *exception.args[1:])
@@ -91,8 +146,14 @@ class ProgressReport(Component):
         module = self.engine.lightning_module
         if store is None or self.engine.world_size == 1 or module is None or module._trainer is None:
             return
-        step = module.trainer.global_step
-        store.set(_KEY.format(rank=self.engine.global_rank), f"{step}:{self._phase}:{self._collectives}:{collective}")
+        if self._writer is None or self._writer.store is not store:
+            self._writer = _LatestValueWriter(store, _KEY.format(rank=self.engine.global_rank), WRITE_INTERVAL_S)
+        self._writer.put(f"{module.trainer.global_step}:{self._phase}:{self._collectives}:{collective}")
+
+    def teardown(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def report(self) -> str:
         """Every rank's last step and phase, and which ranks are behind the furthest one."""
