@@ -267,6 +267,32 @@ def test_ring_attention_broadcasts_one_key_value_head_without_enable_gqa(one_ran
         ring_attention(q, torch.randn(2, 2, 8, 6), torch.randn(2, 2, 8, 6), one_rank_group)
 
 
+def test_ring_attention_under_autocast_casts_its_inputs_as_sdpa_does(one_rank_group):
+    # bf16-mixed: Llama's rotary embedding leaves query and key in float32 beside a bfloat16 value, and SDPA's autocast
+    # casts all three to bfloat16; the ring calls the fused kernels directly, which autocast does not reach.
+    from lightning_parallel.parallelize.context.ring_attention import ring_attention
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 6, requires_grad=True)
+    k = torch.randn(2, 2, 8, 6, requires_grad=True)
+    v = torch.randn(2, 2, 8, 6, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ring_attention(q, k, v, one_rank_group, is_causal=True, enable_gqa=True)
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    for grad, want, leaf in zip(grads, torch.autograd.grad(expected.float().square().sum(), (q, k, v)), (q, k, v)):
+        assert grad.dtype == leaf.dtype
+        torch.testing.assert_close(grad, want, rtol=2e-2, atol=2e-2)
+    # Autocast never casts float64: a float64 model under autocast keeps its exact ring.
+    q64, k64, v64 = (t.detach().double() for t in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out64 = ring_attention(q64, k64, v64, one_rank_group, is_causal=True)
+    assert out64.dtype == torch.float64
+    torch.testing.assert_close(out64, F.scaled_dot_product_attention(q64, k64, v64, is_causal=True))
+
+
 class ImageModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

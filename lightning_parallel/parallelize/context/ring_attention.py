@@ -104,6 +104,21 @@ def _ring_options(is_causal: bool, dtype: torch.dtype) -> Generator[None, None, 
         options.enable_load_balance, options.convert_to_f32, options.rotate_method = saved
 
 
+def _as_autocast_would(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """The attention inputs as ``F.scaled_dot_product_attention`` computes them under autocast.
+
+    SDPA is on autocast's lower-precision list (CPU and CUDA): under ``bf16-mixed`` it casts query, key and value
+    to the autocast dtype, so a model may hand it mixed dtypes (Llama's rotary embedding leaves query and key in
+    float32 beside a bfloat16 value). The ring calls the fused kernels directly, which autocast does not cover:
+    cast here as autocast would (float64 is never cast by autocast, so float64 stays exact).
+    """
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+
+
 def _grouped_ops(kernel: AttentionKernel, groups: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The kernel's forward and backward for grouped-query attention: keys and values travel round the ring with
     their own (fewer) heads and are repeated to the query heads only for each block's kernel call; the
@@ -189,6 +204,7 @@ def ring_attention(
             )
         if query.size(1) % key.size(1) != 0:
             raise ValueError(f"{query.size(1)} query heads are not a multiple of {key.size(1)} key/value heads.")
+    query, key, value = _as_autocast_would(query, key, value)
     qk_width, v_width = query.size(-1), value.size(-1)
     if v_width == qk_width:
         return _RingAttention.apply(query, key.contiguous(), value.contiguous(), is_causal, scale, group)
