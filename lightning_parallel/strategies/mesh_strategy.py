@@ -90,6 +90,7 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._mesh: DeviceMesh | None = None
+        self._data_parallel_group: dist.ProcessGroup | None = None
 
     # ------------------------------------------------------------------ what subclasses decide
 
@@ -155,7 +156,12 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
     @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Process group of this rank's data-parallel replicas (``None`` before the mesh exists)."""
-        return data_parallel_mesh(self._mesh).get_group() if self._mesh is not None else None
+        if self._mesh is None:
+            return None
+        if self._data_parallel_group is None:
+            # Once: flattening the mesh reads its rank table on the host, and this is asked for every logged value.
+            self._data_parallel_group = data_parallel_mesh(self._mesh).get_group()
+        return self._data_parallel_group
 
     @property
     def tensor_parallel_group(self) -> dist.ProcessGroup | None:
@@ -230,6 +236,7 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
         """Resolve the layout over the process group's ranks and build its DeviceMesh."""
         layout = self._layout = self.layout_for(dist.get_world_size(), self.num_processes, "processes in the default process group")
         self._mesh = layout.build_mesh(self.root_device.type)
+        self._data_parallel_group = None
         expected = layout.axis_coordinates(self.global_rank)
         found = {axis: self._mesh[axis].get_local_rank() for axis in expected}
         if found != expected:
