@@ -1,13 +1,15 @@
-"""Activation checkpointing keeps the numbers and stores less for backward."""
+"""Activation checkpointing keeps the numbers, stores less for backward, and recomputes under the forward's modes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.parallelize.common.activation_checkpointing import (
     apply_activation_checkpointing,
     checkpoint_targets,
+    inside_mode_carrying_checkpoint,
 )
 from recipes.models.gpt import GPTLightningModule
 
@@ -58,3 +60,35 @@ def test_patterns_select_outermost_matches_and_fail_clearly():
         checkpoint_targets(module, ["model.block.0"])
     with pytest.raises(ValueError, match="activation_checkpointing='auto' needs a list of layers"):
         checkpoint_targets(torch.nn.Linear(2, 2), ["auto"])
+
+
+def test_recomputation_runs_under_the_forward_function_modes_and_is_marked():
+    """The recomputation in backward sees the torch function modes of the forward (context parallelism's is one),
+    and both passes count as inside the strategy's checkpointing (context parallelism refuses any other)."""
+
+    class Marker(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    seen: list[tuple[bool, bool]] = []  # (inside the strategy's checkpointing, under the marker mode) per pass
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            from torch.overrides import _get_current_function_mode_stack
+
+            seen.append((inside_mode_carrying_checkpoint(), any(isinstance(m, Marker) for m in _get_current_function_mode_stack())))
+            return self.linear(x).tanh()
+
+    blocks = torch.nn.ModuleList([Block()])
+    apply_activation_checkpointing(blocks, ["0"])
+    x = torch.randn(2, 4, requires_grad=True)
+    with Marker():
+        y = blocks[0](x).sum()
+    assert not inside_mode_carrying_checkpoint()
+    y.backward()  # outside the mode: the recomputation enters it again
+    assert seen == [(True, True), (True, True)]
+    assert not inside_mode_carrying_checkpoint()

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Generator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from fnmatch import fnmatchcase
 from functools import partial
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -88,7 +89,9 @@ def apply_activation_checkpointing(module: nn.Module, names: Sequence[str]) -> l
     return done
 
 
-#: How many of this module's checkpointed forwards (or their recomputations) are running.
+#: How many of this module's checkpointed forwards (or their recomputations) are running. Raised by the
+#: checkpoint's own contexts (:func:`_same_function_modes`), around the block rather than inside it: the
+#: checkpointed function stays free of Python side effects.
 _running = [0]
 
 
@@ -97,33 +100,38 @@ def inside_mode_carrying_checkpoint() -> bool:
     return _running[0] > 0
 
 
-def _counted(forward: Any, *args: Any, **kwargs: Any) -> Any:
-    _running[0] += 1
-    try:
-        return forward(*args, **kwargs)
-    finally:
-        _running[0] -= 1
-
-
 def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    if torch.compiler.is_dynamo_compiling():
+        # A compiled block (compile.py compiles the blocks after checkpointing them): dynamo turns the checkpoint
+        # into its own higher-order op, plans the recomputation from the graph, and gives up on the whole block
+        # (no graph, a graph break) if the checkpointed function mutates Python state, and at AOT time refuses a
+        # context_fn that is not a TorchDispatchMode. So torch's default contexts here: they tag every op for
+        # recomputation. Nothing is lost: the function modes active while tracing are inlined into the graph, which
+        # the recomputation replays, and context parallelism (the one mode that needs carrying) refuses compile.
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     # Non-reentrant: works with inputs that need no grad, keyword arguments, DDP and FSDP2.
-    return checkpoint(partial(_counted, forward), *args, use_reentrant=False, context_fn=_same_function_modes, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_same_function_modes, **kwargs)
 
 
 def _same_function_modes() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
     """Checkpoint contexts: the recomputation in backward runs under the torch function modes the forward ran
     under (the autograd engine does not carry them into backward). Context parallelism's mode is one: without
-    it a recomputed block would attend only within this rank's part of the sequence."""
+    it a recomputed block would attend only within this rank's part of the sequence. Both contexts count the
+    block as running (:func:`inside_mode_carrying_checkpoint`)."""
     # Private torch API (checked against torch 2.13): the active modes, innermost last.
     from torch.overrides import _get_current_function_mode_stack
 
     modes = list(_get_current_function_mode_stack())
-    return nullcontext(), _entered(modes)
+    return _running_under([]), _running_under(modes)
 
 
 @contextmanager
-def _entered(modes: list[Any]) -> Generator[None, None, None]:
+def _running_under(modes: list[Any]) -> Generator[None, None, None]:
     with ExitStack() as stack:
         for mode in modes:
             stack.enter_context(mode)
-        yield
+        _running[0] += 1
+        try:
+            yield
+        finally:
+            _running[0] -= 1
