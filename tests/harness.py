@@ -90,6 +90,9 @@ class JobSpec:
     empty_init: bool | None = None
     # A file holding {"state_dict": ...} loaded into the whole module before training (a reference for weights_from).
     initial_weights: str | None = None
+    # Count host reads of tensor values and torch.distributed collectives per training step after the first
+    # (every rank's counts land in the result's "step_counts"; see HostSyncCounter).
+    count_host_syncs: bool = False
 
 
 class FailingStep(RuntimeError):
@@ -175,11 +178,68 @@ def _count_reduce_scatters() -> None:
     torch.distributed.reduce_scatter_single = counted
 
 
+class HostSyncCounter:
+    """Counts, in this process, what would make a GPU step wait or talk: reads of a tensor's value on the host
+    (``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of a tensor) and ``torch.distributed`` collectives
+    called by name (the schedules' point-to-point sends and receives are not collectives and are not counted;
+    the calls torch makes inside ``broadcast_object_list`` count as that one call).
+
+    Test instrumentation: the methods are patched once per process and count only while :attr:`active`.
+    """
+
+    READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    COLLECTIVES = (
+        "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+        "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier", "monitored_barrier",
+        "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+    )
+
+    def __init__(self) -> None:
+        self.active = False
+        self.counts: dict[str, int] = {}
+        for name in self.READS:
+            self._patch(torch.Tensor, name)
+        for name in self.COLLECTIVES:
+            self._patch(torch.distributed, name)
+
+    def _patch(self, owner: Any, name: str) -> None:
+        original = getattr(owner, name, None)
+        if original is None:
+            return
+        counter = self
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if counter.active:
+                counter.counts[name] = counter.counts.get(name, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    def start(self) -> None:
+        self.counts, self.active = {}, True
+
+    def stop(self) -> dict[str, int]:
+        self.active = False
+        return dict(self.counts)
+
+
+_SYNC_COUNTER: list[HostSyncCounter] = []
+
+
+def host_sync_counter() -> HostSyncCounter:
+    """This process's counter (jobs sharing a launch share it: the methods are patched once)."""
+    if not _SYNC_COUNTER:
+        _SYNC_COUNTER.append(HostSyncCounter())
+    return _SYNC_COUNTER[0]
+
+
 class Recorder(Callback):
     """Collects losses, gradients, parameters and communication counts during one job."""
 
-    def __init__(self, save_path: Path | None = None) -> None:
+    def __init__(self, save_path: Path | None = None, count_host_syncs: bool = False) -> None:
         self.save_path = save_path
+        self.sync_counter = host_sync_counter() if count_host_syncs else None
+        self.step_counts: list[dict[str, int]] = []  # per training step after the first (count_host_syncs)
         self.states: list[dict[str, torch.Tensor]] = []  # after each optimizer step (params + buffers)
         self.grads: list[dict[str, torch.Tensor]] = []  # just before each optimizer step
         self.batch_losses: list[torch.Tensor] = []  # what training_step returned, per (micro-)batch
@@ -194,6 +254,8 @@ class Recorder(Callback):
             inputs = batch[0].to(torch.float64)
             # Position-weighted, so that a reordered batch does not pass for the same one.
             self.first_batch_checksum = float((inputs.flatten() * torch.arange(1, inputs.numel() + 1)).sum())
+        if self.sync_counter is not None and batch_idx >= 1:  # the first step builds the pipeline
+            self.sync_counter.start()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _count_reduce_scatters()
@@ -201,6 +263,9 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         # Before the step: gradients exist, and the optimizer state of the previous steps.
+        counting = self.sync_counter is not None and self.sync_counter.active
+        if counting:  # what the recorder itself reads and gathers is not the step's
+            self.sync_counter.active = False
         self.state_bytes = state_bytes(pl_module, [unwrap_optimizer(o) for o in trainer.optimizers]).as_dict()
         with _not_counted(trainer):  # the monitor measures the training's collectives, not these gathers
             # Fused projections split by blocks train with their rows reordered: compare in the module's order.
@@ -208,8 +273,12 @@ class Recorder(Callback):
                 n: original_order(pl_module, n, full(p.grad)).detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None
             }
             self.grads.append(_whole_across_stages(trainer, grads))
+        if counting:
+            self.sync_counter.active = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.sync_counter is not None and self.sync_counter.active:
+            self.step_counts.append(self.sync_counter.stop())
         # Lightning hands back the loss divided by the accumulation factor.
         self.batch_losses.append(outputs["loss"].detach() * trainer.accumulate_grad_batches)
         if "train/loss_synced" in trainer.callback_metrics:
@@ -234,6 +303,10 @@ class Recorder(Callback):
         if torch.distributed.is_initialized():
             checksums = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(checksums, self.first_batch_checksum)
+        step_counts = [self.step_counts]
+        if self.sync_counter is not None and torch.distributed.is_initialized():
+            step_counts = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(step_counts, self.step_counts)
         self.result = {
             "step_losses": per_micro.reshape(-1, trainer.accumulate_grad_batches).mean(dim=1),
             "states": self.states,
@@ -244,6 +317,7 @@ class Recorder(Callback):
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "local_numel": {n: local_shard(p).numel() for n, p in pl_module.named_parameters()},
             "first_batch_checksums": checksums,
+            "step_counts": step_counts,  # by global rank, per step after the first: {what: calls} (count_host_syncs)
             "reduce_scatters": _REDUCE_SCATTERS[0] - self._reduce_scatters_at_start,
             "dtensor_names": [n for n, p in pl_module.named_parameters() if isinstance(p, DTensor)],
             "world_size": trainer.world_size,
@@ -400,7 +474,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         strategy = lightning_parallel.AutoParallelStrategy(**{"timeout": 60, "hardware": local_hardware(), **spec.strategy_kwargs})
     else:
         raise ValueError(f"unknown strategy {spec.strategy!r}")
-    recorder = Recorder(save_path)
+    recorder = Recorder(save_path, count_host_syncs=spec.count_host_syncs)
     callbacks: list[Callback] = [recorder]
     if spec.monitor:  # first, so that its step ends before the recorder gathers the state
         callbacks.insert(0, ScalingMonitor(warmup_steps=0, output_dir=job_dir(save_path) / "scaling"))

@@ -22,6 +22,8 @@ STEPS = 5
 BATCH = 8
 LAYERS = 4  # two virtual stages on each of two ranks need four blocks
 
+MANY_MICROBATCHES = "gpipe_16_microbatches"
+
 SCHEDULES = [
     ("gpipe", 1),
     ("1f1b", 1),
@@ -51,7 +53,13 @@ def schedule_results(tmp_path_factory):
             checkpoint_round_trip=round_trip, predict=round_trip, sanity_val_steps=sanity,
             strategy_kwargs={"pipeline_parallel_size": 2, "schedule": schedule, "stages_per_rank": stages_per_rank, "microbatches": 4},
             monitor=schedule == "1f1b",
+            count_host_syncs=schedule == "gpipe",
         )
+    # The same pipeline with 16 one-row micro-batches (batch 16): a step's host syncs and collectives must not grow.
+    specs[MANY_MICROBATCHES] = JobSpec(
+        strategy="pipeline", devices=2, batch_size=16, steps=3, n_layer=LAYERS, count_host_syncs=True,
+        strategy_kwargs={"pipeline_parallel_size": 2, "schedule": "gpipe", "microbatches": 16},
+    )
     root = tmp_path_factory.mktemp("schedules")
     return root, specs, run_distributed_jobs(specs, root)
 
@@ -74,6 +82,23 @@ def test_every_schedule_matches_single_device(schedule, reference, schedule_resu
         torch.testing.assert_close(result["predictions"], reference["predictions"], rtol=0, atol=TOL)
         # Written by both stages (sharded), read whole it loads into the plain module; validated from it above.
         assert_checkpoint_holds_whole_tensors(root / schedule / "final.ckpt", reference["states"][-1], n_layer=LAYERS)
+
+
+def test_host_syncs_and_collectives_per_step_do_not_grow_with_microbatches(schedule_results):
+    """pp2 GPipe with 4 and with 16 micro-batches: every rank makes the same host reads of tensor values
+    (``item``, ``bool``, ``int``, ``tolist``, ...) and the same collectives in each training step after the first.
+    The last stage's results reach the other stage as one byte tensor (no pickled objects once the structure is
+    known), and the loss function finds its micro-batch without reading a tensor."""
+    _, _, results = schedule_results
+    few, many = results["gpipe"]["step_counts"], results[MANY_MICROBATCHES]["step_counts"]
+    assert len(few) == len(many) == 2  # ranks
+    for rank in range(2):
+        expected = few[rank][0]
+        assert all(counts == expected for counts in few[rank] + many[rank]), (rank, few[rank], many[rank])
+        assert "broadcast_object_list" not in expected and "__int__" not in expected, expected
+        assert expected.get("broadcast") == 1, expected  # the last stage's loss and logs
+    # One-row micro-batches train the same model as one device with the whole batch.
+    assert_same_training(run_job(JobSpec(batch_size=16, steps=3, n_layer=LAYERS)), results[MANY_MICROBATCHES], steps=3)
 
 
 def test_data_parallel_replicas_of_a_pipeline_with_accumulation_and_clipping(tmp_path):

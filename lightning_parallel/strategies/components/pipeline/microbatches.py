@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from torchmetrics import Metric
@@ -82,7 +81,7 @@ def combine_logs(logs: dict[int, list[LogCall]], rows: list[int], module: nn.Mod
             result = torch.stack(values).amin(0)
         else:
             result = combine(values, [rows[i] for i, _, _ in entries])
-        combined.append((name, result.cpu(), options))
+        combined.append((name, result, options))
     return combined
 
 
@@ -123,7 +122,3 @@ def pad_rows(t: Any, total: int, target: int) -> Any:
 def zero_like_output(output: Any) -> Tensor:
     floats = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.is_floating_point()]
     return sum(t.sum() * 0.0 for t in floats)
-
-
-def to_cpu(value: Any) -> Any:
-    return apply_to_collection(value, Tensor, lambda t: t.cpu())

@@ -6,7 +6,12 @@ first batch builds the pipeline from them. The schedule then runs the micro-batc
 the user's step runs again for each micro-batch with the model's ``forward`` answering with the
 pipeline's output, so its loss code and ``self.log`` calls work unchanged. Logged values and outputs are
 combined over the micro-batches (weighted by their rows) and broadcast to every stage, so progress bars,
-``ModelCheckpoint`` and ``EarlyStopping`` agree on every rank.
+``ModelCheckpoint`` and ``EarlyStopping`` agree on every rank (:mod:`.results`: one broadcast of a byte tensor
+per step, the structure sent once).
+
+Host cost: a step reads no tensor value on the host per micro-batch (the loss function finds its micro-batch
+from where its target chunk sits, not from the chunk's value), so a step's host syncs and collectives do not
+grow with the number of micro-batches.
 
 Exactness: each micro-batch's loss is weighted by ``rows / batch rows / accumulate_grad_batches`` before
 torch's backward, so gradients equal single-device training on the whole batch (for losses that average
@@ -30,6 +35,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
+from lightning_parallel import collectives
 from lightning_parallel.parallelize.data.batchnorm import batch_statistics_layers, check_pipeline_batch_statistics
 from lightning_parallel.parallelize.common.activation_checkpointing import (
     apply_activation_checkpointing,
@@ -68,9 +74,9 @@ from lightning_parallel.strategies.components.pipeline.microbatches import (
     pad_rows,
     split_rows,
     tensor_leaves,
-    to_cpu,
     zero_like_output,
 )
+from lightning_parallel.strategies.components.pipeline.results import LastStageResults
 
 #: Evaluation pipelines kept for input shapes other than training's (least recently used dropped first).
 EVAL_SHAPES_KEPT = 8
@@ -164,6 +170,10 @@ class PipelineRunner:
         self._batch_statistics: dict[bool, list[str]] | None = None
         #: Stage parameters sharded over data parallelism (set after the build), gathered around each step.
         self.sharded: ShardedStageParameters | None = None
+        last = self.stage_to_rank[-1]
+        self._results = LastStageResults(pp_group, last, self.pp_global_ranks[last], last == pp_rank, device)
+        #: The schedules' target: micro-batch j's chunk is the view at offset j of it (host memory, never read).
+        self._target = torch.arange(config.microbatches)
 
     @property
     def built(self) -> bool:
@@ -246,8 +256,8 @@ class PipelineRunner:
         payload = None
         if self.holds_last_stage:
             output = combine([state.outputs.get(j) for j in range(len(rows))], rows)
-            payload = (to_cpu(output), combine_logs(state.logs, rows, module))
-        output, logs = self._broadcast_from_last_stage(payload, training)
+            payload = (output, combine_logs(state.logs, rows, module))
+        output, logs = self._broadcast_from_last_stage(hook, payload, training)
         self._replay_logs(module, logs)
         return apply_to_collection(output, Tensor, lambda t: t.to(self.device))
 
@@ -348,7 +358,7 @@ class PipelineRunner:
             except ValueError as error:
                 holder[0] = error
         if not is_dry_run():
-            dist.broadcast_object_list(holder, src=0)
+            collectives.broadcast_object_list(holder, src=0)
         if isinstance(holder[0], ValueError):
             raise holder[0]
         return holder[0]
@@ -461,7 +471,7 @@ class PipelineRunner:
     # ------------------------------------------------------------------ the schedule and the loss
 
     def _run_schedule(self, schedule: Any, args: tuple[Any, ...], kwargs: dict[str, Any], training: bool) -> None:
-        target = torch.arange(self.config.microbatches, device=self.device)
+        target = self._target
         inputs, model_kwargs = (args, kwargs) if self.holds_first_stage else ((), {})
         if self.sharded is not None:
             self.sharded.adopt(stage.submod for stage in _schedule_stages(schedule))
@@ -485,7 +495,7 @@ class PipelineRunner:
         state = self._state
         if state is None:
             raise RuntimeError("The pipeline's loss function ran outside a step.")
-        index = int(target.reshape(-1)[0])
+        index = self._microbatch_index(target)
         rows = state.rows[index]
         if rows == 0:
             # A padding-only micro-batch: nothing of it reaches the user's step, and it adds no gradient.
@@ -499,6 +509,17 @@ class PipelineRunner:
         if not state.training:
             return torch.zeros((), device=self.device)
         return loss_of(result, state.hook) * (rows / state.total_rows * state.loss_scale)
+
+    def _microbatch_index(self, target: Tensor) -> int:
+        """Which micro-batch the schedule computes the loss of, from the target chunk it hands over.
+
+        Torch's schedules split the target with ``tensor_split``: micro-batch j's chunk is a view at offset j of
+        :attr:`_target`, so the index is host metadata; the target lives on the host, so even reading its value
+        (were a chunk ever a copy) would not wait for the device, as ``int()`` of a device tensor would each
+        micro-batch.
+        """
+        same_storage = target.untyped_storage().data_ptr() == self._target.untyped_storage().data_ptr()
+        return target.storage_offset() if same_storage else int(target.reshape(-1)[0])
 
     def _call_user_step(self, state: _StepState, index: int, output: Any) -> Any:
         module = state.module
@@ -532,12 +553,10 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------ results to every stage
 
-    def _broadcast_from_last_stage(self, payload: Any, training: bool) -> Any:
+    def _broadcast_from_last_stage(self, hook: str, payload: Any, training: bool) -> Any:
         if is_dry_run():  # no last stage to hear from: a stand-in loss (a dry run's values mean nothing)
             return payload if payload is not None else (torch.zeros(()) if training else None, [])
-        holder = [payload]
-        dist.broadcast_object_list(holder, src=self.pp_global_ranks[self.stage_to_rank[-1]], group=self.pp_group)
-        return holder[0]
+        return self._results.share(hook, payload)
 
     def _replay_logs(self, module: LightningModule, logs: list[LogCall]) -> None:
         for name, value, options in logs:
