@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_parallel import collectives
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.collectives import is_dry_run
 
@@ -24,13 +26,22 @@ NONFINITE_MODES: dict[str, str] = {
     "skip": "skip that optimizer step on every rank (its gradients dropped; counted in the summary)",
 }
 
+#: The rows of the flags every rank contributes to (one column per rank).
+_KINDS = ("loss", "gradients")
+
 
 class NonFiniteGuard(Component):
     """After the last micro-batch's backward, every rank says whether its loss and gradients are finite.
 
-    One all-gather of two numbers per rank per optimizer step, so all ranks decide alike: under ``skip``
-    replicas never drift apart (one skipping while another steps), under ``error`` every rank stops at
-    the same step and the message names the ranks where it happened.
+    One all-reduce per optimizer step of a ``[2, world size]`` flags tensor (each rank sets its own column, MAX
+    combines them) and one read of it on the host, so all ranks decide alike: under ``skip`` replicas never drift
+    apart (one skipping while another steps), under ``error`` every rank stops at the same step and the message
+    names the ranks where it happened. The flags are computed on the device (one ``foreach`` norm per gradient
+    dtype), so nothing waits for the device per gradient.
+
+    Why a column per rank rather than two numbers (the lowest bad rank, a count): the message can name every
+    culprit, and 2 x world int32s are nothing next to the step's gradients (64 KiB at 8,192 ranks) while still
+    one collective.
     """
 
     def __init__(self, engine: EngineHost, mode: str) -> None:
@@ -48,20 +59,21 @@ class NonFiniteGuard(Component):
 
         return run(checked_closure)
 
-    def _check(self, loss: Any, optimizer: Optimizer) -> None:
+    def _check(self, loss: Any, optimizer: Optimizer) -> bool:
+        """Judge this step on every rank at once; ``True`` where the step is to be skipped (``skip`` mode)."""
         engine = self.engine
+        device = engine.root_device
+        bad_loss = _nonfinite([loss.detach()], device) if isinstance(loss, Tensor) else torch.zeros((), dtype=torch.bool, device=device)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        bad_loss = isinstance(loss, Tensor) and not bool(torch.isfinite(_local(loss.detach())).all())
-        bad_grads = not all(bool(torch.isfinite(_local(g)).all()) for g in grads)
-        flags = torch.tensor([int(bad_loss), int(bad_grads)], device=engine.root_device)
+        bad_grads = _nonfinite(grads, device)
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+        flags = torch.zeros(len(_KINDS), world, dtype=torch.int32, device=device)
+        flags[:, rank] = torch.stack([bad_loss, bad_grads]).to(torch.int32)
         if dist.is_initialized():
-            gathered = [torch.zeros_like(flags) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, flags)
-        else:
-            gathered = [flags]
-        culprits = {kind: [rank for rank, f in enumerate(gathered) if f[i]] for i, kind in enumerate(("loss", "gradients"))}
+            collectives.all_reduce(flags, op=collectives.MAX)
+        culprits = _culprits(flags.tolist())  # the one host read of the step's judgement
         if not any(culprits.values()) or is_dry_run():  # a dry run's values are whatever fake collectives left
-            return
+            return False
         step = engine.lightning_module.trainer.global_step
         where = "; ".join(f"{kind} on rank(s) {ranks}" for kind, ranks in culprits.items() if ranks)
         if self.mode == "error":
@@ -75,7 +87,27 @@ class NonFiniteGuard(Component):
                 param.grad = None  # torch's optimizers leave parameters without a gradient untouched
         self.skipped_steps += 1
         rank_zero_warn(f"lightning_parallel: skipped optimizer step {step} on every rank: non-finite {where}.")
+        return True
 
 
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _nonfinite(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """A 0-dim bool on ``device``: whether any of ``tensors`` (their local parts) holds NaN or Inf, computed without
+    reading anything back to the host."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.numel():  # the inf norm of nothing is an error, and nothing is finite
+            by_kind[(local.device, local.dtype)].append(local.detach())
+    verdicts = [torch.zeros((), dtype=torch.bool, device=device)]
+    for group in by_kind.values():
+        # The largest |x| of each tensor is NaN or Inf exactly when the tensor holds one (it overflows nothing, and
+        # NaN propagates through the max). torch._foreach_norm is private (checked against torch 2.13): one kernel
+        # per device and dtype on CUDA, where isfinite(...).all() per tensor launches two each.
+        norms = torch._foreach_norm(group, float("inf"))
+        verdicts.append(~torch.isfinite(torch.stack(norms)).all().to(device))
+    return torch.stack(verdicts).any()
+
+
+def _culprits(flags: list[list[int]]) -> dict[str, list[int]]:
+    """The ranks that reported each kind of non-finite value, from the all-reduced ``[kinds, world]`` flags."""
+    return {kind: [rank for rank, flag in enumerate(row) if flag] for kind, row in zip(_KINDS, flags)}
