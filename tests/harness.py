@@ -17,17 +17,20 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import lightning_parallel
+import lightning_parallel.collectives
 from lightning_parallel.checkpoint.io import ParallelCheckpointIO
 from lightning_parallel.measure.memory import state_bytes
 from lightning_parallel.observe.monitor import ScalingMonitor
@@ -188,6 +191,9 @@ class HostSyncCounter:
     """
 
     READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+    #: Callers whose reads are of tensors kept on the host on a GPU too, so no stall there: torch's optimizers'
+    #: ``step`` counters (unless capturable) and a DeviceMesh's table of ranks.
+    HOST_RESIDENT = ("torch.optim", "torch.distributed.device_mesh")
     COLLECTIVES = (
         "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
         "all_to_all", "all_to_all_single", "reduce", "gather", "scatter", "barrier", "monitored_barrier",
@@ -197,21 +203,36 @@ class HostSyncCounter:
     def __init__(self) -> None:
         self.active = False
         self.counts: dict[str, int] = {}
+        self._depth = 0  # calls into the library's collectives module running (only the outermost counts)
         for name in self.READS:
-            self._patch(torch.Tensor, name)
+            self._patch(torch.Tensor, name, skip_callers=self.HOST_RESIDENT)
         for name in self.COLLECTIVES:
             self._patch(torch.distributed, name)
+        # The library's own collectives (all of them go through this one module), as "library.<name>"; one that
+        # calls another there counts once.
+        for name in lightning_parallel.collectives.__all__:
+            if name != "group_device":
+                self._patch(lightning_parallel.collectives, name, key=f"library.{name}", outermost=True)
 
-    def _patch(self, owner: Any, name: str) -> None:
+    def _patch(
+        self, owner: Any, name: str, key: str | None = None, outermost: bool = False, skip_callers: tuple[str, ...] = ()
+    ) -> None:
         original = getattr(owner, name, None)
         if original is None:
             return
-        counter = self
+        counter, key = self, key or name
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if counter.active:
-                counter.counts[name] = counter.counts.get(name, 0) + 1
-            return original(*args, **kwargs)
+            skipped = skip_callers and sys._getframe(1).f_globals.get("__name__", "").startswith(skip_callers)
+            if counter.active and not (outermost and counter._depth) and not skipped:
+                counter.counts[key] = counter.counts.get(key, 0) + 1
+            if not outermost:
+                return original(*args, **kwargs)
+            counter._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                counter._depth -= 1
 
         setattr(owner, name, counted)
 
@@ -462,6 +483,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     if spec.strategy == "single":
         strategy: Any = "auto"
         single_device_order(data, spec.seed)
+    elif spec.strategy == "lightning_ddp":  # Lightning's own, the reference the library's costs are read against
+        strategy = DDPStrategy(timeout=timedelta(seconds=60))
     elif spec.strategy == "data":
         strategy = lightning_parallel.DataParallelStrategy(**{"timeout": 60, **spec.strategy_kwargs})
     elif spec.strategy == "tensor":
