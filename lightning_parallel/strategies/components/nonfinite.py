@@ -16,8 +16,11 @@ from torch.optim import Optimizer
 from lightning_parallel import collectives
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.collectives import is_dry_run
+from lightning_parallel.strategies.precision import active_grad_scaler, agree_found_inf
 
 if TYPE_CHECKING:
+    from lightning.pytorch import Trainer
+
     from lightning_parallel.strategies.host import EngineHost
 
 #: What to do when a loss or gradient holds NaN or Inf on any rank.
@@ -42,6 +45,13 @@ class NonFiniteGuard(Component):
     Why a column per rank rather than two numbers (the lowest bad rank, a count): the message can name every
     culprit, and 2 x world int32s are nothing next to the step's gradients (64 KiB at 8,192 ranks) while still
     one collective.
+
+    Under a gradient scaler (``precision="16-mixed"``) overflowing gradients are the scaler's business: it lowers
+    the scale and skips the step (the closure this guard wraps runs before the scaler unscales, so a scaled
+    gradient's inf is no verdict yet). The guard then judges the loss only, and makes the scaler agree on its
+    found-inf over the world (:class:`~lightning_parallel.strategies.precision.WorldGradScaler`), so that one
+    shard's overflow skips the step, and lowers the scale, on every rank. Lightning's order is then: scale the
+    loss, backward, this guard (the loss), unscale (the gradients judged, the verdict agreed), clip, step or skip.
     """
 
     def __init__(self, engine: EngineHost, mode: str) -> None:
@@ -51,10 +61,18 @@ class NonFiniteGuard(Component):
         self.mode = mode
         self.skipped_steps = 0
 
+    def apply(self, trainer: Trainer, fitting: bool) -> None:
+        if fitting:
+            agree_found_inf(self.engine.precision_plugin)
+
     def around_optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], run: Callable[[Callable[[], Any]], Any]) -> Any:
         def checked_closure() -> Any:
             result = closure()
-            self._check(result, optimizer)
+            skipped = self._check(result, optimizer)
+            if skipped and active_grad_scaler(self.engine.precision_plugin) is not None:
+                # Lightning's mixed precision skips unscaling, the scaler's step and its update when the closure
+                # returns None (a scaler fails on an optimizer without gradients, and a bad loss is no overflow).
+                return None
             return result
 
         return run(checked_closure)
@@ -64,8 +82,11 @@ class NonFiniteGuard(Component):
         engine = self.engine
         device = engine.root_device
         bad_loss = _nonfinite([loss.detach()], device) if isinstance(loss, Tensor) else torch.zeros((), dtype=torch.bool, device=device)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        bad_grads = _nonfinite(grads, device)
+        if active_grad_scaler(engine.precision_plugin) is None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            bad_grads = _nonfinite(grads, device)
+        else:  # the scaler judges them once unscaled, agreed over the world
+            bad_grads = torch.zeros((), dtype=torch.bool, device=device)
         world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
         flags = torch.zeros(len(_KINDS), world, dtype=torch.int32, device=device)
         flags[:, rank] = torch.stack([bad_loss, bad_grads]).to(torch.int32)
