@@ -98,7 +98,9 @@ class ParallelEngineStrategy(MeshStrategy):
         start_method: ``"popen"`` re-runs the script per rank (scripts, Hydra); ``"spawn"``/``"fork"``
             start workers from a running interpreter (notebooks, tests). torchrun and SLURM are detected
             through Lightning's cluster environments and need no option.
-        process_group_backend: ``"nccl"``/``"gloo"``; ``None`` picks nccl on CUDA and gloo on CPU.
+        process_group_backend: ``"nccl"``/``"gloo"``; ``None`` picks nccl on CUDA and gloo on CPU. ``"cuda:gloo"``
+            runs several ranks on one GPU (with ``parallel_devices=[cuda:0, cuda:0]``; NCCL refuses that): gloo for
+            CUDA tensors only, so host tensors are refused as on NCCL.
         timeout: Seconds (or a ``timedelta``) a collective may wait before the job fails instead of hanging.
         save_format: ``"sharded"``: each rank writes its own shards (a directory, through
             ``torch.distributed.checkpoint``); ``"full"``: whole tensors in one file that loads into the plain

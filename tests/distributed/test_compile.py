@@ -55,18 +55,24 @@ def test_compiled_blocks_train_exactly_like_eager_single_device(tmp_path):
 
 def test_gpu_check_runs_on_the_cpu_as_a_smoke_test(tmp_path):
     """benchmarks/gpu_check.py --smoke: Lightning's single device, ours eager, and ours compiled with activation
-    checkpointing train a tiny model for 2 steps and report step time, tokens/s and an MFU in (0, 1]."""
+    checkpointing train a tiny model for 2 steps and report step time, the monitor's step time, tokens/s, an MFU in
+    (0, 1] and the predicted peak memory; two layouts at 2 ranks on the one device match the single device."""
     from benchmarks.gpu_check import SMOKE_VARIANTS, main
+    from benchmarks.gpu_layouts import SMOKE_LAYOUTS
 
     assert main(["--smoke", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "gpu_check_smoke.json").read_text())
-    assert set(results) == set(SMOKE_VARIANTS)
-    for variant, result in results.items():
+    assert set(results["variants"]) == set(SMOKE_VARIANTS)
+    for variant, result in results["variants"].items():
         assert result["step_s"] > 0 and result["tokens_per_s"] > 0, variant
+        assert result["monitor_step_s"] > 0 and result["predicted_peak_memory_gib"] > 0, variant
         check_mfu(result["mfu"], variant)
         assert result["mfu"] > 0, variant
-    assert "| ours + compile + activation checkpointing |" in (tmp_path / "gpu_check_smoke.md").read_text()
+    assert set(results["layouts"]) == set(SMOKE_LAYOUTS)
+    assert all(r["match"] and r["world_size"] == 2 for r in results["layouts"].values()), results["layouts"]
+    report = (tmp_path / "gpu_check_smoke.md").read_text()
+    assert "| ours + compile + activation checkpointing |" in report and "| pp2 (" in report
     # The planner's calibration: the profile again, with the measured MFU as its achievable fraction.
     calibrated = yaml.safe_load((tmp_path / "cpu_local_calibrated.yaml").read_text())
     assert calibrated["name"] == "cpu_local_calibrated" and calibrated["measured"] is True
-    assert calibrated["achievable_fraction"] == pytest.approx(results["ours DataParallelStrategy"]["mfu"], abs=1e-4)
+    assert calibrated["achievable_fraction"] == pytest.approx(results["variants"]["ours DataParallelStrategy"]["mfu"], abs=1e-4)
