@@ -94,7 +94,7 @@ class ParallelEngineStrategy(MeshStrategy):
         track_communication: Count the gradient buckets DDP sends (see :attr:`comm_stats`). Costs one
             Python call per bucket; switch off to use DDP's built-in C++ all-reduce.
         nonfinite: A NaN/Inf loss or gradient on any rank: ``"error"`` stops with the step and the ranks,
-            ``"skip"`` skips that optimizer step on every rank (one tiny all-gather per step decides).
+            ``"skip"`` skips that optimizer step on every rank (one small all-reduce per step decides).
         start_method: ``"popen"`` re-runs the script per rank (scripts, Hydra); ``"spawn"``/``"fork"``
             start workers from a running interpreter (notebooks, tests). torchrun and SLURM are detected
             through Lightning's cluster environments and need no option.

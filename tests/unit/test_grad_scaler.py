@@ -147,3 +147,20 @@ def test_bf16_and_full_precision_have_no_scaler_to_replace():
     plugin = MixedPrecision("bf16-mixed", "cpu")
     agree_found_inf(plugin)
     assert plugin.scaler is None
+
+
+def test_a_pipeline_scales_its_losses_by_the_scaler_as_lightning_scales_the_closure_loss():
+    # The schedule runs backward itself: without the scaler's scale on its losses, unscale_ would divide gradients
+    # that were never multiplied (65536 times too small).
+    from lightning_parallel.strategies.components.pipeline.component import loss_factor
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=SCALE))
+    factor = loss_factor(plugin, accumulate_grad_batches=4, device=torch.device("cpu"))
+    assert isinstance(factor, torch.Tensor) and float(factor) == SCALE / 4
+    weight = nn.Parameter(torch.tensor([3.0]))
+    (weight.sum() * factor).backward()  # what the schedule's backward of one micro-batch's loss computes
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    plugin.scaler.unscale_(optimizer)
+    assert weight.grad.tolist() == [0.25]  # d(loss / accumulate) / d weight, as without fp16
+    bf16 = MixedPrecision("bf16-mixed", "cpu")
+    assert loss_factor(bf16, accumulate_grad_batches=4, device=torch.device("cpu")) == 0.25

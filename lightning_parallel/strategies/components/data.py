@@ -14,7 +14,6 @@ from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from lightning_parallel.collectives import sync_module_states
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -22,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torchmetrics import Metric
 
+from lightning_parallel.collectives import sync_module_states
 from lightning_parallel.layout import ParallelLayout, replica_mesh
 from lightning_parallel.measure.collectives import outside_training
 from lightning_parallel.parallelize.common.expert_lists import find_expert_lists

@@ -7,7 +7,6 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
-from lightning_parallel.collectives import sync_module_states
 from lightning.pytorch.utilities.exceptions import _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -15,6 +14,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from lightning_parallel.collectives import sync_module_states
 from lightning_parallel.layout import ParallelLayout
 from lightning_parallel.parallelize.expert.experts import find_routed_experts
 from lightning_parallel.parallelize.common.expert_lists import find_expert_lists

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning_parallel.collectives import sync_module_states
 from torch import Tensor
 
+from lightning_parallel.collectives import sync_module_states
 from lightning_parallel.layout import ParallelLayout, replica_mesh
 from lightning_parallel.parallelize.common.grad_norm import clip_grad_norm_
 from lightning_parallel.parallelize.context.traced import StageSequenceSplit
@@ -32,7 +32,6 @@ from lightning_parallel.parallelize.pipeline.sharded_stages import ShardedStageP
 from lightning_parallel.parallelize.placement.deferred_init import allocate_local, has_meta_tensors
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 from lightning_parallel.strategies.optimizer import unwrap_optimizer
-from lightning_parallel.strategies.precision import fsdp_mixed_precision
 from lightning_parallel.strategies.components.base import Component
 from lightning_parallel.strategies.components.pipeline.runner import PipelineRunner
 
@@ -112,8 +111,8 @@ class PipelineComponent(Component):
         engine = self.engine
         training = PIPELINED_HOOKS[hook]
         module = engine.lightning_module
-        scale = 1.0 / module.trainer.accumulate_grad_batches if training else 1.0
         plugin = engine.precision_plugin
+        scale = loss_factor(plugin, module.trainer.accumulate_grad_batches, engine.root_device) if training else 1.0
         context = plugin.train_step_context() if training else plugin.val_step_context()
         # Lightning zeroes gradients *after* training_step and before backward, but the schedule computes
         # them inside the step: set them aside here and hand them over in backward(). Set aside, they would live
@@ -175,7 +174,8 @@ class PipelineComponent(Component):
                 allocate_local(sharded_holder, device)
 
         sharded = ShardedStageParameters(
-            holder, replica_mesh(engine.device_mesh, sharded=True), fsdp_mixed_precision(engine.precision_plugin), allocate_shards,
+            # In the parameters' own dtype under bf16-mixed too (what the stages were traced with; gradients summed in float32).
+            holder, replica_mesh(engine.device_mesh, sharded=True), allocate_shards,
             # Routed experts divided over ep (just before): expert parallelism holds and reduces them, as without pipelines.
             ignored_params=set(engine.expert_parallel.held_parameters),
         )
@@ -213,6 +213,21 @@ def _sequence_split(engine: EngineHost) -> StageSequenceSplit | None:
         return None
     cp_mesh = engine.device_mesh["cp"]
     return StageSequenceSplit(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+
+
+def loss_factor(plugin: Any, accumulate_grad_batches: int, device: torch.device) -> float | Tensor:
+    """What each micro-batch's loss is multiplied by before the schedule's backward.
+
+    ``1 / accumulate_grad_batches``, as Lightning divides a step's loss; under fp16 also the GradScaler's current
+    scale, which Lightning applies in ``pre_backward`` to the loss it back-propagates. The schedule runs backward
+    itself, so without it gradients would reach the scaler's ``unscale_`` unscaled and come out divided by the scale
+    (65536 at first). The scale stays a device tensor: no host read.
+    """
+    factor = 1.0 / accumulate_grad_batches
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return factor
+    return scaler.scale(torch.full((), factor, dtype=torch.float32, device=device))
 
 
 def _zeroed_after_step(module: torch.nn.Module) -> bool:

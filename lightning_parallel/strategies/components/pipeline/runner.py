@@ -94,7 +94,7 @@ class _StepState:
     rows: list[int]
     total_rows: int
     training: bool
-    loss_scale: float
+    loss_scale: float | Tensor
     per_microbatch: int
     outputs: dict[int, Any] = field(default_factory=dict)
     logs: dict[int, list[LogCall]] = field(default_factory=dict)
@@ -205,7 +205,7 @@ class PipelineRunner:
         kwargs: dict[str, Any],
         *,
         training: bool,
-        loss_scale: float = 1.0,
+        loss_scale: float | Tensor = 1.0,
         on_build: Callable[[LocalPipeline], None] | None = None,
     ) -> Any:
         """Run ``module.<hook>(*args, **kwargs)`` through the pipeline and return what it returns.
@@ -216,7 +216,8 @@ class PipelineRunner:
             args: The hook's positional arguments, batch first.
             kwargs: Its keyword arguments.
             training: Run forward and backward (else forward only).
-            loss_scale: Extra factor on each loss before backward (``1 / accumulate_grad_batches``).
+            loss_scale: Extra factor on each loss before backward (``1 / accumulate_grad_batches``; under fp16 times
+                the GradScaler's scale, a device tensor: see ``component.loss_factor``).
             on_build: Called once with this rank's stages, right after the first batch built them.
         """
         captured = self._capture(module, hook, args, kwargs)
