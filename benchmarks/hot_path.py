@@ -33,7 +33,7 @@ RESULTS = REPO_ROOT / "benchmarks" / "results"
 
 
 def markdown(rows: dict[str, dict[str, dict[str, int]]], commit: str) -> str:
-    cases = list(next(iter(rows.values())))
+    cases = list(dict.fromkeys(case for row in rows.values() for case in row))
     lines = [
         "# Host syncs and collectives per optimizer step",
         "",
