@@ -57,7 +57,7 @@ def one_rank_mesh():
 
 def test_blocks_then_children_then_the_holder_and_a_tied_weight_stays_one_parameter(one_rank_mesh):
     holder = TiedLM().double()
-    units = shard_units(holder, one_rank_mesh, torch.distributed.fsdp.MixedPrecisionPolicy())
+    units = shard_units(holder, one_rank_mesh)
     # Each block (not the experts inside it), the norm; the embedding and head share a weight: the holder keeps it.
     assert units == [holder.blocks[0], holder.blocks[1], holder.norm, holder]
     assert holder.head.weight is holder.embed.weight
@@ -105,3 +105,27 @@ def test_a_holder_built_on_the_meta_device_is_sharded_there_and_only_its_shards_
     assert stage.table is holder.table and not stage.table.is_meta
     sharded.gather()
     assert not any(p.is_meta for p in stage.parameters())
+
+
+
+def test_under_autocast_gradients_of_every_micro_batch_add_up_in_float32(one_rank_mesh):
+    """bf16-mixed: the stages compute in bf16 under autocast, but parameters are gathered in float32 (the dtype the
+    stages were traced with) and the gradients of every micro-batch and accumulated step add up in float32, as one
+    device's do on its float32 weights. One gradient of 1, then 64 of 2^-9: in bf16 each small one would round away
+    (bf16's spacing at 1 is 2^-7), as it did when the parameters were gathered as bf16 copies."""
+    holder = nn.Sequential(nn.Linear(4, 1, bias=False))
+    stage = copy.deepcopy(holder)
+    sharded = ShardedStageParameters(holder, one_rank_mesh)
+    sharded.adopt([stage])
+    for step in range(2):  # two accumulated steps, gathered once
+        sharded.gather()
+        assert stage[0].weight.dtype == torch.float32
+        for _ in range(1 if step == 0 else 64):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = stage(torch.full((1, 4), 1.0 if step == 0 else 2.0**-9))
+            assert out.dtype == torch.bfloat16
+            out.float().sum().backward()
+    sharded.reduce()
+    grad = holder[0].weight.grad
+    assert grad.dtype == torch.float32
+    torch.testing.assert_close(grad.full_tensor(), torch.full((1, 4), 1.0 + 64 * 2.0**-9), rtol=0, atol=0)

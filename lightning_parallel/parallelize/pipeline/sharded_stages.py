@@ -18,6 +18,13 @@ driven by hand, the way torch's own ``PipelineStage`` drives an FSDP stage at it
   and the whole parameters freed;
 - :meth:`ShardedStageParameters.release` frees them after an evaluation step.
 
+Parameters are gathered in their own dtype, also under ``bf16-mixed`` (where FSDP2 elsewhere gathers bf16 copies):
+the stage graphs were traced with it (receive buffers, ops that want an input's dtype for their weights, such as
+CPU's ``layer_norm``), autocast casts for each op as on one device, and the gradients of every micro-batch and
+accumulated step add up in float32 on the float32 gathered parameters — bf16 copies would sum them in bf16, since
+the post-backward that moves FSDP2's gradients into a float32 sum runs here once per optimizer step. The cost: the
+gather moves float32, once per optimizer step.
+
 FSDP2 has no public call for "run your post-backward now": the private calls used here (checked against torch
 2.13) are the ones torch's ``PipelineStage.perform_reduce_grad`` makes. No Lightning here.
 """
@@ -28,7 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from lightning_parallel.parallelize.tensor.sequence import reduce_partial_gradients
 
@@ -39,7 +46,6 @@ class ShardedStageParameters:
     Args:
         holder: The pipelined module after the cut: it holds this rank's stage tensors (others are ``None``).
         dp_mesh: 1-D (shard) or 2-D ``(replicate, shard)`` (hybrid sharding) data-parallel mesh.
-        mp_policy: FSDP2 mixed precision.
         allocate: Called with the holder once it is sharded: a holder built on the meta device is sharded there,
             and only then are its shards (and its buffers) given memory.
         ignored_params: Parameters of the holder left as they are, neither sharded, gathered nor reduced here (the
@@ -50,14 +56,13 @@ class ShardedStageParameters:
         self,
         holder: nn.Module,
         dp_mesh: DeviceMesh,
-        mp_policy: MixedPrecisionPolicy | None = None,
         allocate: Callable[[nn.Module], None] | None = None,
         ignored_params: set[nn.Parameter] | None = None,
     ) -> None:
         self.holder = holder
         self._ignored = {id(p) for p in ignored_params or ()}
         before = {name: p for name, p in holder.named_parameters(remove_duplicate=False)}
-        self.units = shard_units(holder, dp_mesh, mp_policy or MixedPrecisionPolicy(), ignored_params)
+        self.units = shard_units(holder, dp_mesh, ignored_params)
         if allocate is not None:
             allocate(holder)
         after = dict(holder.named_parameters(remove_duplicate=False))
@@ -146,7 +151,7 @@ class ShardedStageParameters:
 
 
 def shard_units(
-    holder: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy, ignored_params: set[nn.Parameter] | None = None
+    holder: nn.Module, dp_mesh: DeviceMesh, ignored_params: set[nn.Parameter] | None = None
 ) -> list[FSDPModule]:
     """``fully_shard`` the parameter-holding parts of ``holder``: blocks, then children, ``holder`` itself last;
     ``ignored_params`` stay as they are.
@@ -154,7 +159,7 @@ def shard_units(
     A module whose parameters are also reachable outside it (a tied embedding and head) is not a unit of
     its own: the shared weight must be one sharded parameter, so it stays with the enclosing unit.
     """
-    options = {"mesh": dp_mesh, "reshard_after_forward": False, "mp_policy": mp_policy, "ignored_params": ignored_params or None}
+    options = {"mesh": dp_mesh, "reshard_after_forward": False, "ignored_params": ignored_params or None}
     owners: dict[int, set[str]] = {}
     for name, param in holder.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), set()).add(name)
