@@ -18,15 +18,22 @@ from lightning_parallel import collectives
 _MIXED = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def fsdp_mixed_precision(plugin: Precision) -> MixedPrecisionPolicy:
+def fsdp_mixed_precision(plugin: Precision, gathered: bool = True) -> MixedPrecisionPolicy:
     """FSDP2's policy for Lightning's ``precision`` setting.
 
     Under ``bf16-mixed``/``16-mixed`` sharded parameters are gathered in the low-precision dtype (half the
-    all-gather bytes; autocast would cast them to it anyway) while gradients are reduced and kept in
-    float32, as the master weights are. ``*-true`` and ``32``/``64`` keep every tensor in the module's dtype.
+    all-gather bytes; the ops then compute with bf16 copies of the float32 weights: norms and embeddings too,
+    where autocast would have kept float32) while gradients are reduced and kept in float32, as the master
+    weights are. ``*-true`` and ``32``/``64`` keep every tensor in the module's dtype.
+
+    Args:
+        plugin: Lightning's precision plugin.
+        gathered: Whether FSDP2 gathers the parameters from other ranks. Replicas of tensor-parallel shards run
+            FSDP2 on shards of one rank (DDP cannot take DTensors): nothing to halve, so their parameters stay
+            float32 and autocast casts them per op, as DDP and one device do.
     """
     dtype = _MIXED.get(str(getattr(plugin, "precision", "")))
-    if dtype is None:
+    if dtype is None or not gathered:
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 

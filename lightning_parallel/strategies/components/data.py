@@ -158,11 +158,13 @@ class DataParallelComponent(Component):
                     # FSDP2 shards each rank's own copy (DDP would broadcast rank 0's): start all from rank 0's
                     # weights. (Tensor parallelism synced them before splitting.)
                     sync_module_states(engine.lightning_module)
+                mesh = replica_mesh(engine.device_mesh, sharded=True)
                 self.sharded_units = shard_over_data_parallel(
                     engine.lightning_module,
-                    replica_mesh(engine.device_mesh, sharded=True),
+                    mesh,
                     reshard_after_forward=self.config.reshard_after_forward,
-                    mp_policy=fsdp_mixed_precision(engine.precision_plugin),
+                    # bf16 copies gathered only where shards span ranks (replicas of tp shards: one-rank shards).
+                    mp_policy=fsdp_mixed_precision(engine.precision_plugin, gathered=mesh.shape[-1] > 1),
                     ignored_params=set(engine.expert_parallel.held_parameters),
                 )
                 if engine.comm_stats is not None:
