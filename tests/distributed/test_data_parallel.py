@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.equivalence import TOL, assert_same_training
 from tests.harness import JobSpec, run_distributed, run_distributed_jobs, run_job
 from tests.planner_check import (
     assert_planner_predicts_communication,
@@ -13,27 +14,8 @@ from tests.planner_check import (
 
 pytestmark = pytest.mark.distributed
 
-TOL = 1e-6
 STEPS = 5
 PER_RANK_BATCH = 4
-
-
-def assert_same_training(reference: dict, result: dict, steps: int = STEPS) -> None:
-    """Losses, gradients and parameters (+ buffers) agree after every optimizer step."""
-    torch.testing.assert_close(result["step_losses"], reference["step_losses"], rtol=0, atol=TOL)
-    assert len(result["states"]) == len(reference["states"]) == steps
-    assert len(result["grads"]) == len(reference["grads"]) == steps
-    for step in range(steps):
-        for kind in ("grads", "states"):
-            expected, actual = reference[kind][step], result[kind][step]
-            assert actual.keys() == expected.keys()
-            for name in expected:
-                torch.testing.assert_close(
-                    actual[name].double(), expected[name].double(), rtol=0, atol=TOL,
-                    msg=lambda m, name=name, kind=kind, step=step: f"{kind} of {name} after step {step + 1}: {m}",
-                )
-    # Every replica ends with the same weights.
-    assert result["replica_spread"] <= 1e-12
 
 
 def assert_one_allreduce_round_per_step(result: dict, steps: int = STEPS) -> None:
