@@ -7,6 +7,8 @@ gradients and parameters after every step; validation then runs with batches of 
 
 from __future__ import annotations
 
+import ast
+import functools
 import os
 import time
 import traceback
@@ -210,16 +212,56 @@ def _frame(filename: str, lineno: int, name: str) -> str:
     return f"{Path(filename).name}:{lineno} in {name}"
 
 
+def _raise_statement(filename: str, lineno: int) -> bool:
+    """Whether line ``lineno`` of ``filename`` lies in a ``raise <exception>`` statement (the innermost statement that
+    spans it; a bare ``raise`` re-raises an error made elsewhere and does not count)."""
+    tree = _parsed(filename)
+    if tree is None:
+        return False
+    innermost = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt) and node.lineno <= lineno <= (node.end_lineno or node.lineno):
+            if innermost is None or (node.end_lineno - node.lineno) <= (innermost.end_lineno - innermost.lineno):
+                innermost = node
+    return isinstance(innermost, ast.Raise) and innermost.exc is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(filename: str) -> ast.Module | None:
+    try:
+        return ast.parse(Path(filename).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+
+
+#: What the library raises when it refuses (DESIGN.md: ValueError bad config, TypeError misuse, RuntimeError wrong order).
+REFUSALS = (ValueError, TypeError, RuntimeError, NotImplementedError)
+
+
+def raised_by_library(error: BaseException) -> bool:
+    """Whether ``error`` is one the library raises on purpose: made by a ``raise SomeError(...)`` statement in a
+    lightning_parallel source file, of a refusal's type.
+
+    Where the innermost frame is the library's does not make it ours: a torch operator the library calls (its torch
+    function modes run every operator of the model: ``return func(*args, **kwargs)``) raises its own error from the
+    library's frame, and a bare ``raise`` passes torch's error on. A ``raise ...Error(message) from error`` that
+    translates torch's error is the library's: its message is written here (the cause, and what to do).
+    """
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames or not isinstance(error, REFUSALS):
+        return False
+    innermost = frames[-1]
+    return _LIBRARY in innermost.filename and _raise_statement(innermost.filename, innermost.lineno)
+
+
 def describe_failure(error: BaseException, trained_steps: int) -> dict[str, Any]:
-    """``refused`` (our library's clear error at setup or first batch) or ``crash``, with where it came from."""
+    """``refused`` (an error the library raises on purpose, at setup or the first batch: :func:`raised_by_library`,
+    or a torch error the library rewrites) or ``crash`` (any other error, wherever it was raised), with where it
+    came from."""
     frames = traceback.extract_tb(error.__traceback__)
     raised_here = frames[-1] if frames else None
     first_line = (str(error).strip().splitlines() or [""])[0][:300]
-    ours = (
-        raised_here is not None and _LIBRARY in raised_here.filename
-        and isinstance(error, (ValueError, TypeError, RuntimeError, NotImplementedError))
-        and trained_steps == 0
-    )
+    ours = raised_by_library(error) and trained_steps == 0
     # An error torch raises (DDP's, at the step after the one that left a parameter unused) that our library
     # rewrites into what and why and the fix is refused too: the user reads our message, not a crash.
     explained = any(phrase in first_line for phrase in EXPLAINED)
