@@ -11,6 +11,7 @@ protocols without naming them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
@@ -140,6 +141,9 @@ class EngineHost(Protocol):
 
     @property
     def global_rank(self) -> int: ...
+
+    @property
+    def process_group_timeout(self) -> timedelta: ...
 
     @property
     def is_global_zero(self) -> bool: ...

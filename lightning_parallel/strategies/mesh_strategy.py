@@ -154,6 +154,11 @@ class MeshStrategy(GroupCollectivesMixin, ParallelStrategy):
         return self._mesh
 
     @property
+    def process_group_timeout(self) -> timedelta:
+        """How long a collective may wait before the job fails instead of hanging."""
+        return self._timeout
+
+    @property
     def data_parallel_group(self) -> dist.ProcessGroup | None:
         """Process group of this rank's data-parallel replicas (``None`` before the mesh exists)."""
         if self._mesh is None:

@@ -12,6 +12,7 @@ reads them all back and adds the report to its error::
 
 from __future__ import annotations
 
+import logging
 import re
 import signal
 import threading
@@ -29,6 +30,8 @@ from lightning_parallel.strategies.components.base import Component
 if TYPE_CHECKING:
     from lightning_parallel.strategies.host import EngineHost
 
+log = logging.getLogger(__name__)
+
 #: Phases of one optimizer step, in order.
 PHASES = ("training_step", "backward", "optimizer_step")
 
@@ -41,6 +44,8 @@ _KEY = "lightning_parallel/progress/{rank}"
 #: more), so a position a second old names the same step and phase; writing every phase of every step would be
 #: several round trips to one store host per rank per step (thousands per step at a thousand ranks).
 WRITE_INTERVAL_S = 1.0
+#: Under NCCL, a rank still in one place after this fraction of the process group's timeout is reported.
+STALL_FRACTION = 0.9
 
 
 class _LatestValueWriter:
@@ -50,19 +55,31 @@ class _LatestValueWriter:
     (the store's client is thread-safe). Errors writing (the store's host gone at the end of a job) stop it quietly.
     """
 
-    def __init__(self, store: dist.Store, key: str, interval: float) -> None:
+    def __init__(
+        self, store: dist.Store, key: str, interval: float, stall_after: float | None = None,
+        on_stall: Callable[[float], None] | None = None,
+    ) -> None:
         self.store, self._key, self._interval = store, key, interval
         self._latest: str | None = None
         self._written: str | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._stall_after, self._on_stall = stall_after, on_stall
+        self._last_progress = time.monotonic()
+        self._stall_reported = False
         self._thread = threading.Thread(target=self._run, name="lightning_parallel-progress", daemon=True)
         self._thread.start()
 
     def put(self, value: str) -> None:
         self._latest = value
+        self.touch()
         self._wake.set()
+
+    def touch(self) -> None:
+        """Progress that is not written (a validation step): the stall clock starts again."""
+        self._last_progress = time.monotonic()
+        self._stall_reported = False
 
     def flush(self) -> None:
         with self._lock:
@@ -77,15 +94,23 @@ class _LatestValueWriter:
 
     def _run(self) -> None:
         while not self._closed:
-            self._wake.wait()
+            woken = self._wake.wait(timeout=self._interval)
             self._wake.clear()
             if self._closed:
                 return
             try:
-                self.flush()
+                if woken:
+                    self.flush()
+                    time.sleep(self._interval)
+                self._check_stall()
             except Exception:  # noqa: BLE001 - a progress note must never take a job down
                 return
-            time.sleep(self._interval)
+
+    def _check_stall(self) -> None:
+        still = time.monotonic() - self._last_progress
+        if self._on_stall is not None and self._stall_after is not None and not self._stall_reported and still > self._stall_after:
+            self._stall_reported = True
+            self._on_stall(still)
 
 
 class ProgressReport(Component):
@@ -101,6 +126,8 @@ class ProgressReport(Component):
     def around_step(self, hook: str, run: Callable[[], Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if hook == "training_step":
             self._record("training_step")
+        elif self._writer is not None:
+            self._writer.touch()  # evaluation steps are progress too (not a stall)
         return run()
 
     def around_backward(self, run: Callable[[], Tensor], loss: Tensor) -> Tensor:
@@ -147,8 +174,23 @@ class ProgressReport(Component):
         if store is None or self.engine.world_size == 1 or module is None or module._trainer is None:
             return
         if self._writer is None or self._writer.store is not store:
-            self._writer = _LatestValueWriter(store, _KEY.format(rank=self.engine.global_rank), WRITE_INTERVAL_S)
+            # NCCL's watchdog ends a process whose collective timed out without a Python error, so the report in
+            # on_exception may never be made: the writer's thread reports a rank that stopped moving before that.
+            timeout = self.engine.process_group_timeout.total_seconds()
+            nccl = dist.get_backend() == "nccl"
+            self._writer = _LatestValueWriter(
+                store, _KEY.format(rank=self.engine.global_rank), WRITE_INTERVAL_S,
+                stall_after=STALL_FRACTION * timeout if nccl else None, on_stall=self._report_stall,
+            )
         self._writer.put(f"{module.trainer.global_step}:{self._phase}:{self._collectives}:{collective}")
+
+    def _report_stall(self, seconds: float) -> None:
+        # Every rank warns for itself: the one that stopped may be any.
+        log.warning(
+            "lightning_parallel: rank %d has made no progress for %.0f s (the process group's timeout is %.0f s; NCCL "
+            "then ends the process without a Python error). %s",
+            self.engine.global_rank, seconds, self.engine.process_group_timeout.total_seconds(), self.report(),
+        )
 
     def teardown(self) -> None:
         if self._writer is not None:
