@@ -8,7 +8,7 @@ gloo). Without a CUDA GPU, or on a GPU that :mod:`lightning_parallel.plan.gpus` 
 ``--peak-tflops``), it stops before training anything, saying why (exit status 2).
 
 1. The GPU, by the name CUDA reports, from the catalogue (:mod:`lightning_parallel.plan.gpus`): its dense peaks, its
-   memory (set beside what the device reports) and its hardware profile (``conf/hardware/<profile>.yaml``).
+   memory (set beside what the device reports) and its hardware profile (``lightning_parallel/conf/hardware/<profile>.yaml``).
 2. Every layout at 2 ranks sharing the GPU over a ``cuda:gloo`` group (NCCL refuses two ranks on one GPU; a CUDA-only
    group keeps NCCL's rule that host tensors are refused), in float32, against Lightning's single device on the same
    GPU: dp2, dp2 sharded (FSDP2), tp2, pp2, cp2 and dp2 × ep2 (:mod:`benchmarks.gpu_layouts`; all launches at once).
@@ -60,7 +60,10 @@ SMOKE_VARIANTS = ("Lightning SingleDeviceStrategy", "ours DataParallelStrategy",
 CALIBRATING_VARIANT = "ours DataParallelStrategy"
 #: The variant whose MFU issue 52 sets a goal for, and the goal.
 HEADLINE_VARIANT, MFU_GOAL = "ours + compile", 0.40
-HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+#: The library's datasheet profiles (read), and the recipe's own hardware group, where a calibrated profile is written:
+#: it describes this machine, not a GPU model, so it stays out of the package (the recipe finds both by name).
+HARDWARE_DIR = Path(__file__).resolve().parents[1] / "lightning_parallel" / "conf" / "hardware"
+CALIBRATED_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 FULL = {"model": {"vocab_size": 128, "block_size": 2048, "n_layer": 24, "n_head": 16, "n_embd": 2048}, "batch": 4,
         "steps": 12, "warmup": 3, "precision": "bf16-mixed"}
 SMOKE = {"model": {"vocab_size": 128, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 32}, "batch": 2,
@@ -319,7 +322,7 @@ def calibrated_profile(results: dict[str, dict[str, Any]], smoke: bool) -> tuple
     profile.update(name=f"{base}_calibrated", achievable_fraction=round(fraction, 4),
                    description=f"{profile.get('description', base)}; achievable_fraction measured by benchmarks/gpu_check.py "
                                f"on {measured['device']} ({stamp}): MFU of the recipe's gpt_1b under our eager DataParallelStrategy")
-    header = (f"# Written by benchmarks/gpu_check.py: conf/hardware/{base}.yaml with achievable_fraction measured on this GPU\n"
+    header = (f"# Written by benchmarks/gpu_check.py: lightning_parallel/conf/hardware/{base}.yaml with achievable_fraction measured on this GPU\n"
               f"# (was {yaml.safe_load((HARDWARE_DIR / f'{base}.yaml').read_text()).get('achievable_fraction')}). Use: hardware={base}_calibrated\n")
     return f"{base}_calibrated.yaml", header + yaml.safe_dump(profile, sort_keys=False)
 
@@ -369,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     calibrated = calibrated_profile(variants, args.smoke)
     if calibrated is not None:
         filename, text = calibrated
-        target = (out_dir if args.smoke else HARDWARE_DIR) / filename
+        target = (out_dir if args.smoke else CALIBRATED_DIR) / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(text)
         print(f"calibrated hardware profile: {target}")
     return 1 if failed(results) else 0

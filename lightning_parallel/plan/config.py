@@ -24,7 +24,7 @@ from lightning_parallel.plan.profile import ModelProfile, profile_model
 
 def hardware_from_config(cfg: DictConfig) -> HardwareProfile:
     if "hardware" not in cfg or cfg.hardware is None:
-        raise ValueError("The config has no hardware profile: add hardware=<name> (one of conf/hardware/*.yaml).")
+        raise ValueError("The config has no hardware profile: add hardware=<name> (one of lightning_parallel/conf/hardware/*.yaml, or your app's own hardware/ group).")
     return HardwareProfile.from_config(OmegaConf.to_container(cfg.hardware, resolve=True))  # type: ignore[arg-type]
 
 

@@ -2,7 +2,7 @@
 
 One entry per product: its dense peaks (no 2:4 sparsity: NVIDIA's datasheets print the sparse figure with an
 asterisk, twice the dense one), its memory and memory bandwidth, its NVLink bandwidth where it has one, and the
-hardware profile (``conf/hardware/<profile>.yaml``) with the same figures. A name is recognised only when it is one
+hardware profile (``lightning_parallel/conf/hardware/<profile>.yaml``) with the same figures. A name is recognised only when it is one
 of the names the product reports, exactly (case, ``-`` and ``_`` aside): an unknown name, a MIG slice (``... MIG
 3g.40gb``, part of the GPU) or a plain ``H100`` are refused, never taken for their nearest relative, since a peak
 off by a third makes every MFU wrong by as much. No torch here: callers pass the name.
@@ -41,7 +41,7 @@ class UnknownGPUError(ValueError):
         super().__init__(
             f"device_name={device_name!r} is not a GPU lightning_parallel knows (lightning_parallel/plan/gpus.py: "
             f"{known}). A MIG slice has only part of its GPU's compute and is not in it either. Fix: give the peak "
-            f"yourself (benchmarks/gpu_check.py --peak-tflops, or a conf/hardware/*.yaml profile), or add the GPU to "
+            f"yourself (benchmarks/gpu_check.py --peak-tflops, or a hardware profile like lightning_parallel/conf/hardware/*.yaml), or add the GPU to "
             f"GPUS with its datasheet's dense figures."
         )
 
@@ -63,7 +63,7 @@ class GPUSpec:
         memory_gbps: Device memory bandwidth, GB/s.
         nvlink_gbps: NVLink bandwidth per GPU in one direction, GB/s; ``None``: no NVLink (PCIe only). On PCIe
             cards it is the bridge's, which joins pairs (or fours) of cards only.
-        profile: The ``conf/hardware/<profile>.yaml`` with these figures, ``None`` where there is none yet.
+        profile: The ``lightning_parallel/conf/hardware/<profile>.yaml`` with these figures, ``None`` where there is none yet.
     """
 
     key: str

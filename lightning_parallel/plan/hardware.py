@@ -1,6 +1,6 @@
 """Hardware profiles: what one device can hold and compute, and how fast its links are.
 
-A profile is a YAML file in ``conf/hardware/`` (selected with ``hardware=<name>``, like any Hydra group).
+A profile is a YAML file in ``lightning_parallel/conf/hardware/`` (selected with ``hardware=<name>``, like any Hydra group).
 Bandwidths are per device, in the direction data flows (an all-reduce's wire bytes divide by them).
 No torch here (a ``measured: true`` profile imports the measuring code when it is loaded).
 """
@@ -169,7 +169,7 @@ class HardwareProfile:
                     "intra_node_gbps", "inter_node_gbps"}
         missing = sorted(required - set(config))
         if missing:
-            raise ValueError(f"hardware profile lacks {missing}; see conf/hardware/*.yaml for complete profiles.")
+            raise ValueError(f"hardware profile lacks {missing}; see lightning_parallel/conf/hardware/*.yaml for complete profiles.")
         return cls(**{key: value for key, value in config.items() if key != "_target_"})
 
     @property

@@ -64,8 +64,11 @@ def _row(rank: str, p: Prediction, marker: str, experts: bool = False) -> list[s
     return row
 
 
-def print_plan(result: Plan, model: ModelProfile, top: int = 10, console: Console | None = None) -> None:
-    """Print the table, the recommendation and its reasons, and the command to run it."""
+def print_plan(
+    result: Plan, model: ModelProfile, top: int = 10, console: Console | None = None, command: str = "python recipes/train.py"
+) -> None:
+    """Print the table, the recommendation and its reasons, and the command to run it (``command`` + Hydra overrides;
+    an empty ``command``: the overrides alone, for the user's own app)."""
     console = console or Console()
     best = result.recommended
     console.print(
@@ -76,7 +79,8 @@ def print_plan(result: Plan, model: ModelProfile, top: int = 10, console: Consol
         console.print(f"[dim]hardware {result.hardware.name}: {result.hardware.description}[/dim]")
     console.print(plan_table(result, top))
     body = "\n".join(f"• {reason}" for reason in result.reasons)
-    body += "\n\nrun it:\n  python recipes/train.py " + " ".join(best.layout.overrides(best.batch_size))
+    overrides = " ".join(best.layout.overrides(best.batch_size))
+    body += f"\n\nrun it:\n  {command} {overrides}" if command else f"\n\nrun it (overrides for your Hydra app):\n  {overrides}"
     console.print(Panel(body, title=f"recommended: {best.layout.describe()}", expand=False))
     if result.rejected:
         console.print("[dim]not possible: " + "; ".join(f"{k}: {v}" for k, v in result.rejected.items()) + "[/dim]")

@@ -49,7 +49,7 @@ class AutoParallelStrategy(HybridParallelStrategy):
 
     Args:
         hardware: The device and network to plan for: a :class:`HardwareProfile` or its mapping (a
-            ``conf/hardware/*.yaml``). Required: the planner predicts for this machine, not a default one.
+            ``lightning_parallel/conf/hardware/*.yaml``). Required: the planner predicts for this machine, not a default one.
         pin: Sizes the user fixes, e.g. ``{"tp": 2}`` (keys ``dp``, ``cp``, ``tp``, ``pp``, ``ep``; context
             parallelism is considered only when pinned; expert parallelism, a part of dp, wherever the model holds
             routed experts); the planner chooses the rest.
@@ -201,7 +201,7 @@ def _hardware(hardware: HardwareProfile | Mapping[str, Any] | None) -> HardwareP
         return HardwareProfile.from_config(dict(hardware))
     raise TypeError(
         f"AutoParallelStrategy(hardware={hardware!r}): pass the hardware to plan for, a HardwareProfile or a mapping of "
-        "one (Hydra: strategy=auto takes hardware=<name> from conf/hardware/)."
+        "one (Hydra: strategy=auto takes hardware=<name> from lightning_parallel/conf/hardware/)."
     )
 
 

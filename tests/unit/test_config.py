@@ -1,4 +1,5 @@
-"""Every file in conf/ composes and instantiates (lightning-hydra-template style)."""
+"""Every config file composes and instantiates (lightning-hydra-template style): the recipe's (conf/) and the
+library's (lightning_parallel/conf/: strategy/, hardware/, the planner's config), which any Hydra app finds by name."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import lightning_parallel
+from lightning_parallel.conf import CONFIG_DIR as LIBRARY_CONF
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-OPTIONS = [(group.name, file.stem) for group in sorted(CONF.iterdir()) if group.is_dir() for file in sorted(group.glob("*.yaml"))]
+OPTIONS = sorted({
+    (group.name, file.stem)
+    for root in (CONF, LIBRARY_CONF) for group in root.iterdir() if group.is_dir() for file in group.glob("*.yaml")
+})
 
 
 # Models read their sizes from the data config, so these options come in pairs.
@@ -27,7 +32,42 @@ def compose_config(overrides: list[str], output_dir: Path):
 
 def test_every_group_has_options():
     groups = {group for group, _ in OPTIONS}
-    assert {"strategy", "trainer", "model", "data", "experiment"} <= groups
+    assert {"strategy", "trainer", "model", "data", "experiment", "hardware"} <= groups
+
+
+def test_each_file_lives_once():
+    """The recipe's conf/ reaches the library's groups through the search path: it copies none of their files (a
+    symbolic link is the same file)."""
+    library = {path.relative_to(LIBRARY_CONF) for path in LIBRARY_CONF.rglob("*.yaml")}
+    copies = [str(path) for path in CONF.rglob("*.yaml") if path.relative_to(CONF) in library and not path.is_symlink()]
+    assert not copies, f"copies of lightning_parallel/conf files in conf/: {copies}"
+    assert {"strategy/data.yaml", "hardware/h100_ib.yaml", "strategy/plan/llama.yaml", "plan.yaml"} <= {str(p) for p in library}
+
+
+def test_any_app_finds_the_library_groups_by_name(tmp_path):
+    """A user's own Hydra app (a config directory of its own, nothing of ours copied) names our groups: the package's
+    Hydra plugin puts lightning_parallel/conf on every app's search path, after the app's own directory."""
+    (tmp_path / "config.yaml").write_text("defaults:\n  - strategy: tensor\n  - hardware: h100_ib\n  - _self_\n"
+                                          "trainer: {accelerator: cpu}\n")
+    (tmp_path / "strategy").mkdir()
+    (tmp_path / "strategy" / "mine.yaml").write_text("_target_: lightning_parallel.DataParallelStrategy\n")
+    with initialize_config_dir(config_dir=str(tmp_path), version_base="1.3"):
+        cfg = compose("config", overrides=["strategy.tensor_parallel_size=2", "+strategy/plan=llama"])
+        single = compose("config", overrides=["strategy=single"])
+        mine = compose("config", overrides=["strategy=mine"])  # the app's own option beside ours, in the same group
+    assert isinstance(instantiate(cfg.strategy), lightning_parallel.TensorParallelStrategy)
+    assert cfg.strategy.plan["model.model.layers.*.mlp.down_proj"] == "rowwise" and cfg.hardware.name == "h100_ib"
+    assert single.strategy.device == "cpu" and mine.strategy._target_ == "lightning_parallel.DataParallelStrategy"
+
+
+def test_planner_outside_a_project_plans_from_its_own_config(tmp_path, monkeypatch, capsys):
+    """No conf/config.yaml in the working directory: the library's planner config, which asks for the model."""
+    from lightning_parallel.plan.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["trainer.devices=4", "hardware=h100_ib"]) == 2
+    output = capsys.readouterr().out
+    assert "data._target_, data.batch_size, model._target_ not set" in output and "plan.yaml" in output
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -49,7 +89,7 @@ def test_config_composes_and_instantiates(group, option, tmp_path):
     assert any(isinstance(cb, lightning_parallel.TrainingSummary) for cb in trainer.callbacks)
 
 
-STRATEGY_FILES = sorted((CONF / "strategy").glob("*.yaml"))
+STRATEGY_FILES = sorted((LIBRARY_CONF / "strategy").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", STRATEGY_FILES, ids=[p.stem for p in STRATEGY_FILES])

@@ -95,7 +95,9 @@ def test_pipelines_of_tensor_or_context_parallel_stages_take_expert_parallelism(
 def test_hydra_config_has_the_option():
     from omegaconf import OmegaConf
 
-    config = OmegaConf.load("conf/strategy/hybrid.yaml")
+    from lightning_parallel.conf import CONFIG_DIR
+
+    config = OmegaConf.load(CONFIG_DIR / "strategy" / "hybrid.yaml")
     assert config.expert_parallel_size == 1
 
 

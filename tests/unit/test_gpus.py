@@ -11,6 +11,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lightning_parallel.conf import CONFIG_DIR
 from lightning_parallel.plan.gpus import GPUS, UnknownGPUError, find_gpu, gpu_spec
 from lightning_parallel.plan.hardware import HardwareProfile
 
@@ -76,7 +77,7 @@ def test_each_gpu_has_its_own_peak_and_memory():
 
 @pytest.mark.parametrize("spec", [s for s in GPUS.values() if s.profile], ids=lambda s: s.key)
 def test_each_gpus_profile_loads_and_carries_its_figures(spec):
-    profile = HardwareProfile.from_config(yaml.safe_load((CONF / "hardware" / f"{spec.profile}.yaml").read_text()))
+    profile = HardwareProfile.from_config(yaml.safe_load((CONFIG_DIR / "hardware" / f"{spec.profile}.yaml").read_text()))
     assert profile.name == spec.profile and profile.device_memory_gib == spec.memory_gb
     assert profile.peak_dtype == "bf16" and profile.peak_tflops == pytest.approx(spec.bf16_tflops, rel=1e-3)
     for dtype, peak in (profile.peak_tflops_by_dtype or {}).items():

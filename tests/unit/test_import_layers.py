@@ -15,7 +15,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_parallel"
 
 #: Top-level layers, lowest first: a module may import its own layer and the ones before it.
-LAYERS = ("collectives", "layout", "measure", "checkpoint", "parallelize", "plan", "observe", "strategies", "dry_run", "__init__")
+#: ``conf``: the Hydra config groups shipped as package data (its module only says where they are; it imports nothing).
+LAYERS = ("conf", "collectives", "layout", "measure", "checkpoint", "parallelize", "plan", "observe", "strategies", "dry_run", "__init__")
 #: ``parallelize/`` subpackages, lowest first (the same rule one level down).
 PARALLELIZE = ("common", "data", "tensor", "expert", "context", "pipeline", "placement")
 #: The only modules that may import the engine: the presets, the strategies package and the package root.
