@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -76,7 +77,7 @@ class JobSpec:
     nan_step: int = 2  # ... at this batch index
     stall_rank: int | None = None  # this global rank sleeps in training_step (a hang, as the others see it) ...
     stall_step: int = 2  # ... at this batch index ...
-    stall_seconds: float = 0.0  # ... this long
+    stall_seconds: float = 0.0  # ... this long (negative: forever, an event that never comes)
     gradient_clip_val: float | None = None
     # Save a checkpoint after fit, wipe the weights in memory, and validate from the checkpoint.
     checkpoint_round_trip: bool = False
@@ -125,6 +126,8 @@ class RecordingGPT(GPTLightningModule):
         if self.fail_rank == self.global_rank and batch_idx == self.fail_step:
             raise FailingStep(f"rank {self.global_rank} fails on purpose at batch {batch_idx}")
         if self.stall_rank == self.global_rank and batch_idx == self.stall_step:
+            if self.stall_seconds < 0:  # forever: waits for an event that never comes (the job must end it)
+                threading.Event().wait()
             time.sleep(self.stall_seconds)
         loss = super().training_step(batch, batch_idx)
         if self.nan_rank == self.global_rank and batch_idx == self.nan_step:
