@@ -102,9 +102,10 @@ def train(cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()) -> dict[s
     trainer.callbacks.extend(extra_callbacks)
     attach_prediction(cfg, trainer)
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), Path(cfg.paths.output_dir) / "checkpoints")
-    # Checkpoints of these recipes hold the Hydra config (OmegaConf objects) among the hyperparameters,
-    # which torch's weights-only unpickler refuses: they are this project's own files, read in full.
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
+    # Read without running code from the checkpoint (the OmegaConf containers among these recipes' hyperparameters
+    # are allowed: lightning_parallel/checkpoint/unpickling.py); +trust_pickle=true unpickles a trusted one in full.
+    trust_pickle = bool(cfg.get("trust_pickle", False))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=not trust_pickle)
     return {key: float(value) for key, value in trainer.callback_metrics.items()}
 
 

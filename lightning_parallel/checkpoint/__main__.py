@@ -7,7 +7,8 @@
                                                        [--max-shard-size 5GB] [--dtype bfloat16] [--overwrite]
 
 A full checkpoint's ``state_dict`` loads into the plain LightningModule with ``load_state_dict`` (export,
-inference); either format resumes training under any layout.
+inference); either format resumes training under any layout. Every command refuses a checkpoint holding objects
+that only a full unpickle builds (which runs any code the file names) unless given ``--trust-pickle``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_parallel.checkpoint.export import export
+from lightning_parallel.checkpoint.export import OPT_IN, export
 from lightning_parallel.checkpoint.files import (
     INFO_KEY,
     atomic_torch_save,
@@ -37,20 +38,24 @@ from lightning_parallel.checkpoint.sharded import (
     stored_tensors,
     write_whole,
 )
+from lightning_parallel.checkpoint.unpickling import UntrustedPickleError, load_file
 
 
-def describe(path: Path) -> dict[str, Any]:
-    """What a checkpoint holds: format, the layout that wrote it, progress, tensors (names, shapes, dtypes)."""
+def describe(path: Path, trust_pickle: bool = False) -> dict[str, Any]:
+    """What a checkpoint holds: format, the layout that wrote it, progress, tensors (names, shapes, dtypes).
+
+    ``trust_pickle``: unpickle in full (runs any code the file names); off, objects that could are refused.
+    """
     fmt = checkpoint_format(path)
     if fmt == "sharded":
-        meta = read_meta(path, weights_only=False)
+        meta = read_meta(path, weights_only=not trust_pickle, opt_in=OPT_IN)
         stored = stored_tensors(path)
         # Model tensors first, each part in the order it was written.
         tensors = dict(sorted(stored.items(), key=lambda item: not item[0].startswith("state_dict.")))
         files = [p for p in path.iterdir() if p.is_file()]
     else:
         with reading(path):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            checkpoint = load_file(path, trust_pickle=trust_pickle, opt_in=OPT_IN, map_location="cpu", mmap=True)
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         tensors = _whole_tensors(checkpoint)
         files = [path]
@@ -71,15 +76,18 @@ def describe(path: Path) -> dict[str, Any]:
     }
 
 
-def convert(source: Path, destination: Path) -> str:
-    """Sharded -> full (one file) or full -> sharded (a directory); returns the format written."""
+def convert(source: Path, destination: Path, trust_pickle: bool = False) -> str:
+    """Sharded -> full (one file) or full -> sharded (a directory); returns the format written.
+
+    ``trust_pickle`` as :func:`describe`.
+    """
     if destination.exists():
         raise FileExistsError(f"{str(destination)!r} exists; choose a new destination (nothing was written).")
     if checkpoint_format(source) == "sharded":
-        atomic_torch_save(_marked(read_whole(source, weights_only=False), "full"), destination)
+        atomic_torch_save(_marked(read_whole(source, weights_only=not trust_pickle, opt_in=OPT_IN), "full"), destination)
         return "full"
     with reading(source):
-        checkpoint = torch.load(source, map_location="cpu", weights_only=False)
+        checkpoint = load_file(source, trust_pickle=trust_pickle, opt_in=OPT_IN, map_location="cpu")
     partial = prepare_partial(destination)
     write_whole(_marked(checkpoint, "sharded"), partial)
     publish(partial, destination)
@@ -129,15 +137,21 @@ def _print_summary(summary: dict[str, Any], tensors: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_parallel.checkpoint", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="print what a checkpoint holds")
+    trust = argparse.ArgumentParser(add_help=False)
+    trust.add_argument(
+        "--trust-pickle", action="store_true",
+        help="unpickle the checkpoint in full, which runs any code the file names: only for files you trust "
+        "(default: objects beyond tensors, plain containers and our own checkpoints' types are refused)",
+    )
+    inspect = commands.add_parser("inspect", help="print what a checkpoint holds", parents=[trust])
     inspect.add_argument("path", type=Path)
     inspect.add_argument("--tensors", action="store_true", help="list every tensor (name, whole shape, dtype, chunks)")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of text")
-    conversion = commands.add_parser("convert", help="sharded -> full (one file) or full -> sharded (a directory)")
+    conversion = commands.add_parser("convert", help="sharded -> full (one file) or full -> sharded (a directory)", parents=[trust])
     conversion.add_argument("source", type=Path)
     conversion.add_argument("destination", type=Path)
     exporting = commands.add_parser(
-        "export", help="write a Hugging Face model directory (safetensors, config.json) from a checkpoint"
+        "export", help="write a Hugging Face model directory (safetensors, config.json) from a checkpoint", parents=[trust]
     )
     exporting.add_argument("checkpoint", type=Path)
     exporting.add_argument("directory", type=Path)
@@ -153,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
-            summary = describe(args.path)
+            summary = describe(args.path, args.trust_pickle)
             if args.json:
                 print(json.dumps(summary, indent=2))
             else:
@@ -161,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "export":
             summary = export(
                 args.checkpoint, args.directory, args.format, config=args.config, prefix=args.prefix,
-                max_shard_size=args.max_shard_size, dtype=args.dtype, overwrite=args.overwrite,
+                max_shard_size=args.max_shard_size, dtype=args.dtype, overwrite=args.overwrite, trust_pickle=args.trust_pickle,
             )
             print(f"wrote {summary.directory}: {summary.tensors} tensors, {summary.bytes / 2**20:.1f} MiB in {', '.join(summary.files)}")
             print(f"  names without {summary.prefix!r}; config from {summary.config_from}")
@@ -170,9 +184,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if summary.outside_prefix:
                 print(f"  {summary.outside_prefix} tensor(s) outside {summary.prefix!r} not exported")
         else:
-            written = convert(args.source, args.destination)
+            written = convert(args.source, args.destination, args.trust_pickle)
             print(f"wrote a {written} checkpoint at {args.destination}")
-    except (FileNotFoundError, FileExistsError, RuntimeError, ValueError) as error:
+    except (FileNotFoundError, FileExistsError, RuntimeError, ValueError, UntrustedPickleError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

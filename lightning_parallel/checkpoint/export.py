@@ -19,6 +19,9 @@ hyperparameters (a ``PretrainedConfig`` or its ``to_dict()``): otherwise pass ``
 a model directory, or a hub name). The model is then built on the meta device only to learn its names, shapes
 and tied weights; the checkpoint must hold exactly those under the prefix (anything outside it, such as a
 loss module's buffers, is left out and counted).
+
+The checkpoint is read without running code from it: objects that only a full unpickle builds (a
+``PretrainedConfig`` among the hyperparameters, say) are refused unless ``trust_pickle`` (``--trust-pickle``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from torch import Tensor
 from lightning_parallel.checkpoint.files import checkpoint_format
 from lightning_parallel.checkpoint.sharded import MODEL_KEY, read_meta, reading, stored_tensors
 from lightning_parallel.checkpoint.state import describe_mismatch, listing
+from lightning_parallel.checkpoint.unpickling import CheckedReader, load_file
 
 EXPORT_FORMATS = ("hf",)
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -50,6 +54,8 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "vocab.txt", "merges.txt", "added_tokens.json", "chat_template.jinja",
 )
+#: How a refusal to unpickle names the opt-in (this module's and the command line's).
+OPT_IN = "--trust-pickle (trust_pickle=True from Python)"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
@@ -83,6 +89,7 @@ def export_hf(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
+    trust_pickle: bool = False,
 ) -> ExportSummary:
     """Write a Hugging Face model directory that ``from_pretrained`` loads with the checkpoint's weights.
 
@@ -98,17 +105,19 @@ def export_hf(
         dtype: Convert floating-point tensors to it (``None``: keep each tensor's dtype).
         overwrite: Write into a non-empty ``directory``: only files of the same names and earlier weight files
             (``model*.safetensors*``) are replaced or removed, nothing else.
+        trust_pickle: Unpickle the checkpoint in full, which runs any code the file names (only for files you trust).
 
     Raises:
         FileNotFoundError: No checkpoint at ``checkpoint``, or no config at ``config``.
         FileExistsError: ``directory`` is not empty and ``overwrite`` is off (nothing written).
+        UntrustedPickleError: The checkpoint holds objects only a full unpickle builds, and ``trust_pickle`` is off.
         ValueError: No config found, a ``prefix`` that matches nothing, or the checkpoint's tensors do not fit the
             config's model (missing, unexpected and mis-shaped names listed); nothing is written then.
     """
     checkpoint, directory = Path(checkpoint), Path(directory)
     limit = parse_size(max_shard_size)
     out_dtype = _dtype(dtype)
-    source = _open(checkpoint)
+    source = _open(checkpoint, trust_pickle)
     if directory.exists() and (not directory.is_dir() or (any(directory.iterdir()) and not overwrite)):
         raise FileExistsError(
             f"{str(directory)!r} exists and is not an empty directory; choose a new one or pass overwrite "
@@ -219,17 +228,17 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 class _Source:
     """A checkpoint's model tensors by name, read a few at a time."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, trust_pickle: bool = False) -> None:
         self.path = path
         self.format = checkpoint_format(path)  # FileNotFoundError naming the path when nothing is there
         if self.format == "sharded":
-            meta = read_meta(path, weights_only=False)
+            meta = read_meta(path, weights_only=not trust_pickle, opt_in=OPT_IN)
             start = MODEL_KEY + "."
             self._meta = {k[len(start):]: v for k, v in stored_tensors(path).items() if k.startswith(start)}
             self._tensors: Mapping[str, Tensor] = {}
         else:
             with reading(path):
-                meta = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+                meta = load_file(path, trust_pickle=trust_pickle, opt_in=OPT_IN, map_location="cpu", mmap=True)
             state = meta.get(MODEL_KEY) if isinstance(meta, dict) else None
             if not isinstance(state, dict):
                 raise ValueError(f"{str(path)!r} is not a Lightning checkpoint (no {MODEL_KEY!r} in it).")
@@ -252,14 +261,18 @@ class _Source:
         values = {name: torch.empty(self._meta[name]["shape"], dtype=self.dtype(name)) for name in names}
         with reading(self.path), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load({MODEL_KEY: values}, checkpoint_id=self.path, planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+            # Tensors only (no pickled items): DCP's planner will do; its index is read by the checked reader.
+            dcp.load(
+                {MODEL_KEY: values}, storage_reader=CheckedReader(self.path),
+                planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True,
+            )
         return values
 
 
-def _open(path: Path) -> _Source:
+def _open(path: Path, trust_pickle: bool = False) -> _Source:
     if not path.exists():
         raise FileNotFoundError(f"No checkpoint at {str(path)!r}.")
-    return _Source(path)
+    return _Source(path, trust_pickle)
 
 
 def _resolve_config(config: Any, hyper_parameters: Mapping[str, Any], checkpoint: Path) -> tuple[Any, str, Path | None]:

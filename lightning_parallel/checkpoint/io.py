@@ -4,6 +4,10 @@ Our strategies use it by default. Give it to Lightning's own strategies (single 
 from a checkpoint that a sharded layout wrote::
 
     Trainer(plugins=[ParallelCheckpointIO()]).fit(model, ckpt_path="outputs/run/checkpoints/last.ckpt")
+
+Reading never unpickles in full (which runs any code the file names) unless Lightning's ``weights_only=False``
+says the checkpoint is trusted: objects beyond tensors, plain containers and the few types our own checkpoints
+hold are refused (``checkpoint/unpickling.py``). ``weights_only=None`` counts as ``True``, for remote paths too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from lightning_parallel.checkpoint.files import (
     remove_path,
 )
 from lightning_parallel.checkpoint.sharded import read_whole, reading
+from lightning_parallel.checkpoint.unpickling import checked_unpickling
+
+#: How a refusal to unpickle a checkpoint being resumed names the opt-in.
+RESUME_OPT_IN = "weights_only=False to trainer.fit (or validate/test/predict; in recipes/train.py: +trust_pickle=true)"
 
 
 class ParallelCheckpointIO(TorchCheckpointIO):
@@ -58,14 +66,16 @@ class ParallelCheckpointIO(TorchCheckpointIO):
 
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
+        trust = weights_only is False
         if checkpoint_format(path) == "sharded":
-            checkpoint = read_whole(path, weights_only)
+            checkpoint = read_whole(path, weights_only, RESUME_OPT_IN)
         else:
-            with reading(path):
+            # Lightning's own default for a remote path is a full unpickle: None means weights-only here.
+            with reading(path), checked_unpickling(path, trust_pickle=trust, opt_in=RESUME_OPT_IN):
                 if map_location is None:
-                    checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+                    checkpoint = super().load_checkpoint(path, weights_only=not trust)
                 else:
-                    checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+                    checkpoint = super().load_checkpoint(path, map_location=map_location, weights_only=not trust)
         rescale_loader_positions(checkpoint, self.data_parallel_size or _world_size())
         return checkpoint
 

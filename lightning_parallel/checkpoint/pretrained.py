@@ -8,6 +8,9 @@ its own experts: :mod:`~lightning_parallel.checkpoint.expert_conversion`). Names
 matched first — the source's names may lack a prefix of the module's (a Hugging Face model held as
 ``self.model`` in a LightningModule) — and checked: missing, unexpected and mis-shaped tensors are listed
 before anything is read. Values are converted to the dtype of the tensor they go into.
+
+A checkpoint file (and a sharded checkpoint's non-tensor items) is read without running code from it: an object
+that only a full unpickle builds is refused, naming ``trust_pickle`` (``checkpoint/unpickling.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ from lightning_parallel.checkpoint.state import (
     copy_whole_into,
     describe_mismatch,
 )
+from lightning_parallel.checkpoint.unpickling import UntrustedPickleError, load_file
+
+#: How a refusal to unpickle names the opt-in (the strategy's option beside weights_from).
+OPT_IN = "trust_pickle=True to the strategy (beside weights_from; in a recipe: ++strategy.trust_pickle=true)"
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -53,6 +60,7 @@ def load_pretrained(
     *,
     whole_shapes: Mapping[str, tuple[int, ...]],
     aliases: Mapping[str, str] | None = None,
+    trust_pickle: bool = False,
 ) -> list[str]:
     """Copy the weights stored at ``path`` into ``targets`` (this rank's tensors by full name).
 
@@ -62,6 +70,7 @@ def load_pretrained(
         fused: Fused projections trained rank-major, by name (values are reordered before the copy).
         whole_shapes: Name -> shape of every tensor of the whole module: what the source must hold.
         aliases: Tied names -> the name they share a tensor with (a source may store only one of them).
+        trust_pickle: Unpickle a checkpoint file in full, running any code it names (only for files you trust).
 
     Returns:
         The target names written.
@@ -70,6 +79,7 @@ def load_pretrained(
         FileNotFoundError: Nothing at ``path``.
         ValueError: ``path`` is none of the three sources.
         RuntimeError: The stored tensors do not fit the module (all differences listed); nothing is read then.
+        UntrustedPickleError: The file holds objects that only a full unpickle builds, and ``trust_pickle`` is off.
     """
     path = Path(path)
     fused, aliases = fused or {}, aliases or {}
@@ -80,7 +90,7 @@ def load_pretrained(
     if sharded:
         found = stored_shapes(path)
     else:
-        source = _open_sliced(path)
+        source = _open_sliced(path, trust_pickle)
         found = source.shapes()
         if stored_per_expert(found) and any(_FUSED_EXPERTS.search(name) for name in whole_shapes):
             # Experts stored one module each (the Hub's layout), held fused: read through transformers' own mapping.
@@ -107,7 +117,7 @@ def load_pretrained(
             wanted[name] = stored_alias[stored]
         # else: a buffer that is not saved (non-persistent), or a tensor outside the stored module
     if sharded:
-        _load_sharded(path, targets, fused, wanted)
+        _load_sharded(path, targets, fused, wanted, trust_pickle)
     else:
         for name, stored in wanted.items():
             _copy_sliced(source, stored, targets[name], fused.get(name))  # type: ignore[arg-type]
@@ -154,7 +164,7 @@ def _copy_sliced(source: SlicedSource, stored: str, target: Tensor, layout: Any)
         copy_part_into(target, lambda index: source.read(stored, index))
 
 
-def _load_sharded(path: Path, targets: Mapping[str, Tensor], fused: Mapping[str, Any], wanted: Mapping[str, str]) -> None:
+def _load_sharded(path: Path, targets: Mapping[str, Tensor], fused: Mapping[str, Any], wanted: Mapping[str, str], trust_pickle: bool) -> None:
     """DCP reads, for each target, the chunks it covers (rank-major fused layers: the whole tensor)."""
     dtypes = {k.removeprefix(MODEL_KEY + "."): getattr(torch, v["dtype"]) for k, v in stored_tensors(path).items()}
     staged: dict[str, Tensor] = {}
@@ -168,7 +178,7 @@ def _load_sharded(path: Path, targets: Mapping[str, Tensor], fused: Mapping[str,
             staged[stored] = torch.empty_like(target, dtype=dtypes[stored])  # a DTensor keeps its placements
         else:
             staged[stored] = target
-    load_states({MODEL_KEY: staged}, path, allow_partial=True)
+    load_states({MODEL_KEY: staged}, path, allow_partial=True, trust_pickle=trust_pickle, opt_in=OPT_IN)
     with torch.no_grad():
         for name, stored in wanted.items():
             target, value = targets[name], staged[stored]
@@ -177,7 +187,7 @@ def _load_sharded(path: Path, targets: Mapping[str, Tensor], fused: Mapping[str,
                 copy_whole_into(target, layout.to_rank_major(value) if layout is not None else value)
 
 
-def _open_sliced(path: Path) -> SlicedSource:
+def _open_sliced(path: Path, trust_pickle: bool = False) -> SlicedSource:
     if path.is_file() and path.suffix == ".safetensors":
         return SafetensorsFiles({None: path})
     if path.is_dir():
@@ -192,7 +202,7 @@ def _open_sliced(path: Path) -> SlicedSource:
             f"weights_from={str(path)!r} is a directory with {len(files)} .safetensors files and no {SAFETENSORS_INDEX}, "
             "and not a sharded checkpoint: pass a Hugging Face model directory, a sharded checkpoint or a checkpoint file."
         )
-    return TorchFile(path)
+    return TorchFile(path, trust_pickle)
 
 
 class SafetensorsFiles:
@@ -217,11 +227,14 @@ class SafetensorsFiles:
 
 
 class TorchFile:
-    """A ``torch.save`` file (a Lightning checkpoint's ``state_dict``, or a plain state dict), memory-mapped."""
+    """A ``torch.save`` file (a Lightning checkpoint's ``state_dict``, or a plain state dict), memory-mapped;
+    refused if it holds objects that only a full unpickle builds, unless ``trust_pickle``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, trust_pickle: bool = False) -> None:
         try:
-            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+            loaded = load_file(path, trust_pickle=trust_pickle, opt_in=OPT_IN, map_location="cpu", mmap=True)
+        except UntrustedPickleError:
+            raise
         except Exception as error:
             raise ValueError(
                 f"weights_from={str(path)!r} could not be read as a checkpoint file ({type(error).__name__}: {error}); "

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -36,6 +35,13 @@ from lightning_parallel.checkpoint.state import (
     MISMATCH_HINT,
     describe_mismatch,
     listing,
+)
+from lightning_parallel.checkpoint.unpickling import (
+    DEFAULT_OPT_IN,
+    CheckedReader,
+    UntrustedPickleError,
+    checked_planner,
+    load_file,
 )
 
 MODEL_KEY = "state_dict"
@@ -65,15 +71,15 @@ def save_states(
     return None
 
 
-def read_meta(directory: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+def read_meta(directory: str | os.PathLike, weights_only: bool | None = None, opt_in: str = DEFAULT_OPT_IN) -> dict[str, Any]:
     """The non-tensor part (``meta.pt``) of a sharded checkpoint (checked complete and not cut short first).
 
-    ``weights_only`` as ``torch.load`` (``None``: torch's default, which refuses arbitrary objects among the
-    hyperparameters; pass ``False`` for checkpoints you trust).
+    ``weights_only=False`` unpickles it in full (for checkpoints you trust); ``None`` or ``True`` refuse
+    objects that could run code (``checkpoint/unpickling.py``), naming ``opt_in`` as the way to allow them.
     """
     _read_metadata(directory)
     with reading(directory):
-        return torch.load(Path(directory) / META_FILENAME, map_location="cpu", weights_only=weights_only)
+        return load_file(Path(directory) / META_FILENAME, trust_pickle=weights_only is False, opt_in=opt_in, map_location="cpu")
 
 
 def stored_shapes(directory: str | os.PathLike, prefix: str = MODEL_KEY) -> dict[str, tuple[int, ...]]:
@@ -130,25 +136,38 @@ def check_optimizer_fits(directory: str | os.PathLike, key: str, target: Mapping
         )
 
 
-def load_states(states: dict[str, Any], directory: str | os.PathLike, *, allow_partial: bool = False) -> None:
-    """Fill ``states`` (this rank's tensors, any sharding) in place from a sharded checkpoint (a collective)."""
+def load_states(
+    states: dict[str, Any],
+    directory: str | os.PathLike,
+    *,
+    allow_partial: bool = False,
+    trust_pickle: bool = False,
+    opt_in: str = DEFAULT_OPT_IN,
+) -> None:
+    """Fill ``states`` (this rank's tensors, any sharding) in place from a sharded checkpoint (a collective).
+
+    Non-tensor values (``param_groups``) are refused if they could run code, unless ``trust_pickle``.
+    """
+    planner = checked_planner(DefaultLoadPlanner, source=directory, trust_pickle=trust_pickle, opt_in=opt_in, allow_partial_load=allow_partial)
     with reading(directory):
-        dcp.load(states, checkpoint_id=directory, planner=DefaultLoadPlanner(allow_partial_load=allow_partial))
+        dcp.load(states, storage_reader=CheckedReader(directory), planner=planner)
 
 
-def read_whole(directory: str | os.PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+def read_whole(directory: str | os.PathLike, weights_only: bool | None = None, opt_in: str = DEFAULT_OPT_IN) -> dict[str, Any]:
     """A sharded checkpoint as the ordinary Lightning checkpoint dict, whole tensors (one process, no peers).
 
     ``state_dict`` loads into the plain module; ``optimizer_states`` are keyed by parameter names in the
-    optimizer's order, which ``torch.optim.Optimizer.load_state_dict`` maps by position.
+    optimizer's order, which ``torch.optim.Optimizer.load_state_dict`` maps by position. ``weights_only`` and
+    ``opt_in`` as :func:`read_meta`.
     """
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    checkpoint = read_meta(directory, weights_only)
+    checkpoint = read_meta(directory, weights_only, opt_in)
     states: dict[str, Any] = {}
+    planner = checked_planner(_EmptyStateDictLoadPlanner, source=directory, trust_pickle=weights_only is False, opt_in=opt_in)
     with reading(directory):
-        _load_state_dict(states, storage_reader=FileSystemReader(directory), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(states, storage_reader=CheckedReader(directory), planner=planner, no_dist=True)
     checkpoint[MODEL_KEY] = states.pop(MODEL_KEY, {})
     count = len([key for key in states if key.startswith("optimizer_")])
     checkpoint["optimizer_states"] = [states.pop(optimizer_key(i)) for i in range(count)]
@@ -180,6 +199,9 @@ def reading(path: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError, CheckpointException) as error:
+        untrusted = _untrusted_cause(error)
+        if untrusted is not None:
+            raise untrusted from None
         if isinstance(error, FileNotFoundError) and not Path(path).exists():
             raise FileNotFoundError(f"No checkpoint at {str(path)!r}.") from error
         if str(error).startswith("The checkpoint ") or "weights_only" in str(error):  # already clear
@@ -192,11 +214,24 @@ def reading(path: str | os.PathLike) -> Iterator[None]:
         ) from error
 
 
+def _untrusted_cause(error: BaseException) -> UntrustedPickleError | None:
+    """The refusal to unpickle behind ``error`` (DCP wraps each rank's errors in a CheckpointException)."""
+    if isinstance(error, UntrustedPickleError):
+        return error
+    if isinstance(error, CheckpointException):
+        for failure, _trace in error.failures.values():
+            found = _untrusted_cause(failure)
+            if found is not None:
+                return found
+    cause = error.__cause__ or error.__context__
+    return _untrusted_cause(cause) if cause is not None and cause is not error else None
+
+
 def _read_metadata(directory: str | os.PathLike) -> Metadata:
     """DCP's metadata, once the directory is known complete and no file it points into is cut short."""
     checkpoint_format(directory)  # a clear error for a missing path or an unfinished directory
     with reading(directory):
-        metadata = FileSystemReader(directory).read_metadata()
+        metadata = CheckedReader(directory).read_metadata()
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)

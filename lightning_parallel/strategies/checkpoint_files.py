@@ -6,7 +6,8 @@ that loads into the plain module (``whole_state.py`` gathers them). Either is re
 
 What the files hold (model and optimizer state, out of and into this rank's tensors) is
 ``checkpoint_state.py``'s; sharded checkpoints are read in place into this rank's tensors: each rank
-reads only the chunks its shards cover.
+reads only the chunks its shards cover. Nothing is unpickled in full (which could run code from the file)
+unless Lightning's ``weights_only=False`` says the checkpoint is trusted (``checkpoint/unpickling.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from lightning_parallel.checkpoint.files import (
     publish,
     remove_path,
 )
-from lightning_parallel.checkpoint.io import ParallelCheckpointIO
+from lightning_parallel.checkpoint.io import RESUME_OPT_IN, ParallelCheckpointIO
 from lightning_parallel.checkpoint.sharded import (
     optimizer_key,
     read_meta,
@@ -53,6 +54,7 @@ from lightning_parallel.checkpoint.sharded import (
     stored_keys,
     whole_to_states,
 )
+from lightning_parallel.checkpoint.unpickling import load_file
 from lightning_parallel.strategies.optimizer import unwrap_optimizer
 
 if TYPE_CHECKING:
@@ -104,6 +106,7 @@ class CheckpointFiles:
         self._timeout = timeout  # of the background writer's own process group
         self.sharded_source: Path | None = None  # a sharded checkpoint being loaded (read in place)
         self.loaded_from: Path | None = None
+        self.trust_pickle = False  # the checkpoint being loaded was passed with weights_only=False
         self._pending_save: _PendingSave | None = None
         self._save_group: dist.ProcessGroup | None = None
         self._writer: ThreadPoolExecutor | None = None
@@ -168,7 +171,10 @@ class CheckpointFiles:
         source = self.sharded_source
         if periodic is None or source is None or not (source / replica_file_name(engine.global_rank)).is_file():
             return
-        state = torch.load(source / replica_file_name(engine.global_rank), map_location=engine.root_device, weights_only=False)
+        state = load_file(
+            source / replica_file_name(engine.global_rank), trust_pickle=self.trust_pickle, opt_in=RESUME_OPT_IN,
+            map_location=engine.root_device,
+        )
         if state["data_parallel_size"] != engine.layout.data_parallel_size:
             raise ValueError(
                 f"The checkpoint {str(source)!r} holds {state['data_parallel_size']} replicas' own states (sync="
@@ -280,18 +286,23 @@ class CheckpointFiles:
     # ------------------------------------------------------------------ loading
 
     def load(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint of any layout: a full file whole, a sharded one's metadata (tensors stay on disk)."""
+        """Read a checkpoint of any layout: a full file whole, a sharded one's metadata (tensors stay on disk).
+
+        ``weights_only=False`` (Lightning's) trusts the checkpoint: it, and the sharded one's tensors and replica
+        files read later, are unpickled in full. Otherwise objects that could run code are refused.
+        """
         engine = self.engine
         path = Path(engine.broadcast(str(checkpoint_path)))
         self.finish_pending_save()
         self.sharded_source = None
         self.loaded_from = path
+        self.trust_pickle = weights_only is False
         if checkpoint_format(path) == "full":
             if isinstance(engine.checkpoint_io, ParallelCheckpointIO):
                 engine.checkpoint_io.data_parallel_size = engine.layout.data_parallel_size
             checkpoint = engine.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         else:
-            checkpoint = read_meta(path, weights_only)
+            checkpoint = read_meta(path, weights_only, RESUME_OPT_IN)
             count = len({key.split(".", 1)[0] for key in stored_keys(path) if key.startswith("optimizer_")})
             if count:
                 checkpoint["optimizer_states"] = [_ShardedOptimizerState(optimizer_key(i)) for i in range(count)]

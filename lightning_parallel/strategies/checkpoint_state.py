@@ -33,6 +33,7 @@ from lightning_parallel.checkpoint import (
     local_named_optimizer_state,
     named_optimizer_state,
 )
+from lightning_parallel.checkpoint.io import RESUME_OPT_IN
 from lightning_parallel.checkpoint.sharded import (
     MODEL_KEY,
     check_model_fits,
@@ -191,7 +192,7 @@ class CheckpointState:
             check_model_fits(source, expected, strict)
             # In place into this rank's tensors (whole, DTensor shards, or a stage's): DCP reads what they cover.
             local = self.local_model_state()
-            load_states({MODEL_KEY: local}, source, allow_partial=not strict)
+            load_states({MODEL_KEY: local}, source, allow_partial=not strict, **self._trust())
             # Split fused projections hand out copies in the module's order: those are loaded back through it.
             fused = fused_layouts(module)
             if fused:
@@ -207,6 +208,10 @@ class CheckpointState:
             load_full_model_state(module, dict(self._without_other_ranks_experts(checkpoint["state_dict"])), strict=strict)
         else:
             ParallelStrategy.load_model_state_dict(engine, checkpoint, strict=strict)
+
+    def _trust(self) -> dict[str, Any]:
+        """How the sharded checkpoint's non-tensor items are read: in full only if it was loaded as trusted."""
+        return {"trust_pickle": self.files.trust_pickle, "opt_in": RESUME_OPT_IN}
 
     def load_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
         """Load every optimizer's state (after the model's, after setup), resharded to this layout."""
@@ -224,7 +229,7 @@ class CheckpointState:
                 optimizer = unwrap_optimizer(optimizer)
                 target = optimizer_state_to_original(module, get_optimizer_state_dict(module, optimizer))
                 check_optimizer_fits(source, stored.key, target, type(optimizer).__name__)
-                load_states({stored.key: target}, source)
+                load_states({stored.key: target}, source, **self._trust())
                 target = optimizer_state_to_rank_major(module, target)
                 if self._staged or engine.expert_parallel.list_group is not None:
                     # The stored param_groups name every rank's parameters: keep this rank's.

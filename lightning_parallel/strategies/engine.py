@@ -110,6 +110,10 @@ class ParallelEngineStrategy(MeshStrategy):
         weights_from: Pretrained weights read into this rank's part of the model before training (each rank
             reads only the slices it holds): a full checkpoint file, a sharded checkpoint directory, or a Hugging
             Face model directory (``*.safetensors``, sharded with ``model.safetensors.index.json`` or not).
+        trust_pickle: Unpickle a ``weights_from`` checkpoint in full, which runs any code the file names. Off, a
+            file holding objects other than tensors, plain containers and the few types our own checkpoints hold
+            is refused (nothing of it runs); turn it on only for files you trust. Resuming follows Lightning's
+            ``weights_only`` (``trainer.fit(..., weights_only=False)`` trusts the checkpoint).
         checkpoint_io: Defaults to :class:`~lightning_parallel.checkpoint.io.ParallelCheckpointIO` (atomic files).
 
     A module built under ``with trainer.init_module(empty_init=True):`` has its parameters on the meta device
@@ -151,6 +155,7 @@ class ParallelEngineStrategy(MeshStrategy):
         save_format: CheckpointFormat = "sharded",
         async_save: bool = False,
         weights_from: str | None = None,
+        trust_pickle: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -185,7 +190,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self.activation_checkpointing = ActivationCheckpointingComponent(self, activation_checkpointing)
         self.compile = CompileComponent(self, compilation or CompileConfig())
         self.context_parallel = ContextParallelComponent(self)
-        self.placement = ModelPlacement(self, None if weights_from is None else str(weights_from))
+        self.placement = ModelPlacement(self, None if weights_from is None else str(weights_from), trust_pickle)
         self.data_parallel = DataParallelComponent(
             self, data_parallel or DataParallelConfig(), periodic_sync or SyncConfig(), sync_batchnorm
         )

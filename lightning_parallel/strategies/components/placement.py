@@ -47,11 +47,15 @@ class ModelPlacement(Component):
         weights_from: Pretrained weights read into this rank's tensors before training: a full checkpoint
             file, a sharded checkpoint directory of this library, or a Hugging Face model directory
             (``*.safetensors``, one file or sharded with ``model.safetensors.index.json``).
+        trust_pickle: Unpickle a ``weights_from`` checkpoint in full (runs any code the file names).
     """
 
-    def __init__(self, engine: EngineHost, weights_from: str | None = None) -> None:
+    def __init__(self, engine: EngineHost, weights_from: str | None = None, trust_pickle: bool = False) -> None:
         super().__init__(engine)
+        if not isinstance(trust_pickle, bool):
+            raise TypeError(f"trust_pickle must be True or False, got {trust_pickle!r}.")
         self.weights_from = weights_from
+        self.trust_pickle = trust_pickle
         self.initial_values: InitialValues | None = None
         self._whole_shapes: dict[str, tuple[int, ...]] | None = None
         self._aliases: dict[str, str] = {}
@@ -130,7 +134,10 @@ class ModelPlacement(Component):
                 written = self.initial_values.write(targets, fused)  # type: ignore[union-attr,arg-type]
             rank_zero_info(f"lightning_parallel: initialised {len(set(written))} tensors of this rank's part of the model on its device.")
         if self.weights_from is not None:
-            loaded = load_pretrained(self.weights_from, targets, fused, whole_shapes=self._whole_shapes or {}, aliases=self._aliases)
+            loaded = load_pretrained(
+                self.weights_from, targets, fused, whole_shapes=self._whole_shapes or {}, aliases=self._aliases,
+                trust_pickle=self.trust_pickle,
+            )
             rank_zero_info(f"lightning_parallel: read {len(loaded)} tensors of this rank's part from {self.weights_from!r}.")
         self._placed = True
 
