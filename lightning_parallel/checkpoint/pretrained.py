@@ -40,7 +40,7 @@ from lightning_parallel.checkpoint.state import (
 from lightning_parallel.checkpoint.unpickling import UntrustedPickleError, load_file
 
 #: How a refusal to unpickle names the opt-in (the strategy's option beside weights_from).
-OPT_IN = "trust_pickle=True to the strategy (beside weights_from; in a recipe: ++strategy.trust_pickle=true)"
+OPT_IN = "trust_pickle=True to the strategy (beside weights_from; in a recipe: strategy.trust_pickle=true)"
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

@@ -121,6 +121,16 @@ def test_the_strategy_carries_trust_pickle_beside_weights_from():
     assert DataParallelStrategy(weights_from="w.ckpt", trust_pickle=True).placement.trust_pickle is True
     with pytest.raises(TypeError, match="trust_pickle must be True or False, got 'yes'"):
         DataParallelStrategy(trust_pickle="yes")
+    # The Hydra group lists it (strategy.trust_pickle=true on a recipe's command line).
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_parallel.conf import CONFIG_DIR
+
+    config = OmegaConf.load(Path(CONFIG_DIR) / "strategy" / "data.yaml")
+    assert config.trust_pickle is False
+    config.trust_pickle = True
+    assert instantiate(config).placement.trust_pickle is True
 
 
 def test_the_cli_refuses_a_checkpoint_that_would_run_code_unless_trusted(tmp_path, capsys):
