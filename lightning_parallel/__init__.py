@@ -27,6 +27,7 @@ from lightning_parallel.strategies import (
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
+from lightning_parallel.strategies.grad_norms import grad_norm
 from lightning_parallel.strategies.launch import training_job
 
 # From the installed metadata, so pyproject.toml is the one place the version is written.
@@ -52,6 +53,7 @@ __all__ = [
     "TensorParallelConfig",
     "TensorParallelStrategy",
     "TrainingSummary",
+    "grad_norm",
     "latest_checkpoint",
     "training_job",
 ]

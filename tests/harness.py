@@ -25,7 +25,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import EMAWeightAveraging
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import grad_norm
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -97,6 +99,12 @@ class JobSpec:
     # Count host reads of tensor values and torch.distributed collectives per training step after the first
     # (every rank's counts land in the result's "step_counts"; see HostSyncCounter).
     count_host_syncs: bool = False
+    # GPT: log Lightning's grad_norm(self, 2) in on_before_optimizer_step (and lightning_parallel.grad_norm of its
+    # inner model, inf norm); every rank's values land in the result's "grad_norms" / "grad_norms_inf".
+    grad_norm_logging: bool = False
+    # Train with Lightning's EMAWeightAveraging(decay=ema): the averaged parameters land in the result's "ema_params".
+    ema: float | None = None
+    val_check_interval: int | None = None  # validate every this many training batches during fit
 
 
 class FailingStep(RuntimeError):
@@ -115,9 +123,13 @@ class RecordingGPT(GPTLightningModule):
         stall_rank: int | None = None,
         stall_step: int = 2,
         stall_seconds: float = 0.0,
+        log_grad_norms: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.log_grad_norms = log_grad_norms
+        self.logged_grad_norms: list[dict[str, float]] = []
+        self.logged_grad_norms_inf: list[dict[str, float]] = []
         self.fail_rank, self.fail_step = fail_rank, fail_step
         self.nan_rank, self.nan_step = nan_rank, nan_step
         self.stall_rank, self.stall_step, self.stall_seconds = stall_rank, stall_step, stall_seconds
@@ -138,6 +150,15 @@ class RecordingGPT(GPTLightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         idx, _ = batch
         return self(idx).softmax(dim=-1)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if self.log_grad_norms:
+            # As Lightning's docs show it (imported before the run): under the strategy, whole-model norms.
+            norms = grad_norm(self, norm_type=2)
+            self.log_dict(norms)
+            self.logged_grad_norms.append({k: float(v) for k, v in norms.items()})
+            inf = lightning_parallel.grad_norm(self.model, "inf")
+            self.logged_grad_norms_inf.append({k: float(v) for k, v in inf.items()})
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -268,6 +289,7 @@ class Recorder(Callback):
         self.grads: list[dict[str, torch.Tensor]] = []  # just before each optimizer step
         self.batch_losses: list[torch.Tensor] = []  # what training_step returned, per (micro-)batch
         self.synced_logs: list[float] = []
+        self.val_losses: list[float] = []  # each validation's val/loss during fit
         self.first_batch_checksum: float | None = None
         self._reduce_scatters_at_start = 0
         self.state_bytes: dict[str, int] = {}
@@ -280,6 +302,10 @@ class Recorder(Callback):
             self.first_batch_checksum = float((inputs.flatten() * torch.arange(1, inputs.numel() + 1)).sum())
         if self.sync_counter is not None and batch_idx >= 1:  # the first step builds the pipeline
             self.sync_counter.start()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking and "val/loss" in trainer.callback_metrics:
+            self.val_losses.append(float(trainer.callback_metrics["val/loss"]))
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         _count_reduce_scatters()
@@ -350,10 +376,34 @@ class Recorder(Callback):
             "compiled_blocks": list(getattr(getattr(trainer.strategy, "compile", None), "compiled", [])),
             "state_bytes": self.state_bytes,
             "scaling_steps": [asdict(step) for step in _monitor(trainer).steps] if _monitor(trainer) else None,
+            "grad_norms": _by_rank(getattr(pl_module, "logged_grad_norms", None)),  # by global rank, per step
+            "grad_norms_inf": _by_rank(getattr(pl_module, "logged_grad_norms_inf", None)),
+            "ema_params": _averaged_parameters(trainer),
+            "val_losses": self.val_losses,
         }
         # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.
         if self.save_path is not None and trainer.is_global_zero:
             torch.save(self.result, self.save_path)
+
+
+def _by_rank(value: Any) -> list[Any] | None:
+    """``value`` of every rank, by global rank (``None`` where no rank has one)."""
+    if not value:
+        return None
+    if not torch.distributed.is_initialized():
+        return [value]
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def _averaged_parameters(trainer: L.Trainer) -> dict[str, torch.Tensor] | None:
+    """The whole averaged parameters of the job's EMA callback (before it copies them into the module)."""
+    callback = next((c for c in trainer.callbacks if isinstance(c, EMAWeightAveraging)), None)
+    if callback is None or callback._average_model is None:
+        return None
+    named = {n: full(p).detach().clone() for n, p in callback._average_model.module.named_parameters()}
+    return _whole_across_stages(trainer, named)
 
 
 def _divides_expert_lists(trainer: L.Trainer) -> bool:
@@ -410,6 +460,7 @@ def make_model(spec: JobSpec) -> L.LightningModule:
             n_experts=4 if spec.model == "gpt_moe" else 0,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step, nan_rank=spec.nan_rank, nan_step=spec.nan_step,
             stall_rank=spec.stall_rank, stall_step=spec.stall_step, stall_seconds=spec.stall_seconds,
+            log_grad_norms=spec.grad_norm_logging,
         )
     if spec.model in ("regressor", "regressor_loop"):
         return Regressor(sequential=spec.model == "regressor")
@@ -504,6 +555,8 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     callbacks: list[Callback] = [recorder]
     if spec.monitor:  # first, so that its step ends before the recorder gathers the state
         callbacks.insert(0, ScalingMonitor(warmup_steps=0, output_dir=job_dir(save_path) / "scaling"))
+    if spec.ema is not None:  # after the recorder: it reads the average before the callback's end copies it
+        callbacks.append(EMAWeightAveraging(decay=spec.ema))
     # Lightning's own strategy with our checkpoint I/O: atomic files, and it reads sharded checkpoints.
     plugins = [ParallelCheckpointIO()] if spec.strategy == "single" else None
     trainer = L.Trainer(
@@ -519,7 +572,7 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
         limit_val_batches=4,
         limit_predict_batches=3,
         num_sanity_val_steps=spec.sanity_val_steps,
-        val_check_interval=None,
+        val_check_interval=spec.val_check_interval,
         check_val_every_n_epoch=None,
         callbacks=callbacks,
         logger=False,

@@ -45,6 +45,9 @@ from lightning_parallel.checkpoint.unpickling import (
 )
 
 MODEL_KEY = "state_dict"
+#: Other model states a checkpoint may hold beside ``MODEL_KEY``, stored as tensors like it (Lightning's WeightAveraging
+#: writes the averaged weights as ``state_dict`` and the module's own under ``current_model_state``).
+EXTRA_MODEL_KEYS = ("current_model_state",)
 
 
 def optimizer_key(index: int) -> str:
@@ -188,6 +191,9 @@ def whole_to_states(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict
     """Split a Lightning checkpoint dict into DCP tensor states and the ``meta.pt`` rest (for conversion)."""
     meta = dict(checkpoint)
     states = {MODEL_KEY: meta.pop(MODEL_KEY)}
+    for key in EXTRA_MODEL_KEYS:
+        if key in meta:
+            states[key] = meta.pop(key)
     for index, optimizer_state in enumerate(meta.pop("optimizer_states", [])):
         states[optimizer_key(index)] = optimizer_state
     return states, meta

@@ -39,6 +39,7 @@ from lightning_parallel.checkpoint.sharded import (
     check_model_fits,
     check_optimizer_fits,
     load_states,
+    stored_keys,
 )
 from lightning_parallel.checkpoint.state import (
     MISMATCH_HINT,
@@ -212,6 +213,26 @@ class CheckpointState:
     def _trust(self) -> dict[str, Any]:
         """How the sharded checkpoint's non-tensor items are read: in full only if it was loaded as trusted."""
         return {"trust_pickle": self.files.trust_pickle, "opt_in": RESUME_OPT_IN}
+
+    def load_model_state_under(self, key: str, checkpoint: Mapping[str, Any]) -> bool:
+        """Load into the module now a second model state the checkpoint holds beside its ``state_dict``, by its
+        ``key`` (Lightning's WeightAveraging writes the averaged weights as ``state_dict`` and the module's own under
+        ``current_model_state``), as the first is loaded; ``False`` where the checkpoint holds none."""
+        source = self.files.sharded_source
+        if source is None:
+            if key not in checkpoint:
+                return False
+            self._load_model_state({**checkpoint, MODEL_KEY: checkpoint[key]}, strict=True)
+            return True
+        if not any(stored.startswith(f"{key}.") for stored in stored_keys(source)):
+            return False
+        module = self.engine.lightning_module
+        local = self.local_model_state()
+        load_states({key: local}, source, **self._trust())
+        fused = fused_layouts(module)
+        if fused:
+            module.load_state_dict({name: local[name] for name in fused if name in local}, strict=False)
+        return True
 
     def load_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
         """Load every optimizer's state (after the model's, after setup), resharded to this layout."""

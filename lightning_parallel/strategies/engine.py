@@ -24,6 +24,7 @@ from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.ddp import _DDPForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import _augment_message
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -59,6 +60,8 @@ from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.mesh_strategy import DEFAULT_TIMEOUT_S, MeshStrategy
 from lightning_parallel.strategies.options import preset_options, preset_signature
 from lightning_parallel.strategies.components.pipeline.runner import PipelineRunner
+from lightning_parallel.strategies import grad_norms
+from lightning_parallel.strategies.weight_averaging import WeightAveragingSupport
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +199,7 @@ class ParallelEngineStrategy(MeshStrategy):
         )
         self.nonfinite = NonFiniteGuard(self, nonfinite)
         self.progress = ProgressReport(self)
+        self.weight_averaging = WeightAveragingSupport(self)  # Lightning's WeightAveraging callbacks, shard for shard
 
     # ------------------------------------------------------------------ properties
 
@@ -269,6 +273,13 @@ class ParallelEngineStrategy(MeshStrategy):
     # ------------------------------------------------------------------ setup
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # Before the callbacks' setup, where Lightning's WeightAveraging would copy the whole, unsplit module.
+        module = self.lightning_module
+        self.weight_averaging.take_over(module._trainer if module is not None else None)
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -292,6 +303,8 @@ class ParallelEngineStrategy(MeshStrategy):
                 clip_optimizer_grad_norm if divided is None else partial(clip_optimizer_grad_norm, divided=divided)
             )
         self.checkpoint_state.after_setup()
+        self.weight_averaging.after_setup()
+        grad_norms.attach(self)  # Lightning's grad_norm of this module: whole-model norms on every rank
 
     @override
     def model_to_device(self) -> None:
@@ -437,9 +450,11 @@ class ParallelEngineStrategy(MeshStrategy):
     def on_exception(self, exception: BaseException) -> None:
         for component in self.components:
             component.on_exception(exception)
+        _augment_message(exception, pattern=grad_norms.UNALLOCATED, new_message=grad_norms.HINT)
 
     @override
     def teardown(self) -> None:
+        grad_norms.detach(self)
         self.checkpoint_state.teardown()
         self.checkpoint_files.teardown()
         for component in reversed(self.components):

@@ -114,6 +114,12 @@ class DataParallelView(Protocol):
     def shards(self) -> bool: ...
 
 
+class WeightAveragingView(Protocol):
+    """What the pipeline tells the engine's support of Lightning's WeightAveraging."""
+
+    def after_stages_built(self) -> None: ...
+
+
 class EngineHost(Protocol):
     """The engine (:class:`~lightning_parallel.strategies.engine.ParallelEngineStrategy`) as its parts see it:
     Lightning's strategy state, the layout and mesh, and the views of the other parts."""
@@ -192,6 +198,7 @@ class EngineHost(Protocol):
     placement: PlacementView
     expert_parallel: ExpertParallelView
     data_parallel: DataParallelView
+    weight_averaging: WeightAveragingView
 
     @property
     def tensor_parallel_config(self) -> TensorParallelConfig: ...

@@ -93,6 +93,42 @@ def total_grad_norm(
     return total if inf else total ** (1.0 / norm_type)
 
 
+def parameter_norm_terms(grads: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """Each gradient's own whole-tensor norm term, as one device would compute it unsplit: ``|g|_p^p`` (for the
+    inf norm ``max |g|``), a vector with one element per gradient, on the gradients' device.
+
+    Where a gradient is a DTensor shard, its local term is summed (inf: maxed) over the mesh groups it is sharded
+    over: the terms of every gradient sharded over a group travel in *one* all-reduce over that group (a vector),
+    groups taken in the same order on every rank (:func:`_ordered`); whole gradients need no collective. Every rank
+    of those groups must call this with gradients sharded alike (as every rank of a mesh holds the same parameters).
+    The ``p``-th root is left to the caller, which may still have to add the terms of other ranks' parameters
+    (pipeline stages); float64 if any gradient is float64, else float32.
+    """
+    norm_type = float(norm_type)
+    inf = math.isinf(norm_type)
+    shares = [_share(g) for g in grads]
+    device = shares[0][0].device if shares else collectives.group_device() if dist.is_initialized() else torch.device("cpu")
+    dtype = torch.float64 if any(local.dtype == torch.float64 for local, _ in shares) else torch.float32
+    terms = torch.zeros(len(shares), dtype=dtype, device=device)
+    positions: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, (local, _) in enumerate(shares):
+        if local.numel():  # an empty shard (FSDP2 pads small tensors) contributes nothing
+            positions[(local.device, local.dtype)].append(i)
+    for (_, grad_dtype), indices in positions.items():
+        low = grad_dtype in (torch.float16, torch.bfloat16)
+        # torch._foreach_norm: private (checked against torch 2.13), as in _local_term.
+        norms = torch._foreach_norm([shares[i][0] for i in indices], norm_type, dtype=torch.float32 if low else None)
+        stacked = torch.stack([n.to(device=device, dtype=dtype) for n in norms])
+        terms[torch.tensor(indices, device=device)] = stacked if inf else stacked.pow(norm_type)
+    op = collectives.MAX if inf else collectives.SUM
+    for group in _ordered([m for _, over in shares for m in over]):
+        members = torch.tensor(
+            [i for i, (_, over) in enumerate(shares) if any(m.group.group_name == group.group_name for m in over)], device=device
+        )
+        terms[members] = collectives.all_reduce(terms[members], op=op, group=group)
+    return terms
+
+
 def clip_grad_norm_(
     parameters: Iterable[Tensor],
     max_norm: float,

@@ -161,6 +161,7 @@ class PipelineComponent(Component):
             if sharded is not None:
                 remap_optimizer(unwrap_optimizer(optimizer), sharded.replaced)
         placement.place_stages(local.local_tensors, self.runner.root_name or "")
+        self.engine.weight_averaging.after_stages_built()  # Lightning's WeightAveraging: averages of the stages' tensors
 
     def _shard_stages(self, local: LocalPipeline) -> ShardedStageParameters:
         """Shard this rank's stage parameters over the data-parallel ranks (FSDP2 over the module holding them)."""
