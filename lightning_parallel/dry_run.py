@@ -55,6 +55,12 @@ def fake_world(rank: int, world_size: int, ranks_per_node: int) -> Iterator[None
     saved = {name: getattr(dist, name) for name in ("broadcast_object_list", "all_gather_object", "gather_object")}
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
+    # DDP's default hook reads its all-reduce's result, which the fake backend's work does not carry: hand the bucket
+    # back as reduced (values are meaningless here). Private torch API, checked against torch 2.13.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    saved_reduce = default_hooks._allreduce_fut
+    default_hooks._allreduce_fut = _bucket_as_reduced
     os.environ.update(env)
     dist.broadcast_object_list = lambda objects, *args, **kwargs: None  # each entry stays this rank's
     dist.all_gather_object = lambda out, obj, *args, **kwargs: out.__setitem__(slice(None), [obj] * len(out))
@@ -65,6 +71,7 @@ def fake_world(rank: int, world_size: int, ranks_per_node: int) -> Iterator[None
         yield
     finally:
         dist.destroy_process_group()
+        default_hooks._allreduce_fut = saved_reduce
         for name, function in saved.items():
             setattr(dist, name, function)
         for key, value in saved_env.items():
@@ -72,6 +79,12 @@ def fake_world(rank: int, world_size: int, ranks_per_node: int) -> Iterator[None
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _bucket_as_reduced(process_group: Any, tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
 
 
 @contextmanager

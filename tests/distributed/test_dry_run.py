@@ -87,3 +87,15 @@ def test_sharded_data_parallel_collectives_are_counted_as_predicted(tmp_path):
     predicted, simulated = figures["predicted_vs_simulated"]["dp comm"]
     assert simulated == pytest.approx(predicted, rel=0.10)
     assert simulated == pytest.approx(3 * 4 * figures["state_bytes"]["parameters"], rel=0.05)  # 3 × the whole model
+
+
+def test_replicated_data_parallel_dry_runs_with_its_gradient_all_reduce_counted(tmp_path):
+    """DDP's communication hook reads its all-reduce's result, which the fake backend's work does not carry (the dry
+    run of plain data parallelism stopped with ``'NoneType' object is not subscriptable``)."""
+    out = tmp_path / "simulation.json"
+    proc = simulate(tmp_path, "--simulate-ranks", "0", "--json", str(out), layout=["strategy=data", "trainer.devices=4"])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (figures,) = json.loads(out.read_text())["ranks"]
+    predicted, simulated = figures["predicted_vs_simulated"]["dp comm"]
+    assert simulated == pytest.approx(predicted, rel=0.10)
+    assert simulated == pytest.approx(figures["state_bytes"]["parameters"], rel=0.05)  # one all-reduce of the gradients
