@@ -511,12 +511,13 @@ def make_model(spec: JobSpec) -> L.LightningModule:
 
 
 def local_hardware() -> Any:
-    """The hardware profile the recipes plan for on this machine (conf/hardware/cpu_local.yaml)."""
+    """The hardware profile the recipes plan for on this machine (the package's conf/hardware/cpu_local.yaml)."""
     import yaml
 
+    from lightning_parallel.conf import CONFIG_DIR
     from lightning_parallel.plan.hardware import HardwareProfile
 
-    return HardwareProfile.from_config(yaml.safe_load((Path(__file__).resolve().parents[1] / "conf/hardware/cpu_local.yaml").read_text()))
+    return HardwareProfile.from_config(yaml.safe_load((CONFIG_DIR / "hardware" / "cpu_local.yaml").read_text()))
 
 
 def job_dir(save_path: Path | None) -> Path:
