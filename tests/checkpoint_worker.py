@@ -45,7 +45,11 @@ def run(plan: Run, devices: int) -> dict[str, Any]:
             ModelCheckpoint(plan.checkpoint_dir, filename="{step}", every_n_train_steps=plan.checkpoint_every, save_top_k=-1)
         )
     trainer.fit(model, datamodule=data, ckpt_path=plan.resume)
-    return {"step_losses": recorder.result["step_losses"], "final_state": recorder.states[-1] if recorder.states else None}
+    return {
+        "step_losses": recorder.result["step_losses"],
+        "final_state": recorder.states[-1] if recorder.states else None,
+        "ema_params": recorder.result.get("ema_params"),  # model_kwargs ema=<decay>: the averaged parameters at the end
+    }
 
 
 if __name__ == "__main__":

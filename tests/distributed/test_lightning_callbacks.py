@@ -12,8 +12,9 @@ training must be unchanged by the swaps. Jobs run in the suite's 4-rank launch (
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import replace
+from dataclasses import asdict
 from functools import cache
 from pathlib import Path
 
@@ -21,8 +22,9 @@ import pytest
 import torch
 
 from lightning_parallel.checkpoint.sharded import read_whole
+from tests.checkpoint_worker import Run, run
 from tests.equivalence import TOL, assert_same_training
-from tests.harness import JobSpec, run_job
+from tests.harness import JobSpec, launch_module, run_job
 
 pytestmark = pytest.mark.distributed
 
@@ -140,3 +142,58 @@ def test_ema_checkpoint_holds_the_averaged_weights(name, launch):
     for param, value in ref["ema_params"].items():
         torch.testing.assert_close(checkpoint["current_model_state"][param], value.double(), rtol=0, atol=TOL)
     assert results[name]["validation"]["val/loss"] == pytest.approx(ref["validation"]["val/loss"], abs=TOL)
+
+
+#: Resuming with EMA: saved mid-training (ModelCheckpoint at step 3 of 6, averaged and own weights differ), resumed
+#: under another layout. name -> (strategy, per-rank batch, options of the saving run).
+RESUME_LAYOUTS = {
+    "tp2": ("tensor", 4, {}),  # sharded checkpoint
+    "pp2": ("pipeline", 4, {"save_format": "full"}),
+}
+RESUME_STEPS, SAVED_AT = 6, 3
+RESUME_MODEL = {"ema": DECAY, "n_layer": 2}
+
+
+def resume_run(name: str, layout: str, root: Path, resume: str | None = None) -> Run:
+    strategy, batch, options = RESUME_LAYOUTS.get(layout, ("single", 4, {}))
+    saving = resume is None
+    return Run(
+        name=name, strategy=strategy, steps=RESUME_STEPS if not saving or layout == "single" else SAVED_AT, batch_size=batch,
+        strategy_kwargs=options, resume=resume, model_kwargs=RESUME_MODEL,
+        checkpoint_every=SAVED_AT if saving else None, checkpoint_dir=str(root / name) if saving else None,
+    )
+
+
+def assert_continues(resumed: dict, ref: dict) -> None:
+    torch.testing.assert_close(resumed["step_losses"], ref["step_losses"][SAVED_AT:], atol=TOL, rtol=0)
+    for name, value in ref["final_state"].items():
+        torch.testing.assert_close(resumed["final_state"][name], value, atol=TOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+    for name, value in ref["ema_params"].items():
+        torch.testing.assert_close(resumed["ema_params"][name].double(), value.double(), atol=TOL, rtol=0, msg=lambda m, n=name: f"EMA {n}: {m}")
+
+
+def test_ema_resumes_across_layouts_and_on_one_device(tmp_path):
+    """A checkpoint saved mid-training under tp2 (sharded) or pp2 (full) holds one device's averaged weights as its
+    state_dict; resumed under the other layout, and on one device with Lightning's own strategy, training and the
+    average continue as one device's uninterrupted run."""
+    ref = run(resume_run("single", "single", tmp_path), devices=1)
+    runs = [resume_run(layout, layout, tmp_path) for layout in RESUME_LAYOUTS]
+    runs += [resume_run(f"{a}->{b}", b, tmp_path, str(tmp_path / a / f"step={SAVED_AT}.ckpt")) for a, b in (("tp2", "pp2"), ("pp2", "tp2"))]
+    plan = {"devices": 2, "result": str(tmp_path / "result.pt"), "runs": [asdict(r) for r in runs]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = launch_module(["tests.checkpoint_worker", str(tmp_path / "plan.json")], timeout=600, nproc=2)
+    assert proc.returncode == 0, f"job failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
+    results = torch.load(plan["result"], weights_only=False)
+    saved_ref = torch.load(tmp_path / "single" / f"step={SAVED_AT}.ckpt", weights_only=False)
+    weight = "model.blocks.0.attn.q_proj.weight"  # mid-training the average is not the module's own weights
+    assert (saved_ref["state_dict"][weight].double() - saved_ref["current_model_state"][weight]).abs().max() > 1e-4
+    for layout in RESUME_LAYOUTS:
+        path = tmp_path / layout / f"step={SAVED_AT}.ckpt"
+        saved = read_whole(path) if path.is_dir() else torch.load(path, weights_only=True)
+        for key in ("state_dict", "current_model_state"):  # the averaged weights; the module's own
+            for name, value in saved_ref[key].items():
+                torch.testing.assert_close(saved[key][name].double(), value.double(), atol=TOL, rtol=0, msg=lambda m, n=name: f"{layout} {key} {n}: {m}")
+    for pair in ("tp2->pp2", "pp2->tp2"):
+        assert_continues(results[pair], ref)
+    # Lightning's own WeightAveraging on one device reads the sharded checkpoint (through ParallelCheckpointIO).
+    assert_continues(run(resume_run("tp2->single", "single", tmp_path, str(tmp_path / "tp2" / f"step={SAVED_AT}.ckpt")), devices=1), ref)
