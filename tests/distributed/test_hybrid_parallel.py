@@ -324,11 +324,24 @@ def auto_job(**strategy) -> JobSpec:
     )
 
 
+#: The planner's choice depends on the hardware it plans for: measured on the machine that runs the test (the harness's
+#: default, cpu_local), whether dp=2 or tp=2 is predicted faster under the pinned pp=2 depends on that machine's measured
+#: latencies and speeds. A fixed profile makes the choice the same everywhere: every collective costs 1 ms, so tensor parallelism's
+#: all-reduces in every layer's forward and backward cost far more than data parallelism's one per step, on a GPT
+#: whose compute is microseconds at 0.02 TFLOP/s.
+FIXED_HARDWARE = {
+    "name": "fixed_cpu", "device_memory_gib": 8, "peak_tflops": 0.02, "peak_dtype": "fp64", "achievable_fraction": 0.5,
+    "devices_per_node": 8, "intra_node_gbps": 1.0, "inter_node_gbps": 1.0, "intra_node_latency_us": 1000.0,
+    "lockstep_latency_us": 1000.0, "send_latency_us": 1000.0, "memory_reserve_fraction": 0.2,
+}
+
+
 def test_auto_strategy_trains_its_choice_exactly(tmp_path):
-    """The planner keeps the pinned pp=2 and picks the rest (dp=2, a schedule, micro-batches); the per-replica
-    batch doubles so the global batch stays data parallelism's, and training matches one device on it. Its own
-    launch: the planner runs before the process joins a process group, which a shared launch already has."""
-    result = run_distributed(auto_job(pin={"pp": 2}), tmp_path, timeout=600)
+    """The planner keeps the pinned pp=2 and picks the rest (dp=2 on the fixed hardware, a schedule,
+    micro-batches); the per-replica batch doubles so the global batch stays data parallelism's, and training matches
+    one device on it. Its own launch: the planner runs before the process joins a process group, which a shared
+    launch already has."""
+    result = run_distributed(auto_job(pin={"pp": 2}, hardware=FIXED_HARDWARE), tmp_path, timeout=600)
     assert result["layout"].startswith("dp=2 × tp=1 × pp=2 · "), result["layout"]
     ref = reference(accumulate=2)
     assert_same_training(ref, result)
