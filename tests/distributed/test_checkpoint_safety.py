@@ -6,10 +6,13 @@ One rank in this process (the engine with ``devices=1``) unless a kill needs a p
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -63,44 +66,78 @@ def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path, save
     assert torn.exists() and not partial_path(torn).exists()
 
 
-class NeverWithoutCheckpoint(Callback):
-    """Fails if, after the first save, the directory ever holds no complete checkpoint."""
+class HeldWrites:
+    """Background writes that wait until the test lets them finish: the write of ``step=<k>.ckpt`` starts and then
+    waits for ``release(k)``, so while it waits that save is certainly in flight (no timing decides it)."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory, self.observed = directory, []
+    def __init__(self) -> None:
+        self.gates: dict[int, threading.Event] = defaultdict(threading.Event)
+        self.lock = threading.Lock()
+
+    def gate(self, k: int) -> threading.Event:
+        with self.lock:
+            return self.gates[k]
+
+    def held(self, write, path_of):
+        def wrapped(*args, **kwargs):
+            step = int(re.search(r"step=(\d+)", str(path_of(*args, **kwargs))).group(1))
+            # A budget, not a threshold: a release that never comes fails the test instead of hanging it.
+            assert self.gate(step).wait(timeout=300), f"the write of step {step} was never released"
+            return write(*args, **kwargs)
+        return wrapped
+
+    def release(self, k: int) -> None:
+        self.gate(k).set()
+
+    def release_all(self) -> None:
+        with self.lock:
+            for k in range(max(self.gates, default=0) + 10):
+                self.gates[k].set()
+
+
+class WatchWhileWriting(Callback):
+    """At each step's start, while the previous step's save is held in flight, the directory must still hold the save
+    before it (complete); then that write is released."""
+
+    def __init__(self, directory: Path, writes: HeldWrites) -> None:
+        self.directory, self.writes, self.observed = directory, writes, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step > 1:
-            self.observed.append(latest_checkpoint(self.directory))
-            assert self.observed[-1] is not None, f"no complete checkpoint left at step {trainer.global_step}"
+        k = trainer.global_step  # step k's save was issued at its end and is held
+        if k >= 1:
+            latest = latest_checkpoint(self.directory)
+            self.observed.append((k, latest.name if latest is not None else None))
+            self.writes.release(k)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.writes.release_all()  # the last save completes at teardown
 
 
 @pytest.mark.parametrize("save_format", ["sharded", "full"])
 def test_background_save_with_top_k_cleanup_keeps_a_complete_checkpoint(tmp_path, monkeypatch, save_format):
-    """save_top_k=1 removes the previous checkpoint only once the background save of the next is complete."""
+    """save_top_k=1 removes the previous checkpoint only once the background save of the next is complete: each save
+    is held in flight until the next step has started and looked at the directory."""
     import torch.distributed.checkpoint.filesystem as dcp_files
 
     from lightning_parallel.strategies import checkpoint_files
 
-    slow_dcp = dcp_files._FileSystemWriter.write_data
-    slow_full = checkpoint_files.atomic_torch_save
-
-    def slowly(write):
-        def wrapped(*args, **kwargs):
-            time.sleep(0.5)  # still writing when the next step starts
-            return write(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(dcp_files._FileSystemWriter, "write_data", slowly(slow_dcp))
-    monkeypatch.setattr(checkpoint_files, "atomic_torch_save", slowly(slow_full))
-    watcher = NeverWithoutCheckpoint(tmp_path)
-    with training_job():
-        model, data, trainer, _ = build(
-            JobSpec(strategy="data", devices=1, steps=4, strategy_kwargs={"async_save": True, "save_format": save_format})
-        )
-        trainer.callbacks += [ModelCheckpoint(tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=1), watcher]
-        trainer.fit(model, datamodule=data)
-    assert watcher.observed  # the watcher looked while saves were in flight
+    writes = HeldWrites()
+    monkeypatch.setattr(dcp_files._FileSystemWriter, "write_data",
+                        writes.held(dcp_files._FileSystemWriter.write_data, lambda writer, *a, **k: writer.path))
+    monkeypatch.setattr(checkpoint_files, "atomic_torch_save",
+                        writes.held(checkpoint_files.atomic_torch_save, lambda obj, path, *a, **k: path))
+    watcher = WatchWhileWriting(tmp_path, writes)
+    try:
+        with training_job():
+            model, data, trainer, _ = build(
+                JobSpec(strategy="data", devices=1, steps=4, strategy_kwargs={"async_save": True, "save_format": save_format})
+            )
+            trainer.callbacks += [ModelCheckpoint(tmp_path, filename="{step}", every_n_train_steps=1, save_top_k=1), watcher]
+            trainer.fit(model, datamodule=data)
+    finally:
+        writes.release_all()
+    # At steps 2, 3 and 4 the save of the step before was in flight, and the one before that was still there, whole.
+    assert watcher.observed == [(1, None), (2, "step=1.ckpt"), (3, "step=2.ckpt")]
     # At exit the last background save was completed and the older ones cleaned up.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=4.ckpt"]
     assert (read_whole(tmp_path / "step=4.ckpt") if save_format == "sharded" else torch.load(tmp_path / "step=4.ckpt", weights_only=False))["global_step"] == 4
