@@ -37,6 +37,8 @@ SPLIT = ["model.blocks.2"]
 #: name -> (strategy options, accumulate_grad_batches, checkpoint round trip). The round trip saves after fit and
 #: validates from the file (the averaged weights are its state_dict; the module's own its current_model_state).
 LAYOUTS = {
+    # Replicas (DDP): whole gradients and weights on every rank.
+    "lightning_callbacks_dp4": ({"data_parallel_size": 4}, 1, False),
     # Tensor parallelism (DTensor parameters), replicas through FSDP2 with one-rank shards.
     "lightning_callbacks_dp2xtp2": ({"data_parallel_size": 2, "tensor_parallel_size": 2}, 1, False),
     # Tensor-parallel pipeline stages, tied embedding and head on different stages, a full-format checkpoint.
