@@ -277,7 +277,7 @@ class ParallelEngineStrategy(MeshStrategy):
         super().setup_environment()
         # Before the callbacks' setup, where Lightning's WeightAveraging would copy the whole, unsplit module.
         module = self.lightning_module
-        self.weight_averaging.take_over(module._trainer if module is not None else None)
+        self.weight_averaging.take_over(getattr(module, "_trainer", None))
 
     @override
     def setup(self, trainer: Trainer) -> None:

@@ -44,7 +44,7 @@ _LIGHTNING_CODE: list[CodeType] = []
 DROP_IN = "lightning_parallel.grad_norm(module, norm_type)"
 
 
-def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, Tensor]:
+def grad_norm(module: nn.Module, norm_type: float | str, group_separator: str = "/") -> dict[str, Tensor]:
     """Each parameter's gradient norm and their total, as ``lightning.pytorch.utilities.grad_norm`` computes them
     on one device, for a module trained under any layout (every rank gets every name).
 
@@ -148,7 +148,7 @@ def _engine_of(module: nn.Module) -> tuple[EngineHost | None, str]:
 
 def _redirected(module: Any, norm_type: Any, group_separator: Any = "/") -> Any:
     # Runs as Lightning's grad_norm's code (with that function's globals): import what it needs here.
-    from lightning_parallel.strategies import grad_norms
+    from lightning_parallel.strategies import grad_norms  # noqa: PLW0406 (this code runs as Lightning's function)
 
     return grad_norms._dispatch(module, norm_type, group_separator)
 

@@ -181,12 +181,14 @@ class WeightAveragingSupport:
                 )
             elif checkpoint is not None:
                 _copy(_tensors(engine.lightning_module), average.averaged_tensors())
-            if checkpoint is not None and "averaging_state" in checkpoint:
-                # The module holds the checkpoint's state_dict, the averaged weights: the copy took them; the module's
-                # own are under current_model_state.
-                if engine.checkpoint_state.load_model_state_under(CURRENT_MODEL_KEY, checkpoint):
-                    for name, value in checkpoint["averaging_state"].items():
-                        getattr(average, name).copy_(value)
+            # The module holds the checkpoint's state_dict, the averaged weights: the copy took them; the module's own
+            # are under current_model_state.
+            if (
+                checkpoint is not None and "averaging_state" in checkpoint
+                and engine.checkpoint_state.load_model_state_under(CURRENT_MODEL_KEY, checkpoint)
+            ):
+                for name, value in checkpoint["averaging_state"].items():
+                    getattr(average, name).copy_(value)
 
 
 def _override(callback: WeightAveraging, hook: str, replacement: Any) -> None:

@@ -95,7 +95,7 @@ def test_lightning_grad_norm_is_the_whole_models_on_every_rank(name, launch):
     """Lightning's grad_norm(self, 2) (and the drop-in's inf norm of a submodule) log every parameter's whole gradient
     norm under its single-device name, tied weights once, and the total, on every rank: what one device logs."""
     results, _, _ = launch
-    strategy, accumulate, _ = LAYOUTS[name]
+    _, accumulate, _ = LAYOUTS[name]
     ref, result = reference(accumulate), results[name]
     assert len(result["grad_norms"]) == 4
     for rank in range(4):
@@ -114,7 +114,7 @@ def test_ema_weight_averaging_matches_single_device(name, launch):
     """EMAWeightAveraging: the averaged parameters are one device's, validation during fit (swapped in) and after it
     (copied in) sees them, and the swaps leave training as it was."""
     results, _, _ = launch
-    strategy, accumulate, _ = LAYOUTS[name]
+    _, accumulate, _ = LAYOUTS[name]
     ref, result = reference(accumulate), results[name]
     assert_same_training(ref, result, steps=STEPS)
     assert result["ema_params"].keys() == ref["ema_params"].keys()
@@ -132,7 +132,7 @@ def test_ema_checkpoint_holds_the_averaged_weights(name, launch):
     """A checkpoint written under the layout holds the averaged weights as its state_dict (whole tensors by the
     single-device names, in either format), the module's own under current_model_state, as Lightning writes them."""
     results, _, root = launch
-    strategy, accumulate, _ = LAYOUTS[name]
+    _, accumulate, _ = LAYOUTS[name]
     path = Path(root) / name / "final.ckpt"
     checkpoint = read_whole(path) if path.is_dir() else torch.load(path, weights_only=True)
     ref = reference(accumulate)
@@ -194,7 +194,8 @@ def test_ema_resumes_across_layouts_and_on_one_device(tmp_path):
         saved = read_whole(path) if path.is_dir() else torch.load(path, weights_only=True)
         for key in ("state_dict", "current_model_state"):  # the averaged weights; the module's own
             for name, value in saved_ref[key].items():
-                torch.testing.assert_close(saved[key][name].double(), value.double(), atol=TOL, rtol=0, msg=lambda m, n=name: f"{layout} {key} {n}: {m}")
+                where = f"{layout} {key} {name}"
+                torch.testing.assert_close(saved[key][name].double(), value.double(), atol=TOL, rtol=0, msg=lambda m, w=where: f"{w}: {m}")
     for pair in ("tp2->pp2", "pp2->tp2"):
         assert_continues(results[pair], ref)
     # Lightning's own WeightAveraging on one device reads the sharded checkpoint (through ParallelCheckpointIO).
