@@ -323,37 +323,46 @@ def _tiny_hf_model(transformers, family):
 
 
 @pytest.mark.parametrize("family", ["falcon", "mistral"])
-def test_hugging_face_causal_mask_runs_as_is_causal_and_a_shorter_sliding_window_is_refused(monkeypatch, family):
-    # The mask transformers materialises, built inside the mode on rank 0 of two (queries and keys at global
-    # positions 0-3 and 12-15): Falcon's is the plain causal mask; a window of 8 blocks 12 -> 0.
+def test_hugging_face_masks_are_built_over_the_whole_sequence(monkeypatch, family):
+    # Rank 0 of two (queries at global positions 0-3 and 12-15): transformers' mask builders run on the whole
+    # sequence, and the ring gets rank 0's rows of the whole mask, over all 16 keys. Falcon materialises the plain
+    # causal mask: the ring's plan is that of is_causal=True (no block needs the mask); Mistral's window of 8 is
+    # shorter than the sequence of 16.
     transformers = pytest.importorskip("transformers")
     import lightning_parallel.parallelize.context.splitter as context
 
     model = _tiny_hf_model(transformers, family)
-    masks, calls = [], []
+    calls = []
 
-    def checked(mask, layout, group):
-        masks.append(tuple(mask.shape))
-        return mask_as_causal(mask, layout, group)
+    def local_attention(query, key, value, group, is_causal=False, scale=None, enable_gqa=False, attn_mask=None,
+                        plan=None, rank=None, size=None):
+        calls.append((is_causal, None if attn_mask is None else tuple(attn_mask.shape), plan))
+        return torch.zeros_like(query)  # no ring here: only what reaches it is checked
 
-    def local_attention(query, key, value, group, is_causal=False, scale=None, enable_gqa=False):
-        calls.append(is_causal)  # no ring here: only the decision is checked
-        return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa or key.size(1) != query.size(1))
+    from lightning_parallel.parallelize.context import hf_masks
 
-    from lightning_parallel.parallelize.context.ops import mask_as_causal
-
-    monkeypatch.setattr(context, "mask_as_causal", checked)
     monkeypatch.setattr(context, "ring_attention", local_attention)
     layout = SequenceLayout(16, 2, 0)
     tokens = context.split_sequence(torch.randint(0, 32, (2, 16)), layout)
-    with ContextParallelMode(layout, group=None, module_tensors=set()):
-        if family == "mistral":
-            with pytest.raises(TypeError, match="blocks query position 12 from key position 0 .*sliding window"):
-                model(input_ids=tokens)
-        else:
+    sites = hf_masks.builder_sites(model)
+    hf_masks.install(sites)
+    try:
+        with ContextParallelMode(layout, group=None, module_tensors=set()):
             model(input_ids=tokens)
-            assert masks == [(2, 1, 8, 8)] and calls == [True]
+    finally:
+        hf_masks.uninstall(sites)
+    (is_causal, shape, plan), = calls
+    assert not is_causal and shape == (2, 1, 8, 16)
+    if family == "falcon":
+        from lightning_parallel.parallelize.context.ring_plan import plan_without_mask
+
+        assert plan == plan_without_mask(0, 2, 8, is_causal=True)
+    else:
+        # Rank 0's head chunk (0-3) attends to keys 0-3 (causal within the chunk), its tail (12-15) causally to
+        # itself and, against rank 1's keys (4-11), to 5-11 through the window: one masked call; its head rows skip
+        # rank 1 entirely.
+        assert [[(call.rows, call.chunks, call.kind) for call in step] for step in plan.steps] == [
+            [(slice(0, 4), (0,), "causal"), (slice(4, 8), (1,), "causal")], [(slice(4, 8), (0, 1), "masked")]]
 
 
 class _Drifting(torch.nn.Module):

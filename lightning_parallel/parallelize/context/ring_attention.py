@@ -1,179 +1,196 @@
-"""Ring attention on ordinary (local) tensors: each rank's queries against every rank's keys and values.
+"""Ring attention on ordinary (local) tensors: each rank's queries against every rank's keys and values, with masks.
 
-torch implements the ring (``torch.distributed.tensor.experimental.context_parallel``) for the CUDA kernels
-only, and reaches it through DTensor dispatch of a monkey-patched ``F.scaled_dot_product_attention``. Here
-the same ring algorithm (torch's ``_templated_ring_attention`` and its backward, checked against torch 2.13)
-runs inside one ``autograd.Function`` over plain tensors, with the kernel of the device: on CPU
-``aten._scaled_dot_product_flash_attention_for_cpu`` (which torch's handlers do not cover), on CUDA the
-flash kernel for half precision and the memory-efficient one otherwise (the pairs torch's handlers use).
+The sequence is laid out head-tail (rank ``r`` holds chunks ``r`` and ``2·cp−1−r`` of ``2·cp``). Each rank gathers
+every rank's keys and values once (one all-gather, as torch's ring with its all-gather rotation), then runs the
+blocks its :class:`~.ring_plan.RingPlan` keeps — one fused kernel call per live block (:mod:`.kernels`), skipped
+blocks cost nothing — and merges the blocks' outputs by their log-sum-exps. Backward gathers the keys and values
+again, runs each live block's kernel backward against the merged output and log-sum-exp, and hands every rank the
+gradients of its keys and values (one all-to-all). The algorithm is torch's
+(``torch.distributed.tensor.experimental.context_parallel``: ``_templated_ring_attention`` and its backward);
+torch's implementation takes no mask, reaches the kernels through DTensor dispatch and covers the CUDA kernels only,
+so the loop lives here, on plain tensors, inside one ``autograd.Function``.
 
-The sequence must be laid out head-tail (rank ``r`` holds chunks ``r`` and ``2·cp−1−r`` of ``2·cp``): the
-ring's causal load balancing skips exactly the blocks that layout makes unnecessary. Non-causal attention
-does not depend on the order of the keys, so it runs the ring without load balancing. No Lightning here.
+Masks: any boolean or additive mask (or bias) SDPA takes, given as this rank's query rows × the whole sequence's
+keys in global order (:mod:`.masks` brings the model's mask to that form). A query row that a block's mask drops
+entirely contributes nothing to that block (its log-sum-exp there is ``-inf``); a row that every block drops (a
+padding query whose keys are all masked) gets a zero output and no gradient, as ``F.scaled_dot_product_attention``
+gives it. No Lightning here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-# Private torch API (checked against torch 2.13): the ring loops and their options. Wrapped here only.
-from torch.distributed.tensor.experimental._context_parallel import (
-    _attention as _torch_ring,
-)
-
+from lightning_parallel import collectives
 from lightning_parallel.measure.collectives import context_parallel_exchange
-
-aten = torch.ops.aten
+from lightning_parallel.parallelize.context.kernels import (
+    AttentionKernel,
+    additive_bias,
+    as_autocast_would,
+    kernel_for,
+)
+from lightning_parallel.parallelize.context.masks import four_dims
+from lightning_parallel.parallelize.context.ring_plan import (
+    CAUSAL,
+    MASKED,
+    BlockCall,
+    RingPlan,
+    plan_for_mask,
+    plan_without_mask,
+)
 
 #: Dimension of the sequence in attention's ``[batch, heads, sequence, head_dim]`` tensors.
 SEQUENCE_DIM = 2
 
-@dataclass(frozen=True)
-class AttentionKernel:
-    """One fused attention kernel: its forward and backward ops, and how their extra outputs are passed on."""
 
-    name: str
-    forward: Callable[..., tuple[Tensor, ...]]
-    backward: Callable[..., tuple[Tensor, ...]]
-    grad_out_name: str
-    forward_kwargs: Callable[[], dict[str, Any]]
-    #: The backward's extra arguments, from what the forward returned after ``(out, logsumexp)``.
-    backward_kwargs: Callable[[tuple[Any, ...]], dict[str, Any]]
-
-
-_CPU = AttentionKernel(
-    name="flash (CPU)",
-    forward=aten._scaled_dot_product_flash_attention_for_cpu.default,
-    backward=aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    grad_out_name="grad_out",
-    forward_kwargs=lambda: {"dropout_p": 0.0},
-    backward_kwargs=lambda rest: {"dropout_p": 0.0},
-)
-_CUDA_FLASH = AttentionKernel(
-    name="flash (CUDA)",
-    forward=aten._scaled_dot_product_flash_attention.default,
-    backward=aten._scaled_dot_product_flash_attention_backward.default,
-    grad_out_name="grad_out",
-    forward_kwargs=lambda: {"dropout_p": 0.0, "return_debug_mask": False},
-    backward_kwargs=lambda rest: dict(
-        zip(("cum_seq_q", "cum_seq_k", "max_q", "max_k", "philox_seed", "philox_offset"), rest[:6]), dropout_p=0.0
-    ),
-)
-_CUDA_EFFICIENT = AttentionKernel(
-    name="memory-efficient (CUDA)",
-    forward=aten._scaled_dot_product_efficient_attention.default,
-    backward=aten._scaled_dot_product_efficient_attention_backward.default,
-    grad_out_name="grad_out_",
-    forward_kwargs=lambda: {"attn_bias": None, "compute_log_sumexp": True, "dropout_p": 0.0},
-    backward_kwargs=lambda rest: dict(
-        philox_seed=rest[0], philox_offset=rest[1], attn_bias=None, dropout_p=0.0, grad_input_mask=(True, True, True, False)
-    ),
-)
+def _gather(tensors: tuple[Tensor, ...], group: dist.ProcessGroup | None, size: int) -> list[tuple[Tensor, ...]]:
+    """Every rank's ``tensors`` (one all-gather of them flattened together), by rank."""
+    if size == 1:
+        return [tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    with context_parallel_exchange():
+        gathered = collectives.functional_all_gather(flat, 0, group).view(size, -1)
+    result = []
+    for row in gathered:
+        parts, start = [], 0
+        for t in tensors:
+            parts.append(row[start:start + t.numel()].view(t.shape))
+            start += t.numel()
+        result.append(tuple(parts))
+    return result
 
 
-def kernel_for(query: Tensor) -> AttentionKernel:
-    """The fused kernel ring attention runs on ``query``'s device and dtype."""
-    if query.device.type == "cpu":
-        return _CPU
-    if query.device.type == "cuda":
-        return _CUDA_FLASH if query.dtype in (torch.float16, torch.bfloat16) else _CUDA_EFFICIENT
-    raise NotImplementedError(
-        f"Context parallelism has no ring-attention kernel for {query.device.type!r} tensors (CPU and CUDA only)."
-    )
+def _return_gradients(grads: list[Tensor], group: dist.ProcessGroup | None, size: int) -> Tensor:
+    """Each rank's gradient of this rank's keys and values, summed (one all-to-all of ``grads[j]``, flat per rank)."""
+    if size == 1:
+        return grads[0]
+    with context_parallel_exchange():
+        received = collectives.functional_all_to_all_single(torch.cat(grads), None, None, group)
+    return received.view(size, -1).sum(0)
 
 
-@contextmanager
-def _ring_options(is_causal: bool, dtype: torch.dtype) -> Generator[None, None, None]:
-    # torch's ring reads module-level options. Load balancing is for causal attention (non-causal refuses it);
-    # partial results are merged in float32 for half precision only, so float64 stays float64.
-    options = _torch_ring._cp_options
-    saved = (options.enable_load_balance, options.convert_to_f32, options.rotate_method)
-    options.enable_load_balance = is_causal
-    options.convert_to_f32 = dtype in (torch.float16, torch.bfloat16)
-    options.rotate_method = _torch_ring._RotateMethod.ALL_GATHER
-    try:
-        yield
-    finally:
-        options.enable_load_balance, options.convert_to_f32, options.rotate_method = saved
+def _chunks(tensor: Tensor, chunks: tuple[int, ...]) -> Tensor:
+    if len(chunks) == 2:
+        return tensor
+    half = tensor.size(SEQUENCE_DIM) // 2
+    return tensor.narrow(SEQUENCE_DIM, chunks[0] * half, half)
 
 
-def _as_autocast_would(*tensors: Tensor) -> tuple[Tensor, ...]:
-    """The attention inputs as ``F.scaled_dot_product_attention`` computes them under autocast.
-
-    SDPA is on autocast's lower-precision list (CPU and CUDA): under ``bf16-mixed`` it casts query, key and value
-    to the autocast dtype, so a model may hand it mixed dtypes (Llama's rotary embedding leaves query and key in
-    float32 beside a bfloat16 value). The ring calls the fused kernels directly, which autocast does not cover:
-    cast here as autocast would (float64 is never cast by autocast, so float64 stays exact).
-    """
-    device_type = tensors[0].device.type
-    if not torch.is_autocast_enabled(device_type):
-        return tensors
-    dtype = torch.get_autocast_dtype(device_type)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
+    """Merge one block's output and log-sum-exp into the running ones (views, updated in place). Rows with no kept
+    score so far (``-inf``) take weight 0, never ``exp(-inf - -inf)``."""
+    merged = torch.logaddexp(lse, block_lse)
+    base = merged.masked_fill(merged.isneginf(), 0.0)
+    out.copy_(out * (lse - base).exp().unsqueeze(-1) + block_out.to(out.dtype) * (block_lse - base).exp().unsqueeze(-1))
+    lse.copy_(merged)
 
 
-def _grouped_ops(kernel: AttentionKernel, groups: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _grouped(kernel: AttentionKernel, groups: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The kernel's forward and backward for grouped-query attention: keys and values travel round the ring with
-    their own (fewer) heads and are repeated to the query heads only for each block's kernel call; the
-    gradients of the repeats are summed back per key/value head."""
+    their own (fewer) heads and are repeated to the query heads only for each block's kernel call; the gradients of
+    the repeats are summed back per key/value head."""
     if groups == 1:
         return kernel.forward, kernel.backward
 
-    def forward(query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> tuple[Tensor, ...]:
-        return kernel.forward(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), **kwargs)
+    def forward(query: Tensor, key: Tensor, value: Tensor, *args: Any) -> Any:
+        return kernel.forward(query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1), *args)
 
-    def backward(*, query: Tensor, key: Tensor, value: Tensor, **kwargs: Any) -> tuple[Tensor, ...]:
-        grads = kernel.backward(query=query, key=key.repeat_interleave(groups, 1), value=value.repeat_interleave(groups, 1), **kwargs)
-        grad_key, grad_value = (g.unflatten(1, (key.size(1), groups)).sum(2) for g in grads[1:3])
-        return (grads[0], grad_key, grad_value, *grads[3:])
+    def backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, *args: Any) -> Any:
+        grad_q, grad_k, grad_v = kernel.backward(grad_out, query, key.repeat_interleave(groups, 1),
+                                                 value.repeat_interleave(groups, 1), *args)
+        fold = lambda g, like: g.unflatten(1, (like.size(1), groups)).sum(2)  # noqa: E731
+        return grad_q, fold(grad_k, key), fold(grad_v, value)
 
     return forward, backward
 
 
+class _Block:
+    """One kernel call's inputs: the query rows, the source rank's key chunks, the bias and the kernel."""
+
+    def __init__(self, query: Tensor, mask: Tensor | None, plan: RingPlan, source: int, call: BlockCall) -> None:
+        self.rows, self.causal = call.rows, call.kind == CAUSAL
+        self.bias = None
+        if call.kind == MASKED:
+            if mask is None:
+                raise RuntimeError(f"Ring step {source} of rank {plan.rank} needs a mask for a masked block.")
+            self.bias = additive_bias(plan.mask_block(mask, source, call), query.dtype)
+        self.kernel = kernel_for(query, masked=self.bias is not None)
+        # Rows whose every score in the block is dropped: the kernels report a log-sum-exp of 0 for them.
+        self.dead = None if self.bias is None else self.bias.isneginf().all(-1)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, is_causal: bool, scale: float | None,
-                group: dist.ProcessGroup) -> Tensor:
-        kernel = kernel_for(query)
+    def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, plan: RingPlan,
+                scale: float | None, group: dist.ProcessGroup | None) -> Tensor:
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        accumulate = torch.float32 if half else query.dtype
         groups = query.size(1) // key.size(1)
-        forward_op, _ = _grouped_ops(kernel, groups)
-        with _ring_options(is_causal, query.dtype), context_parallel_exchange():
-            out, logsumexp, *rest = _torch_ring._templated_ring_attention(
-                group, SEQUENCE_DIM, forward_op, query, key, value, is_causal=is_causal, scale=scale,
-                **kernel.forward_kwargs(),
-            )
+        batch, heads, length = query.shape[:3]
         # The fused kernels return the output laid out [batch, sequence, heads, head_dim] in memory, so that the usual
-        # transpose(1, 2).reshape(...) after attention is a view, and the output projection saves no copy of it.
-        out = out.transpose(1, 2).contiguous().transpose(1, 2)
-        ctx.save_for_backward(query, key, value, out, logsumexp)
-        ctx.kernel, ctx.groups, ctx.rest = kernel, groups, tuple(rest)
-        ctx.is_causal, ctx.scale, ctx.group = is_causal, scale, group
+        # transpose(1, 2).reshape(...) after attention is a view: kept here.
+        out = query.new_zeros(batch, length, heads, value.size(-1), dtype=accumulate).transpose(1, 2)
+        lse = query.new_full((batch, heads, length), float("-inf"), dtype=accumulate)
+        extras: dict[str, tuple[Any, ...]] = {}
+        for source, (key_j, value_j) in enumerate(_gather((key, value), group, plan.size)):
+            for call in plan.steps[source]:
+                block = _Block(query, mask, plan, source, call)
+                forward, _ = _grouped(block.kernel, groups)
+                block_out, block_lse, extra = forward(
+                    query[:, :, call.rows], _chunks(key_j, call.chunks).contiguous(),
+                    _chunks(value_j, call.chunks).contiguous(), block.bias, block.causal, scale)
+                extras.setdefault(block.kernel.name, extra)
+                if block.dead is not None:
+                    block_lse = block_lse.masked_fill(block.dead, float("-inf"))
+                    block_out = block_out.masked_fill(block.dead.unsqueeze(-1), 0.0)
+                _merge(out[:, :, call.rows], lse[:, :, call.rows], block_out, block_lse)
+        out = out.to(query.dtype)
+        ctx.save_for_backward(query, key, value, out, lse, mask)
+        ctx.plan, ctx.scale, ctx.group, ctx.extras, ctx.groups = plan, scale, group, extras, groups
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        query, key, value, out, logsumexp = ctx.saved_tensors
-        kernel: AttentionKernel = ctx.kernel
-        _, backward_op = _grouped_ops(kernel, ctx.groups)
-        with _ring_options(ctx.is_causal, query.dtype), context_parallel_exchange():
-            grad_query, grad_key, grad_value, *_ = _torch_ring._templated_ring_attention_backward(
-                ctx.group, SEQUENCE_DIM, backward_op, grad_out=grad_out.contiguous(),
-                grad_out_name=kernel.grad_out_name, query=query, key=key, value=value, out=out, logsumexp=logsumexp,
-                is_causal=ctx.is_causal, scale=ctx.scale, **kernel.backward_kwargs(ctx.rest),
-            )
-        return grad_query, grad_key, grad_value, None, None, None
+        query, key, value, out, lse, mask = ctx.saved_tensors
+        plan: RingPlan = ctx.plan
+        half = query.dtype in (torch.float16, torch.bfloat16)
+        accumulate = torch.float32 if half else query.dtype
+        grad_out = grad_out.contiguous()
+        # Rows no score reaches: +inf makes every block's share exp(s - lse) zero (no gradient, as SDPA gives).
+        lse = lse.masked_fill(lse.isneginf(), float("inf"))
+        grad_query = torch.zeros_like(query, dtype=accumulate)
+        grad_kv = []
+        for source, (key_j, value_j) in enumerate(_gather((key, value), ctx.group, plan.size)):
+            grad_key = torch.zeros_like(key_j, dtype=accumulate)
+            grad_value = torch.zeros_like(value_j, dtype=accumulate)
+            for call in plan.steps[source]:
+                block = _Block(query, mask, plan, source, call)
+                _, backward = _grouped(block.kernel, ctx.groups)
+                rows = call.rows
+                grads = backward(
+                    grad_out[:, :, rows].contiguous(), query[:, :, rows].contiguous(),
+                    _chunks(key_j, call.chunks).contiguous(), _chunks(value_j, call.chunks).contiguous(),
+                    out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), block.bias, block.causal, ctx.scale,
+                    ctx.extras[block.kernel.name])
+                grad_query[:, :, rows] += grads[0]
+                _chunks(grad_key, call.chunks).add_(grads[1])
+                _chunks(grad_value, call.chunks).add_(grads[2])
+            grad_kv.append(torch.cat([grad_key.reshape(-1), grad_value.reshape(-1)]))
+        own = _return_gradients(grad_kv, ctx.group, plan.size)
+        grad_key, grad_value = own[:key.numel()].view(key.shape), own[key.numel():].view(value.shape)
+        return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
+                None, None, None, None)
 
 
 def ring_attention(
-    query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup, is_causal: bool = False,
-    scale: float | None = None, enable_gqa: bool = False,
+    query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, is_causal: bool = False,
+    scale: float | None = None, enable_gqa: bool = False, attn_mask: Tensor | None = None,
+    plan: RingPlan | None = None, rank: int | None = None, size: int | None = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` over a sequence split head-tail across ``group``'s ranks.
 
@@ -182,9 +199,13 @@ def ring_attention(
             width may differ from ``query``'s and ``key``'s, as in multi-head latent attention; one key/value
             head broadcasts over the query heads).
         group: The context-parallel ranks, in the order of the head-tail layout.
-        is_causal: Causal attention over the global positions.
+        is_causal: Causal attention over the global positions (not with ``attn_mask``).
         scale: Softmax scale (``None``: ``1/sqrt(head_dim)``).
         enable_gqa: Fewer key/value heads than query heads (each shared by a group of query heads).
+        attn_mask: Boolean (``True`` keeps a score) or additive, broadcastable to ``[batch, heads, local sequence,
+            whole sequence]``: this rank's query rows in local order × every key in global order. No gradient.
+        plan: The blocks to compute (default: from ``attn_mask``, one host read, or from ``is_causal``).
+        rank, size: This rank's index in the ring and the ring's size (default: ``group``'s).
 
     Returns:
         This rank's slice of the attention output (``query``'s shape, ``value``'s head dim).
@@ -192,9 +213,10 @@ def ring_attention(
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(t, DTensor) for t in (query, key, value)):
-        return _ring_over_local_heads(query, key, value, group, is_causal, scale, enable_gqa)
+        return _ring_over_local_heads(query, key, value, group, is_causal, scale, enable_gqa, attn_mask, plan, rank,
+                                      size)
     if key.size(1) != query.size(1):
-        # Grouped-query attention: the ring passes the keys/values with their own heads (see _grouped_ops).
+        # Grouped-query attention: the ring passes the keys/values with their own heads (see _grouped).
         # One key/value head broadcasts over the query heads (multi-query attention without enable_gqa, as
         # Falcon calls it): the same math as grouped-query attention with one group.
         if not enable_gqa and not (key.size(1) == 1 and value.size(1) == 1):
@@ -204,10 +226,25 @@ def ring_attention(
             )
         if query.size(1) % key.size(1) != 0:
             raise ValueError(f"{query.size(1)} query heads are not a multiple of {key.size(1)} key/value heads.")
-    query, key, value = _as_autocast_would(query, key, value)
+    if attn_mask is not None and is_causal:
+        raise ValueError("scaled_dot_product_attention got both an attn_mask and is_causal=True.")
+    if attn_mask is not None and attn_mask.requires_grad:
+        raise TypeError(
+            "scaled_dot_product_attention got an attention bias that requires gradients (a learned relative-position "
+            "bias) under context parallelism: ring attention takes masks and biases without gradients. Set "
+            "context_parallel_size=1 for this model."
+        )
+    rank = (dist.get_rank(group) if group is not None else 0) if rank is None else rank
+    size = (dist.get_world_size(group) if group is not None else 1) if size is None else size
+    if plan is None:
+        local = query.size(SEQUENCE_DIM)
+        plan = (plan_without_mask(rank, size, local, is_causal) if attn_mask is None
+                else plan_for_mask(four_dims(attn_mask), rank, size, local))
+    mask = None if attn_mask is None else four_dims(attn_mask)
+    query, key, value = as_autocast_would(query, key, value)
     qk_width, v_width = query.size(-1), value.size(-1)
     if v_width == qk_width:
-        return _RingAttention.apply(query, key.contiguous(), value.contiguous(), is_causal, scale, group)
+        return _RingAttention.apply(query, key.contiguous(), value.contiguous(), mask, plan, scale, group)
     # The fused kernels need one head width for queries, keys and values (multi-head latent attention has
     # narrower values). Zero columns change nothing: padded values give zero output columns, sliced off;
     # padded queries and keys add zero to every score, with the scale of the true query/key width.
@@ -215,18 +252,19 @@ def ring_attention(
     scale = qk_width ** -0.5 if scale is None else scale
     pad = torch.nn.functional.pad
     query, key = pad(query, (0, width - qk_width)), pad(key, (0, width - qk_width))
-    out = _RingAttention.apply(query, key.contiguous(), pad(value, (0, width - v_width)).contiguous(), is_causal, scale,
-                               group)
+    out = _RingAttention.apply(query, key.contiguous(), pad(value, (0, width - v_width)).contiguous(), mask, plan,
+                               scale, group)
     return out[..., :v_width]
 
 
 def _ring_over_local_heads(
-    query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup, is_causal: bool, scale: float | None,
-    enable_gqa: bool,
+    query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, is_causal: bool, scale: float | None,
+    enable_gqa: bool, attn_mask: Tensor | None, plan: RingPlan | None, rank: int | None, size: int | None,
 ) -> Tensor:
     """The ring on DTensor inputs (attention of a tensor-parallel model traced whole, as pipeline stages are):
     heads split over the tensor-parallel ranks (or replicated) are independent of each other, so each rank runs
-    the ring on its local heads and the output keeps the query's placements."""
+    the ring on its local heads and the output keeps the query's placements. A mask must be the same for every head
+    (or replicated over the heads' split)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     tensors = (query, key, value)
@@ -238,6 +276,18 @@ def _ring_over_local_heads(
                 f"scaled_dot_product_attention's {name} is laid out {tensor.placements} under context parallelism: the "
                 "ring needs whole sequences and head widths on each rank (split by batch or heads only)."
             )
+    if isinstance(attn_mask, DTensor):
+        if not all(isinstance(p, Replicate) for p in attn_mask.placements):
+            raise TypeError(f"scaled_dot_product_attention's attn_mask is laid out {attn_mask.placements} under "
+                            "context parallelism: the ring takes a mask replicated over the tensor-parallel ranks.")
+        attn_mask = attn_mask.to_local()
+    if attn_mask is not None and four_dims(attn_mask).size(1) != 1 and any(
+            isinstance(p, Shard) and p.dim == 1 for p in query.placements):
+        raise TypeError("scaled_dot_product_attention got a mask per head while the heads are split over the "
+                        "tensor-parallel ranks under context parallelism: use a mask shared by the heads.")
     out = ring_attention(query.to_local(), key.to_local(), value.to_local(), group, is_causal=is_causal, scale=scale,
-                         enable_gqa=enable_gqa)
+                         enable_gqa=enable_gqa, attn_mask=attn_mask, plan=plan, rank=rank, size=size)
     return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
+
+
+__all__ = ["SEQUENCE_DIM", "ring_attention"]

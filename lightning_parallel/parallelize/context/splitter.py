@@ -25,7 +25,8 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -37,9 +38,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_parallel import collectives
 from lightning_parallel.parallelize.common.activation_checkpointing import inside_mode_carrying_checkpoint
-from lightning_parallel.parallelize.context.ops import handle_sequence_op, mask_as_causal, sequence_op
+from lightning_parallel.parallelize.context import hf_masks
+from lightning_parallel.parallelize.context.masks import four_dims, ring_mask
+from lightning_parallel.parallelize.context.ops import handle_sequence_op, sequence_op
 from lightning_parallel.measure.collectives import outside_training
 from lightning_parallel.parallelize.context.ring_attention import ring_attention
+from lightning_parallel.parallelize.context.ring_plan import RingPlan, plan_for_mask
+from lightning_parallel.parallelize.context.whole import WholeSequence
 from lightning_parallel.parallelize.context.sequence import (
     SEQUENCE_DIM,
     SequenceLayout,
@@ -69,18 +74,48 @@ class ContextParallelMode(TorchFunctionMode):
         module_tensors: ``id()`` of the module's parameters and buffers: slicing one of them by the local
             length (``cos[:L]``, ``pos_emb.weight[:L]``) reads this rank's global positions instead.
         module_names: ``id()`` of the model's modules -> qualified names, naming the module a refusal is about.
+        whole_inputs: ``(this rank's part, the whole tensor)`` of each input the splitter cut: mask builders see
+            the whole ones (:mod:`.hf_masks`).
     """
 
     def __init__(self, layout: SequenceLayout, group: dist.ProcessGroup, module_tensors: set[int],
-                 module_names: dict[int, str] | None = None) -> None:
+                 module_names: dict[int, str] | None = None,
+                 whole_inputs: list[tuple[Tensor, Tensor]] | None = None) -> None:
         super().__init__()
         self.layout, self.group, self.module_tensors = layout, group, module_tensors
         self.module_names = module_names or {}
-        self._masks: dict[int, tuple[Tensor, bool | None]] = {}  # attn_mask seen -> as is_causal (None: no mask)
+        # attn_mask seen -> (the mask kept alive, its ring form, as is_causal, the ring's plan for it)
+        self._masks: dict[int, tuple[Tensor, Tensor | None, bool, RingPlan | None]] = {}
         self.attention_calls = 0
         self.made_global = False  # local positions (arange, table rows) were replaced by global ones
         self.grad_enabled = torch.is_grad_enabled()  # at the model call
         self._positions: dict[torch.device, Tensor] = {}
+        self.whole = WholeSequence()
+        for part, whole in whole_inputs or ():
+            self.whole.add(part, whole)
+        self._suspended = 0
+        self._active: list[Any] = []
+
+    def __enter__(self) -> ContextParallelMode:
+        context = hf_masks.active(self)
+        context.__enter__()
+        self._active.append(context)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._active.pop().__exit__(None, None, None)
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Torch ops run as they are inside (a mask builder called with the whole sequence)."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
 
     def positions(self, device: torch.device) -> Tensor:
         if device not in self._positions:
@@ -89,8 +124,14 @@ class ContextParallelMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self._suspended:
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
+        if self.whole.follows(func, args):
+            result = func(*args, **kwargs)
+            self.whole.follow(func, args, kwargs, result)
+            return result
         op = sequence_op(func)
         if op is not None:
             return handle_sequence_op(op, func, args, kwargs, self.layout, self.group, self.module_names)
@@ -122,8 +163,10 @@ class ContextParallelMode(TorchFunctionMode):
         call = {**_SDPA_DEFAULTS, **dict(zip(_SDPA_PARAMETERS, args)), **kwargs}
         query, key, value = call["query"], call["key"], call["value"]
         is_causal = bool(call["is_causal"])
+        mask = plan = None
         if call["attn_mask"] is not None:
-            is_causal = self._mask_as_causal(call["attn_mask"], is_causal)
+            mask, as_causal, plan = self._ring_mask(call["attn_mask"])
+            is_causal = is_causal or as_causal
         if call["dropout_p"]:
             raise ValueError(
                 f"scaled_dot_product_attention got dropout_p={call['dropout_p']} under context parallelism, which "
@@ -139,15 +182,28 @@ class ContextParallelMode(TorchFunctionMode):
         self._check_not_recomputed_elsewhere()
         self.attention_calls += 1
         return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=call["scale"],
-                              enable_gqa=bool(call["enable_gqa"]))
+                              enable_gqa=bool(call["enable_gqa"]), attn_mask=mask, plan=plan, rank=self.layout.rank,
+                              size=self.layout.size)
 
-    def _mask_as_causal(self, mask: Tensor, is_causal: bool) -> bool:
-        # Hugging Face materialises the causal mask for many models; over this rank's (global) positions it is
-        # exactly is_causal=True, or allows everything. Checked once per mask, agreed on by the ranks.
+    def _ring_mask(self, mask: Tensor) -> tuple[Tensor | None, bool, RingPlan | None]:
+        """The model's ``attn_mask`` in the ring's form (:func:`~.masks.ring_mask`) and the ring's plan for it;
+        worked out once per mask (a model passes one mask to every layer), the plan with one host read."""
         if id(mask) not in self._masks:  # the mask is kept with its entry, so that its id stays its own
-            self._masks[id(mask)] = (mask, mask_as_causal(mask, self.layout, self.group))
-        as_causal = self._masks[id(mask)][1]
-        return is_causal if as_causal is None else as_causal
+            local = mask
+            from torch.distributed.tensor import DTensor, Replicate
+
+            if isinstance(mask, DTensor):
+                if not all(isinstance(p, Replicate) for p in mask.placements):
+                    raise TypeError(
+                        f"scaled_dot_product_attention's attn_mask is laid out {mask.placements} under context "
+                        "parallelism: the ring takes a mask replicated over the tensor-parallel ranks.")
+                local = mask.to_local()
+            ring, as_causal = ring_mask(local, self.layout, self.group)
+            plan = None if ring is None else plan_for_mask(four_dims(ring), self.layout.rank, self.layout.size,
+                                                          self.layout.local_length)
+            self._masks[id(mask)] = (mask, ring, as_causal, plan)
+        _, ring, as_causal, plan = self._masks[id(mask)]
+        return ring, as_causal, plan
 
     def _check_not_recomputed_elsewhere(self) -> None:
         # A block checkpointed inside the model (Hugging Face's gradient_checkpointing_enable(), a user's own
@@ -175,7 +231,10 @@ class ContextParallelMode(TorchFunctionMode):
         device = torch.device(kwargs["device"]) if kwargs.get("device") is not None else torch.get_default_device()
         positions = self.positions(device) + start
         dtype = kwargs.get("dtype")
-        return positions.to(dtype) if dtype is not None else positions
+        positions = positions.to(dtype) if dtype is not None else positions
+        whole = torch.arange(start, start + self.layout.length, device=device)
+        self.whole.add(positions, whole.to(dtype) if dtype is not None else whole)
+        return positions
 
     def _global_rows(self, table: Tensor, index: Any) -> Tensor | None:
         parts = index if isinstance(index, tuple) else (index,)
@@ -232,6 +291,8 @@ class SequenceSplitter:
         self._depth = 0
         self._handles: list[Any] = []
         self._module_names = {id(m): name for name, m in root.named_modules()}
+        self._mask_sites = hf_masks.builder_sites(root)
+        hf_masks.install(self._mask_sites)
         modules = [root] + [child for child in root.children() if any(True for _ in child.parameters())]
         for module in modules:
             self._handles.append(module.register_forward_pre_hook(self._before_call, with_kwargs=True))
@@ -241,6 +302,8 @@ class SequenceSplitter:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        hf_masks.uninstall(self._mask_sites)
+        self._mask_sites = []
 
     def _before_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self._probing:
@@ -256,16 +319,20 @@ class SequenceSplitter:
             self.checked = True
             self._check_against_whole(module, args, kwargs, layout)
 
+        cut: list[tuple[Tensor, Tensor]] = []
+
         def split(value: Any) -> Any:
             if isinstance(value, Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.length \
                     and value.size(0) in (batch, 1):
-                return split_sequence(value, layout)
+                part = split_sequence(value, layout)
+                cut.append((part, value))
+                return part
             return value
 
         args, kwargs = tree_map(split, (args, kwargs))
         # Looked up at each call: placement and sharding replace parameters and buffers after the hooks exist.
         module_tensors = {id(t) for t in (*self.root.parameters(), *self.root.buffers())}
-        self.mode = ContextParallelMode(layout, self.group, module_tensors, self._module_names)
+        self.mode = ContextParallelMode(layout, self.group, module_tensors, self._module_names, whole_inputs=cut)
         self.mode.__enter__()
         self._depth = 1
         return args, kwargs

@@ -1,0 +1,145 @@
+"""Whole models under context parallelism with masks, on simulated ranks (threads): exact vs one device, float64.
+
+Each rank runs its own copy of the model through :class:`SequenceSplitter` (its part of the sequence, ring attention
+over the simulated group, logits gathered whole) and backpropagates the same loss; the ranks' gradients averaged
+(what data parallelism over dp × cp does) must equal the single-device gradient, and the logits the single-device
+logits. Covered: transformers' sliding window (Mistral), padding zeros in ``attention_mask`` (left and right),
+packed documents detected by transformers from ``position_ids`` that restart, and a hand-written model given an
+explicit block-diagonal causal mask over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_parallel.parallelize.context.splitter import SequenceSplitter
+from tests.unit.cp_simulated import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, LENGTH, BATCH = 32, 16, 2
+
+
+def _mistral(window: int):
+    config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                                        max_position_embeddings=LENGTH, attention_dropout=0.0)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+def _llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH)
+    config._attn_implementation = "sdpa"
+    return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
+
+
+def _compare(model, inputs: dict, targets: torch.Tensor, size: int, monkeypatch, calls: int = 2) -> list[SequenceSplitter]:
+    """``calls`` training steps' worth of forward/backward (no optimizer: gradients accumulate) on ``size``
+    simulated ranks against the same on one device."""
+    whole = copy.deepcopy(model)
+    expected_logits = []
+    for _ in range(calls):
+        logits = whole(**inputs).logits
+        _loss(logits, targets).backward()
+        expected_logits.append(logits.detach())
+
+    def work(rank, group):
+        replica = copy.deepcopy(model)
+        splitter = SequenceSplitter(replica, group, rank, size)
+        try:
+            seen = []
+            for _ in range(calls):
+                logits = replica(**inputs).logits
+                _loss(logits, targets).backward()
+                seen.append(logits.detach())
+            return seen, {n: p.grad for n, p in replica.named_parameters()}, splitter
+        finally:
+            splitter.remove()
+
+    results = run_ranks(size, work, monkeypatch)
+    for logits, _, _ in results:
+        for got, want in zip(logits, expected_logits):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    for name, parameter in whole.named_parameters():
+        averaged = torch.stack([grads[name] for _, grads, _ in results]).mean(0)
+        torch.testing.assert_close(averaged, parameter.grad, rtol=1e-8, atol=1e-10, msg=name)
+    return [splitter for _, _, splitter in results]
+
+
+def _tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, LENGTH + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:].clone()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_mistral_sliding_window_shorter_than_the_sequence(size, monkeypatch):
+    torch.manual_seed(0)
+    x, y = _tokens()
+    _compare(_mistral(window=3), {"input_ids": x}, y, size, monkeypatch)
+
+
+def test_padding_zeros_in_attention_mask_left_and_right(monkeypatch):
+    torch.manual_seed(0)
+    x, y = _tokens(1)
+    keep = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    keep[0, -5:] = 0  # right padding: the last chunk of rank 0 (head-tail) is padding
+    keep[1, :3] = 0  # left padding: those queries see no key at all
+    y = y.masked_fill(keep == 0, -100)
+    _compare(_llama(), {"input_ids": x, "attention_mask": keep}, y, 2, monkeypatch)
+
+
+def test_packed_documents_found_by_transformers_from_restarting_position_ids(monkeypatch):
+    torch.manual_seed(0)
+    x, y = _tokens(2)
+    lengths = [[5, 7, 4], [9, 7]]  # documents per row; a document boundary inside rank chunks and across them
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    from transformers import masking_utils
+
+    found, detect = [], masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda p: found.append(detect(p)) or found[-1])
+    # transformers looks for packed documents without a cache only (use_cache=False), on one device as on each rank.
+    inputs = {"input_ids": x, "position_ids": position_ids, "use_cache": False}
+    _compare(_llama(), inputs, y, 2, monkeypatch)
+    # One device: 2 calls; each of 2 ranks: the first call's check (whole, then split) and 2 calls, all whole.
+    assert len(found) == 2 + 2 * (2 + 2) and all(ids is not None and ids.shape == (BATCH, LENGTH) for ids in found)
+
+
+class _MaskedLM(torch.nn.Module):
+    """A hand-written decoder that takes its attention mask from the caller (the step builds it from the batch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor):
+        h = self.embed(input_ids)
+        q, k, v = self.qkv(h).unflatten(-1, (3, 4, 4)).permute(2, 0, 3, 1, 4)
+        mask = mask if mask.dim() == 4 else mask.unsqueeze(1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.out(h + a))
+
+
+@pytest.mark.parametrize("shape", ["[B, L, L]", "[B, 1, L, L]"])
+def test_explicit_block_diagonal_causal_mask_over_the_whole_sequence(shape, monkeypatch):
+    torch.manual_seed(0)
+    model = _MaskedLM().double()
+    x, y = _tokens(3)
+    documents = torch.tensor([[0] * 6 + [1] * 6 + [2] * 4, [0] * 3 + [1] * 13])
+    positions = torch.arange(LENGTH)
+    mask = (positions[:, None] >= positions[None, :]) & (documents[:, :, None] == documents[:, None, :])
+    mask = mask if shape == "[B, L, L]" else mask.unsqueeze(1)
+    splitters = _compare(model, {"input_ids": x, "mask": mask}, y, 2, monkeypatch)
+    assert splitters
