@@ -81,6 +81,58 @@ class HFCausalLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
 
 
+class PackedDocumentsLM(HFCausalLM):
+    """Long-context pretraining as people feed it: several documents packed into each block, attention within each
+    document only, under a sliding window shorter than the block (tiny Mistral, window 3 of 8).
+
+    The step cuts each block into documents (one starts at every token divisible by 5, a deterministic mix of lengths)
+    and calls the model with ``position_ids`` that restart per document and no cache: transformers finds the packed
+    documents itself and builds the block-diagonal, windowed causal mask. With ``padding=True`` it passes
+    ``attention_mask`` zeros instead (tokens divisible by 7; transformers then looks for no documents) and the loss
+    ignores the padded targets: padding under the same window. The loss is summed over the kept targets and divided
+    by all of them, so that accumulated micro-batches add up to the whole batch's loss."""
+
+    def __init__(self, padding: bool = False, lr: float = 0.1) -> None:
+        L.LightningModule.__init__(self)
+        import transformers
+
+        self.save_hyperparameters({"padding": padding, "lr": lr})
+        self.padding = padding
+        config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
+                                            max_position_embeddings=16, attention_dropout=0.0)
+        config._attn_implementation = "sdpa"
+        self.net = transformers.AutoModelForCausalLM.from_config(config)
+
+    def _inputs(self, x: torch.Tensor) -> dict[str, Any]:
+        if self.padding:
+            return {"input_ids": x, "attention_mask": (x % 7 != 0).long()}
+        index = torch.arange(x.size(1), device=x.device).expand_as(x)
+        starts = (x % 5 == 0) | (index == 0)
+        first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values  # each document's first token
+        return {"input_ids": x, "position_ids": index - first, "use_cache": False}
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        inputs = self._inputs(x)
+        logits = self.net(**inputs).logits
+        if "attention_mask" in inputs:
+            y = y.masked_fill(inputs["attention_mask"] == 0, -100)
+        # Summed over the kept targets, divided by all of them: micro-batches of accumulation add up to the batch.
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1), ignore_index=-100, reduction="sum")
+        return loss / y.numel(), logits
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss(batch)
+        self.log("train/loss_synced", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss, logits = self._loss(batch)
+        self.log("val/loss", loss, sync_dist=True)
+        self.log("val/accuracy", (logits.argmax(-1) == batch[1]).double().mean(), sync_dist=True)
+
+
 class DemoTransformer(L.LightningModule):
     """Lightning's own demo model (``lightning.pytorch.demos.Transformer``: ``nn.Transformer`` encoder–decoder
     with ``nn.MultiheadAttention``), small, with the demo's training step and a validation step."""

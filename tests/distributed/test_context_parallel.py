@@ -4,7 +4,9 @@ Every job trains on the char corpus' 8-token blocks (cp2: four chunks of 2, cp4:
 with batches of another size, and compares losses, gradients and parameters after every optimizer step with
 single-device training of the same global batch. The models cover the ways positions are built: the recipe
 GPT (``pos_emb(torch.arange(L))``), a Llama-style module with rotary tables sliced ``cos[:L]`` and
-``enable_gqa`` attention, and a hand-written GQA module that repeats its key/value heads. The transformers
+``enable_gqa`` attention, a hand-written GQA module that repeats its key/value heads, and a tiny Mistral fed
+packed documents (or padding) under a sliding window shorter than the block: masks transformers builds from the
+whole sequence, run blockwise by the ring. The transformers
 families under cp2 (``cache_position`` → ``position_ids`` → rotary or learned positions, SDPA with GQA) are in
 ``test_transformers.py``'s matrix, with Lightning's demo ``nn.Transformer`` refused there.
 """
@@ -33,6 +35,13 @@ JOBS: dict[str, tuple[int, str, int, int, dict]] = {
     "gpt-dp2×cp2-accumulate2": (4, "gpt", 2, 2, {"context_parallel_size": 2, "data_parallel_size": 2}),
     "view-dp2×cp2-shard-round-trip": (4, "view_attention", 2, 1, {"context_parallel_size": 2, "data_parallel_size": 2, "data_parallel_mode": "shard"}),
     "rotary-tp2×cp2": (4, "rotary_attention", 1, 1, {"context_parallel_size": 2, "tensor_parallel_size": 2}),
+    # Masks transformers builds from the whole sequence (tests/hf_models.py PackedDocumentsLM): packed documents
+    # found from restarting position_ids under a sliding window of 3 (< the block of 8), and padding zeros in
+    # attention_mask under the same window.
+    "packed-window-cp2": (2, "packed_documents", 1, 1, {"context_parallel_size": 2}),
+    "packed-window-cp2-accumulate2": (2, "packed_documents", 1, 2, {"context_parallel_size": 2}),
+    "padded-window-cp2-accumulate2": (2, "padded_window", 1, 2, {"context_parallel_size": 2}),
+    "packed-window-cp4": (4, "packed_documents", 1, 1, {"context_parallel_size": 4}),
 }
 
 
