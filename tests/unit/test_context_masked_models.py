@@ -143,3 +143,33 @@ def test_explicit_block_diagonal_causal_mask_over_the_whole_sequence(shape, monk
     mask = mask if shape == "[B, L, L]" else mask.unsqueeze(1)
     splitters = _compare(model, {"input_ids": x, "mask": mask}, y, 2, monkeypatch)
     assert splitters
+
+
+class _DocumentsInsideLM(torch.nn.Module):
+    """A hand-written decoder that builds its mask itself, from document ids and positions it is given or makes:
+    block-diagonal causal attention with an ALiBi bias (slopes per head), all from this rank's part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, VOCAB)
+        self.register_buffer("slopes", torch.tensor([0.5, 0.25, 0.125, 0.0625]).view(4, 1, 1))
+
+    def forward(self, input_ids: torch.Tensor, documents: torch.Tensor):
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+        causal = positions[:, None] >= positions[None, :]
+        same = documents[:, :, None] == documents[:, None, :]
+        alibi = -(positions[:, None] - positions[None, :]).abs() * self.slopes  # [heads, L, L]
+        bias = alibi.masked_fill(~(causal & same).unsqueeze(1), float("-inf"))  # [B, heads, L, L]
+        h = self.embed(input_ids)
+        q, k, v = self.qkv(h).unflatten(-1, (3, 4, 4)).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2)
+        return transformers.modeling_outputs.CausalLMOutput(logits=self.out(h + a))
+
+
+def test_documents_and_alibi_built_inside_the_model_from_its_part(monkeypatch):
+    torch.manual_seed(0)
+    x, y = _tokens(4)
+    documents = torch.tensor([[0] * 6 + [1] * 6 + [2] * 4, [0] * 3 + [1] * 13])
+    _compare(_DocumentsInsideLM().double(), {"input_ids": x, "documents": documents}, y, 2, monkeypatch)

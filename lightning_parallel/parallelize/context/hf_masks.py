@@ -34,7 +34,10 @@ ContextParallelMode = Any
 _BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask",
              "create_bidirectional_mask", "create_bidirectional_sliding_window_mask")
 #: Arguments that make the builder depend on more than the sequence's inputs: it then runs on this rank's part.
-_OPAQUE = ("or_mask_function", "and_mask_function", "encoder_hidden_states")
+_OPAQUE = ("encoder_hidden_states",)
+#: Mask functions of the model's own, ``(batch, head, q_idx, kv_idx) -> keep``: whole-sequence indices are fine for
+#: them unless they read a tensor of this rank's part.
+_FUNCTIONS = ("or_mask_function", "and_mask_function")
 
 _active = threading.local()  # the mode of the model call running on this thread (ranks may be threads in tests)
 _installed: dict[tuple[str, str], list[Any]] = {}  # (module, name) -> [original, users]
@@ -118,9 +121,11 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def whole_arguments(mode: ContextParallelMode, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     """The builder's arguments with the whole sequence's tensors, or ``None`` where one cannot be made whole."""
+    layout = mode.layout
     if any(kwargs.get(name) is not None for name in _OPAQUE):
         return None
-    layout = mode.layout
+    if any(kwargs.get(name) is not None and not _index_based(kwargs[name], layout.local_length) for name in _FUNCTIONS):
+        return None
     known = mode.whole
 
     def whole(value: Any) -> Any:
@@ -129,8 +134,8 @@ def whole_arguments(mode: ContextParallelMode, args: tuple, kwargs: dict) -> tup
                 raise _Opaque  # tokens seen before: their keys are not split like the sequence
             return value  # an empty cache (transformers makes one when use_cache is on) sizes the mask as none
         if not isinstance(value, Tensor):
-            if callable(value) and not hasattr(value, "to_dict"):
-                raise _Opaque  # a mask function passed positionally
+            if callable(value) and not hasattr(value, "to_dict") and not _index_based(value, layout.local_length):
+                raise _Opaque  # a mask function reading a tensor of this rank's part
             return value
         found = known.of(value)
         if found is not None:
@@ -151,6 +156,36 @@ def whole_arguments(mode: ContextParallelMode, args: tuple, kwargs: dict) -> tup
 
 class _Opaque(Exception):
     pass
+
+
+def _index_based(function: Any, local_length: int, depth: int = 0) -> bool:
+    """Whether a mask function reads no tensor with a dim of this rank's length (in its closure, its partial
+    arguments, or those of the functions it closes over): then it computes the same on the whole sequence's
+    indices (a constant, a window overlay)."""
+    if depth > 8:
+        return False
+    values: list[Any] = []
+    values += [cell.cell_contents for cell in getattr(function, "__closure__", None) or () if _filled(cell)]
+    values += list(getattr(function, "args", ())) + list((getattr(function, "keywords", None) or {}).values())
+    inner = getattr(function, "func", None)
+    if inner is not None:
+        values.append(inner)
+    for value in values:
+        if isinstance(value, Tensor):
+            if any(size == local_length for size in value.shape):
+                return False
+        elif callable(value) and not isinstance(value, type):
+            if not _index_based(value, local_length, depth + 1):
+                return False
+    return True
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 __all__ = ["active", "builder_sites", "install", "uninstall", "whole_arguments"]

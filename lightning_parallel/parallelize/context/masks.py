@@ -11,9 +11,11 @@ passes is one of:
 * a mask over keys only (one query row, the last dim this rank's keys: a padding mask ``mask[:, None, None, :]``
   of the split ``attention_mask``): the ranks' columns are gathered (one small all-gather);
 * a mask over queries only (one key column): as it is;
-* a mask over this rank's queries × this rank's keys only, built inside the model from the split inputs: it holds
-  only the diagonal block of the ring, so it runs only where it is exactly the causal mask (``is_causal=True``) or
-  keeps everything (no mask) — the ranks agree on that — and is refused otherwise, saying how to pass a whole one.
+* a mask the model built inside its forward from the split inputs and positions: over this rank's queries × its own
+  keys, but followed over the whole sequence alongside (:mod:`.whole`), whose rows are used; where it could not be
+  followed it holds only the diagonal block of the ring, so it runs only where it is exactly the causal mask
+  (``is_causal=True``) or keeps everything (no mask) — the ranks agree on that — and is refused otherwise, saying
+  how to pass a whole one.
 
 No Lightning here.
 """
@@ -93,7 +95,9 @@ def _local_block(mask: Tensor, layout: SequenceLayout, group: dist.ProcessGroup 
     raise TypeError(
         f"scaled_dot_product_attention got an attn_mask (shape {tuple(mask.shape)}) under context parallelism that "
         f"covers this rank's {layout.local_length} queries × its own {layout.local_length} keys only (the model built "
-        "it from its part of the sequence), and is neither the causal mask nor all-keeping: "
+        "it from its part of the sequence through ops context parallelism does not follow over the whole sequence: "
+        "elementwise, comparison, logical, where/masked_fill and view ops on the call's integer inputs and on "
+        "positions are followed), and is neither the causal mask nor all-keeping: "
         f"{where or 'it differs from the causal mask at the positions of another context-parallel rank'}. "
         "Ring attention needs the mask over the whole sequence's keys: pass it to the model call built from the whole "
         f"batch (a [batch, 1, {layout.length}, {layout.length}] or [batch, {layout.length}, {layout.length}] tensor, "

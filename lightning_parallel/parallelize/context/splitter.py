@@ -90,9 +90,9 @@ class ContextParallelMode(TorchFunctionMode):
         self.made_global = False  # local positions (arange, table rows) were replaced by global ones
         self.grad_enabled = torch.is_grad_enabled()  # at the model call
         self._positions: dict[torch.device, Tensor] = {}
-        self.whole = WholeSequence()
+        self.whole = WholeSequence(layout.local_length)
         for part, whole in whole_inputs or ():
-            self.whole.add(part, whole)
+            self.whole.add(part, whole, follow=not part.is_floating_point())
         self._suspended = 0
         self._active: list[Any] = []
 
@@ -128,7 +128,8 @@ class ContextParallelMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
-        if self.whole.follows(func, args):
+        self.whole.forget_written(func, args)
+        if self.whole.follows(func, args, kwargs):
             result = func(*args, **kwargs)
             self.whole.follow(func, args, kwargs, result)
             return result
@@ -147,6 +148,9 @@ class ContextParallelMode(TorchFunctionMode):
                 return sliced
         try:
             return func(*args, **kwargs)
+        except RuntimeError as error:
+            self._refuse_mixing_whole_and_part(func, args, kwargs, error)
+            raise
         except IndexError as error:
             if not self.made_global:
                 raise
@@ -158,6 +162,30 @@ class ContextParallelMode(TorchFunctionMode):
                 "rank's global positions; the model also uses them as indices into a tensor of the local length. "
                 "Set context_parallel_size=1 for this model."
             ) from error
+
+    def _refuse_mixing_whole_and_part(self, func: Callable, args: tuple, kwargs: dict, error: RuntimeError) -> None:
+        """An op that failed on a tensor of the whole sequence's length beside one of this rank's: the model combines
+        its attention mask (built over the whole sequence, :mod:`.hf_masks`) with something computed from its part
+        (Doge's dynamic mask, DeepSeek-V3.2's top-k key indexer). Refused, saying so."""
+        if "must match the size" not in str(error):
+            return
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        whole, local = self.layout.length, self.layout.local_length
+        wide = [t for t in tensors if t.dim() >= 3 and whole in tuple(t.shape[-2:])]
+        narrow = [t for t in tensors if t.dim() >= 2 and local in tuple(t.shape[1:]) and whole not in tuple(t.shape)]
+        if not (wide and narrow):
+            return
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        from lightning_parallel.parallelize.context.ops import calling_module
+
+        # ValueError, not TypeError: Tensor's operators turn a TypeError into NotImplemented.
+        raise ValueError(
+            f"{calling_module(self.module_names)} combines an attention mask over the whole sequence (shape "
+            f"{tuple(wide[0].shape)}: it covers all {whole} positions under context parallelism) with a tensor of "
+            f"this rank's {local} positions (shape {tuple(narrow[0].shape)}) in {name} ({error}): the model adjusts "
+            "its mask from this rank's part of the sequence (a mask computed from the keys' activations, a top-k "
+            "selection of keys), which ring attention cannot split. Set context_parallel_size=1 for this model."
+        ) from error
 
     def _attention(self, *args: Any, **kwargs: Any) -> Tensor:
         call = {**_SDPA_DEFAULTS, **dict(zip(_SDPA_PARAMETERS, args)), **kwargs}
@@ -198,7 +226,9 @@ class ContextParallelMode(TorchFunctionMode):
                         f"scaled_dot_product_attention's attn_mask is laid out {mask.placements} under context "
                         "parallelism: the ring takes a mask replicated over the tensor-parallel ranks.")
                 local = mask.to_local()
-            ring, as_causal = ring_mask(local, self.layout, self.group)
+            # A mask the model built from its part of the sequence, followed over the whole sequence (.whole).
+            whole = self.whole.of(mask)
+            ring, as_causal = ring_mask(local if whole is None else whole, self.layout, self.group)
             plan = None if ring is None else plan_for_mask(four_dims(ring), self.layout.rank, self.layout.size,
                                                           self.layout.local_length)
             self._masks[id(mask)] = (mask, ring, as_causal, plan)
