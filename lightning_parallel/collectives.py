@@ -169,11 +169,14 @@ def _buckets(tensors: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
         yield bucket
 
 
-def sync_module_states(module: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+def sync_module_states(
+    module: torch.nn.Module, group: dist.ProcessGroup | None = None, keep: Sequence[Tensor] = ()
+) -> None:
     """Every rank's parameters and buffers of ``module`` set to the group's first rank's, wherever they are held
     (on the host too, which NCCL alone would refuse). Meta tensors hold nothing to send; DTensors are skipped: their
-    local parts differ per rank by design, and were made from synced weights when the module was split."""
-    seen: set[int] = set()
+    local parts differ per rank by design, and were made from synced weights when the module was split; so are the
+    tensors in ``keep`` (this rank's own experts under expert parallelism, which other ranks do not hold)."""
+    seen: set[int] = {id(t) for t in keep}
     tensors = []
     for tensor in (*module.parameters(), *module.buffers()):
         if id(tensor) not in seen and tensor.device.type != "meta" and not isinstance(tensor, DTensor):

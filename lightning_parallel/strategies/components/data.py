@@ -143,7 +143,7 @@ class DataParallelComponent(Component):
             self._wrap()
         else:
             # No DDP wrapper outside fitting: make sure every rank evaluates the same weights.
-            sync_module_states(engine.model)
+            sync_module_states(engine.model, keep=engine.expert_parallel.held_parameters)
         self._reduce_metrics_over_data_parallel()
 
     def _wrap(self) -> None:
@@ -157,7 +157,7 @@ class DataParallelComponent(Component):
                 if engine.layout.tensor_parallel_size == 1 and not engine.placement.deferred:
                     # FSDP2 shards each rank's own copy (DDP would broadcast rank 0's): start all from rank 0's
                     # weights. (Tensor parallelism synced them before splitting.)
-                    sync_module_states(engine.lightning_module)
+                    sync_module_states(engine.lightning_module, keep=engine.expert_parallel.held_parameters)
                 mesh = replica_mesh(engine.device_mesh, sharded=True)
                 self.sharded_units = shard_over_data_parallel(
                     engine.lightning_module,
@@ -173,7 +173,7 @@ class DataParallelComponent(Component):
             return
         if self.sync.is_periodic:
             # Replicas step on their own gradients: no DDP. They start from rank 0's weights.
-            sync_module_states(engine.lightning_module)
+            sync_module_states(engine.lightning_module, keep=engine.expert_parallel.held_parameters)
             self.periodic_sync = PeriodicSync(self.sync, list(engine.lightning_module.parameters()), engine.data_parallel_group)
             return
         device_ids = None if engine.root_device.type == "cpu" else [engine.root_device.index]
