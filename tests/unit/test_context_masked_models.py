@@ -43,9 +43,10 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), ignore_index=-100)
 
 
-def _compare(model, inputs: dict, targets: torch.Tensor, size: int, monkeypatch, calls: int = 2) -> list[SequenceSplitter]:
+def _compare(model, inputs: dict, targets: torch.Tensor, size: int, monkeypatch, calls: int = 2,
+             atol: float = 1e-11) -> list[SequenceSplitter]:
     """``calls`` training steps' worth of forward/backward (no optimizer: gradients accumulate) on ``size``
-    simulated ranks against the same on one device."""
+    simulated ranks against the same on one device (``atol``: where the model computes in float32 inside)."""
     whole = copy.deepcopy(model)
     expected_logits = []
     for _ in range(calls):
@@ -69,10 +70,10 @@ def _compare(model, inputs: dict, targets: torch.Tensor, size: int, monkeypatch,
     results = run_ranks(size, work, monkeypatch)
     for logits, _, _ in results:
         for got, want in zip(logits, expected_logits):
-            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=atol)
     for name, parameter in whole.named_parameters():
         averaged = torch.stack([grads[name] for _, grads, _ in results]).mean(0)
-        torch.testing.assert_close(averaged, parameter.grad, rtol=1e-8, atol=1e-10, msg=name)
+        torch.testing.assert_close(averaged, parameter.grad, rtol=1e-8, atol=max(atol, 1e-10), msg=name)
     return [splitter for _, _, splitter in results]
 
 
@@ -173,3 +174,64 @@ def test_documents_and_alibi_built_inside_the_model_from_its_part(monkeypatch):
     x, y = _tokens(4)
     documents = torch.tensor([[0] * 6 + [1] * 6 + [2] * 4, [0] * 3 + [1] * 13])
     _compare(_DocumentsInsideLM().double(), {"input_ids": x, "documents": documents}, y, 2, monkeypatch)
+
+
+def _eager(family: str):
+    if family == "gemma2":  # soft-capped logits, sliding window on every other layer
+        config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=4, sliding_window=4,
+                                           max_position_embeddings=LENGTH, attn_logit_softcapping=2.0,
+                                           final_logit_softcapping=None, query_pre_attn_scalar=4)
+    else:  # gpt-oss: attention sinks, sliding window on every other layer, routed experts
+        config = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=4, sliding_window=4,
+                                           max_position_embeddings=LENGTH, num_local_experts=2, num_experts_per_tok=1)
+        config._experts_implementation = "eager"
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    if family == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()  # zero at init: make them matter
+    return model
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_transformers_written_out_attention_runs_as_the_ring(family, monkeypatch):
+    # transformers' eager_attention_forward (soft-capped logits; attention sinks), never SDPA: run as the ring with
+    # the function's softcap and the module's sinks, after checking on the first call that the ring's kernel
+    # computes what the function does. Gemma 2's function takes its softmax in float32: float32 rounding.
+    torch.manual_seed(0)
+    x, y = _tokens(5)
+    splitters = _compare(_eager(family), {"input_ids": x}, y, 2, monkeypatch, atol=1e-6 if family == "gemma2" else 1e-11)
+    assert all(splitter.checked for splitter in splitters)
+
+
+def test_written_out_attention_the_ring_does_not_compute_stays_as_it_is_and_is_refused(monkeypatch):
+    # An eager_attention_forward with another score function (squared scores): the first call's check finds the ring's
+    # kernel computing something else, the function runs on this rank's part, and the splitter refuses the model.
+    from lightning_parallel.parallelize.context.hf_attention import wrapped_attention
+
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        weights = (torch.matmul(query, key.transpose(2, 3)) * scaling).square().softmax(-1)
+        return torch.matmul(weights, value).transpose(1, 2), weights
+
+    class Squared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+            self.attend = wrapped_attention(eager_attention_forward, _current)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+            return self.attend(self, q, k, v, None, scaling=0.5)[0].flatten(2)
+
+    from lightning_parallel.parallelize.context.hf_masks import _current
+
+    def work(rank, group):
+        model = Squared().double()
+        SequenceSplitter(model, group, rank, 2).checked = True
+        with pytest.raises(RuntimeError, match="made no F.scaled_dot_product_attention call"):
+            model(torch.randn(2, 8, 8, dtype=torch.float64))
+
+    run_ranks(2, work, monkeypatch)

@@ -9,8 +9,11 @@ context parallelism, those names in the model's modeling modules point to a wrap
 whole sequence instead: the whole ``attention_mask`` and ``position_ids`` the splitter cut (or the global positions
 the mode made, :mod:`.whole`), and a stand-in of the embeddings with the whole length (only its shape, dtype and
 device are read). The builder then runs exactly as on one device — torch ops left alone by the mode — and returns
-the whole-sequence mask (or ``None`` where plain causal attention does it); ring attention reads this rank's rows
-of it (:mod:`.masks`).
+the whole-sequence mask (or ``None`` where plain causal attention does it). The model gets the mask's block for this
+rank (its queries × its own keys: the shape it expects) with the whole mask standing behind it (:mod:`.whole`):
+ring attention reads this rank's rows of the whole mask (:mod:`.masks`); what the model does to the mask is
+followed on the whole one where it can be (elementwise, views), and otherwise the block is all the ring has (it then
+runs only a causal or all-keeping block, and refuses the rest).
 
 Where the builder's inputs cannot all be made whole (a KV cache, extra mask functions of the model's own, a tensor
 of this rank's length that is not known whole) it runs as it was called, on this rank's part. No Lightning here.
@@ -39,6 +42,7 @@ _OPAQUE = ("encoder_hidden_states",)
 #: them unless they read a tensor of this rank's part.
 _FUNCTIONS = ("or_mask_function", "and_mask_function")
 
+_EAGER = "eager_attention_forward"  # transformers' attention written out, per modeling module
 _active = threading.local()  # the mode of the model call running on this thread (ranks may be threads in tests)
 _installed: dict[tuple[str, str], list[Any]] = {}  # (module, name) -> [original, users]
 _lock = threading.Lock()
@@ -61,7 +65,8 @@ def _current() -> ContextParallelMode | None:
 
 
 def builder_sites(root: nn.Module) -> list[tuple[str, str]]:
-    """``(module name, global name)`` of each transformers mask builder the code of ``root``'s modules calls."""
+    """``(module name, global name)`` of each transformers mask builder the code of ``root``'s modules calls, and of
+    each ``eager_attention_forward`` it defines (:mod:`.hf_attention`)."""
     masking = sys.modules.get("transformers.masking_utils")
     if masking is None:
         return []
@@ -72,7 +77,9 @@ def builder_sites(root: nn.Module) -> list[tuple[str, str]]:
             if not cls.__module__.startswith("transformers.") or cls.__module__ not in sys.modules:
                 continue
             for name, value in vars(sys.modules[cls.__module__]).items():
-                if id(value) in originals or hasattr(value, "_context_parallel_original"):
+                if id(value) in originals or getattr(value, "_context_parallel_kind", None) == "mask":
+                    sites.add((cls.__module__, name))
+                elif name == _EAGER and callable(value) and cls.__module__.startswith("transformers.models."):
                     sites.add((cls.__module__, name))
     return sorted(sites)
 
@@ -85,7 +92,12 @@ def install(sites: list[tuple[str, str]]) -> None:
             if entry is None:
                 namespace = vars(sys.modules[module_name])
                 original = namespace[name]
-                namespace[name] = _wrapped(original)
+                if name == _EAGER:
+                    from lightning_parallel.parallelize.context.hf_attention import wrapped_attention
+
+                    namespace[name] = wrapped_attention(original, _current)
+                else:
+                    namespace[name] = _wrapped(original)
                 _installed[(module_name, name)] = [original, 1]
             else:
                 entry[1] += 1
@@ -113,9 +125,18 @@ def _wrapped(original: Callable[..., Any]) -> Callable[..., Any]:
         if whole is None:
             return original(*args, **kwargs)
         with mode.suspended():
-            return original(*whole[0], **whole[1])
+            mask = original(*whole[0], **whole[1])
+            if not isinstance(mask, Tensor) or mask.dim() < 2:
+                return mask  # None (plain causal or no mask: decided on the whole sequence), or a flex BlockMask
+            # The model gets its block (its queries × its own keys, the shape it expects of its part); the whole
+            # mask stands behind it (.whole): ring attention reads this rank's rows of it, and ops the model applies
+            # to the mask are followed on it, or drop it (then the block is all the ring knows).
+            part = _block(mask, mode.layout)
+        mode.whole.add(part, mask)
+        return part
 
     build._context_parallel_original = original  # type: ignore[attr-defined]
+    build._context_parallel_kind = "mask"  # type: ignore[attr-defined]
     return build
 
 
@@ -156,6 +177,15 @@ def whole_arguments(mode: ContextParallelMode, args: tuple, kwargs: dict) -> tup
 
 class _Opaque(Exception):
     pass
+
+
+def _block(mask: Tensor, layout: Any) -> Tensor:
+    """A whole-sequence mask's block of this rank's queries × its own keys (dims of size 1 broadcast)."""
+    positions = layout.positions(mask.device)
+    for dim in (-2, -1):
+        if mask.size(dim) == layout.length:
+            mask = mask.index_select(dim, positions)
+    return mask
 
 
 def _index_based(function: Any, local_length: int, depth: int = 0) -> bool:

@@ -97,13 +97,66 @@ def _aligned(bias: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:
     return bias.expand(query.size(0), query.size(1), query.size(2), key.size(2))
 
 
+class MathKernel:
+    """Attention written out (matmuls and a softmax), for scores the fused kernels cannot transform: Gemma 2's
+    soft-capped logits ``c·tanh(s/c)``. Same contract as :class:`AttentionKernel`; the backward recomputes the
+    block's scores."""
+
+    name = "math"
+    takes_bias = True
+    lse_alignment = 1
+
+    def __init__(self, softcap: float | None = None) -> None:
+        self.softcap = softcap
+
+    def _scores(self, query: Tensor, key: Tensor, bias: Tensor | None, is_causal: bool, scale: float | None
+                ) -> tuple[Tensor, Tensor | None]:
+        scale = query.size(-1) ** -0.5 if scale is None else scale
+        scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+        capped = None
+        if self.softcap is not None:
+            capped = torch.tanh(scores / self.softcap)
+            scores = capped * self.softcap
+        if is_causal:
+            keep = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if bias is not None:
+            scores = scores + bias
+        return scores, capped
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, bias: Tensor | None, is_causal: bool,
+                scale: float | None) -> tuple[Tensor, Tensor, tuple[Any, ...]]:
+        scores, _ = self._scores(query, key, bias, is_causal, scale)
+        lse = torch.logsumexp(scores, -1)
+        weights = (scores - lse.masked_fill(lse.isneginf(), 0.0).unsqueeze(-1)).exp()
+        return torch.matmul(weights, value), lse, ()
+
+    def backward(self, grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, out: Tensor, lse: Tensor,
+                 bias: Tensor | None, is_causal: bool, scale: float | None, extra: tuple[Any, ...]
+                 ) -> tuple[Tensor, Tensor, Tensor]:
+        scale = query.size(-1) ** -0.5 if scale is None else scale
+        scores, capped = self._scores(query, key, bias, is_causal, scale)
+        weights = (scores - lse.unsqueeze(-1)).exp()  # the merged log-sum-exp: this block's share
+        grad_value = torch.matmul(weights.transpose(-2, -1), grad_out)
+        grad_weights = torch.matmul(grad_out, value.transpose(-2, -1))
+        grad_scores = weights * (grad_weights - (grad_out * out).sum(-1, keepdim=True))
+        if capped is not None:
+            grad_scores = grad_scores * (1 - capped.square())
+        grad_query = torch.matmul(grad_scores, key) * scale
+        grad_key = torch.matmul(grad_scores.transpose(-2, -1), query) * scale
+        return grad_query, grad_key, grad_value
+
+
 CPU_FLASH = AttentionKernel("flash (CPU)", takes_bias=True)
 CUDA_FLASH = AttentionKernel("flash (CUDA)", takes_bias=False)
 CUDA_EFFICIENT = AttentionKernel("memory-efficient (CUDA)", takes_bias=True, lse_alignment=32)
 
 
-def kernel_for(query: Tensor, masked: bool = False) -> AttentionKernel:
-    """The fused kernel ring attention runs on ``query``'s device and dtype (``masked``: for a block with a bias)."""
+def kernel_for(query: Tensor, masked: bool = False, softcap: float | None = None) -> AttentionKernel | MathKernel:
+    """The fused kernel ring attention runs on ``query``'s device and dtype (``masked``: for a block with a bias;
+    ``softcap``: scores capped as ``softcap·tanh(s/softcap)``, written out)."""
+    if softcap is not None:
+        return MathKernel(softcap)
     if query.device.type == "cpu":
         return CPU_FLASH
     if query.device.type == "cuda":
@@ -129,5 +182,5 @@ def as_autocast_would(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
-__all__ = ["AttentionKernel", "CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "additive_bias", "as_autocast_would",
-           "dropped", "kernel_for"]
+__all__ = ["AttentionKernel", "CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "MathKernel", "additive_bias",
+           "as_autocast_would", "dropped", "kernel_for"]

@@ -112,14 +112,15 @@ def _grouped(kernel: AttentionKernel, groups: int) -> tuple[Callable[..., Any], 
 class _Block:
     """One kernel call's inputs: the query rows, the source rank's key chunks, the bias and the kernel."""
 
-    def __init__(self, query: Tensor, mask: Tensor | None, plan: RingPlan, source: int, call: BlockCall) -> None:
+    def __init__(self, query: Tensor, mask: Tensor | None, plan: RingPlan, source: int, call: BlockCall,
+                 softcap: float | None) -> None:
         self.rows, self.causal = call.rows, call.kind == CAUSAL
         self.bias = None
         if call.kind == MASKED:
             if mask is None:
                 raise RuntimeError(f"Ring step {source} of rank {plan.rank} needs a mask for a masked block.")
             self.bias = additive_bias(plan.mask_block(mask, source, call), query.dtype)
-        self.kernel = kernel_for(query, masked=self.bias is not None)
+        self.kernel = kernel_for(query, masked=self.bias is not None, softcap=softcap)
         # Rows whose every score in the block is dropped: the kernels report a log-sum-exp of 0 for them.
         self.dead = None if self.bias is None else self.bias.isneginf().all(-1)
 
@@ -127,7 +128,8 @@ class _Block:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, plan: RingPlan,
-                scale: float | None, group: dist.ProcessGroup | None) -> Tensor:
+                scale: float | None, group: dist.ProcessGroup | None, softcap: float | None,
+                sinks: Tensor | None) -> Tensor:
         half = query.dtype in (torch.float16, torch.bfloat16)
         accumulate = torch.float32 if half else query.dtype
         groups = query.size(1) // key.size(1)
@@ -139,7 +141,7 @@ class _RingAttention(torch.autograd.Function):
         extras: dict[str, tuple[Any, ...]] = {}
         for source, (key_j, value_j) in enumerate(_gather((key, value), group, plan.size)):
             for call in plan.steps[source]:
-                block = _Block(query, mask, plan, source, call)
+                block = _Block(query, mask, plan, source, call, softcap)
                 forward, _ = _grouped(block.kernel, groups)
                 block_out, block_lse, extra = forward(
                     query[:, :, call.rows], _chunks(key_j, call.chunks).contiguous(),
@@ -149,19 +151,29 @@ class _RingAttention(torch.autograd.Function):
                     block_lse = block_lse.masked_fill(block.dead, float("-inf"))
                     block_out = block_out.masked_fill(block.dead.unsqueeze(-1), 0.0)
                 _merge(out[:, :, call.rows], lse[:, :, call.rows], block_out, block_lse)
+        if sinks is not None:
+            # Attention sinks (gpt-oss): one more logit per head, in the softmax's denominator, without a value.
+            _merge(out, lse, torch.zeros_like(out), sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse))
         out = out.to(query.dtype)
-        ctx.save_for_backward(query, key, value, out, lse, mask)
+        ctx.save_for_backward(query, key, value, out, lse, mask, sinks)
         ctx.plan, ctx.scale, ctx.group, ctx.extras, ctx.groups = plan, scale, group, extras, groups
+        ctx.softcap = softcap
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        query, key, value, out, lse, mask = ctx.saved_tensors
+        query, key, value, out, lse, mask, sinks = ctx.saved_tensors
         plan: RingPlan = ctx.plan
         half = query.dtype in (torch.float16, torch.bfloat16)
         accumulate = torch.float32 if half else query.dtype
         grad_out = grad_out.contiguous()
         # Rows no score reaches: +inf makes every block's share exp(s - lse) zero (no gradient, as SDPA gives).
+        grad_sinks = None
+        if sinks is not None:
+            # d out / d sink = -p_sink · out per row: the sink's share of each row times dO·O, summed.
+            share = (sinks.to(lse.dtype).view(1, -1, 1) - lse).exp()
+            rows = (grad_out.to(accumulate) * out.to(accumulate)).sum(-1)
+            grad_sinks = -(share * rows).sum((0, 2)).to(sinks.dtype)
         lse = lse.masked_fill(lse.isneginf(), float("inf"))
         grad_query = torch.zeros_like(query, dtype=accumulate)
         grad_kv = []
@@ -169,7 +181,7 @@ class _RingAttention(torch.autograd.Function):
             grad_key = torch.zeros_like(key_j, dtype=accumulate)
             grad_value = torch.zeros_like(value_j, dtype=accumulate)
             for call in plan.steps[source]:
-                block = _Block(query, mask, plan, source, call)
+                block = _Block(query, mask, plan, source, call, ctx.softcap)
                 _, backward = _grouped(block.kernel, ctx.groups)
                 rows = call.rows
                 grads = backward(
@@ -184,13 +196,14 @@ class _RingAttention(torch.autograd.Function):
         own = _return_gradients(grad_kv, ctx.group, plan.size)
         grad_key, grad_value = own[:key.numel()].view(key.shape), own[key.numel():].view(value.shape)
         return (grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype),
-                None, None, None, None)
+                None, None, None, None, None, grad_sinks)
 
 
 def ring_attention(
     query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, is_causal: bool = False,
     scale: float | None = None, enable_gqa: bool = False, attn_mask: Tensor | None = None,
-    plan: RingPlan | None = None, rank: int | None = None, size: int | None = None,
+    plan: RingPlan | None = None, rank: int | None = None, size: int | None = None, softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """``F.scaled_dot_product_attention`` over a sequence split head-tail across ``group``'s ranks.
 
@@ -206,6 +219,9 @@ def ring_attention(
             whole sequence]``: this rank's query rows in local order × every key in global order. No gradient.
         plan: The blocks to compute (default: from ``attn_mask``, one host read, or from ``is_causal``).
         rank, size: This rank's index in the ring and the ring's size (default: ``group``'s).
+        softcap: Scores capped as ``softcap·tanh(s/softcap)`` before the mask (Gemma 2; written-out kernel).
+        sinks: One logit per query head added to each softmax's denominator, without a value (gpt-oss's attention
+            sinks; differentiable).
 
     Returns:
         This rank's slice of the attention output (``query``'s shape, ``value``'s head dim).
@@ -213,6 +229,8 @@ def ring_attention(
     from torch.distributed.tensor import DTensor
 
     if any(isinstance(t, DTensor) for t in (query, key, value)):
+        if softcap is not None or sinks is not None:
+            raise NotImplementedError("Ring attention over DTensor heads takes no softcap or sinks yet.")
         return _ring_over_local_heads(query, key, value, group, is_causal, scale, enable_gqa, attn_mask, plan, rank,
                                       size)
     if key.size(1) != query.size(1):
@@ -244,7 +262,8 @@ def ring_attention(
     query, key, value = as_autocast_would(query, key, value)
     qk_width, v_width = query.size(-1), value.size(-1)
     if v_width == qk_width:
-        return _RingAttention.apply(query, key.contiguous(), value.contiguous(), mask, plan, scale, group)
+        return _RingAttention.apply(query, key.contiguous(), value.contiguous(), mask, plan, scale, group, softcap,
+                                    sinks)
     # The fused kernels need one head width for queries, keys and values (multi-head latent attention has
     # narrower values). Zero columns change nothing: padded values give zero output columns, sliced off;
     # padded queries and keys add zero to every score, with the scale of the true query/key width.
@@ -253,7 +272,7 @@ def ring_attention(
     pad = torch.nn.functional.pad
     query, key = pad(query, (0, width - qk_width)), pad(key, (0, width - qk_width))
     out = _RingAttention.apply(query, key.contiguous(), pad(value, (0, width - v_width)).contiguous(), mask, plan,
-                               scale, group)
+                               scale, group, softcap, sinks)
     return out[..., :v_width]
 
 
