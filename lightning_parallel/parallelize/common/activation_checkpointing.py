@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_parallel.parallelize.common.trunk import find_trunk, trunk_layer_names
@@ -83,7 +84,11 @@ def apply_activation_checkpointing(module: nn.Module, names: Sequence[str]) -> l
         except AttributeError:
             continue
         if not getattr(target, _MARK, False):
-            target.forward = partial(_checkpointed, target.forward)
+            # A block split by tensor parallelism stays out of compiled graphs (see _eager_checkpoint): decided here,
+            # once, as nothing inside a compiled frame may look at its parameters (dynamo would keep weak references
+            # to them, and later dtype or device moves could not swap them).
+            wrapper = _eager_checkpoint if _holds_dtensors(target) else _checkpointed
+            target.forward = partial(wrapper, target.forward)
             setattr(target, _MARK, True)
         done.append(name)
     return done
@@ -111,6 +116,18 @@ def _checkpointed(forward: Any, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     # Non-reentrant: works with inputs that need no grad, keyword arguments, DDP and FSDP2.
     return checkpoint(forward, *args, use_reentrant=False, context_fn=_same_function_modes, **kwargs)
+
+
+@torch.compiler.disable
+def _eager_checkpoint(forward: Any, *args: Any, **kwargs: Any) -> Any:
+    # A checkpointed block split by tensor parallelism runs eagerly (a graph break): compiled whole, torch 2.13's AOT
+    # autograd keeps the DeviceMesh of the block's DTensors among the tensors saved for backward and stops
+    # ("expected all tensors_saved_with_vc_check to be Tensors").
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=_same_function_modes, **kwargs)
+
+
+def _holds_dtensors(module: nn.Module) -> bool:
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _same_function_modes() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
