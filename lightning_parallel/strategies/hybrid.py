@@ -30,8 +30,7 @@ class HybridParallelStrategy(ParallelEngineStrategy):
         context_parallel_size: Ranks that split each sequence (context parallelism): the model call's
             ``[batch, sequence, ...]`` inputs are cut head-tail along dim 1, ``F.scaled_dot_product_attention``
             runs as ring attention, outputs are gathered whole for the step's loss. Sequence lengths must be
-            multiples of ``2 × context_parallel_size``; not with pipeline parallelism, sequence parallelism,
-            ``loss_parallel``, ``compile`` or periodic sync yet.
+            multiples of ``2 × context_parallel_size``; not with ``compile`` or periodic sync yet.
         expert_parallel_size: Of the data-parallel ranks, how many divide each Mixture-of-Experts layer's routed
             experts by expert index (tokens sent to their expert and back by all-to-all, dropless: the math is the
             unsplit model's). Borrowed from data parallelism: must divide ``data_parallel_size``; the world size

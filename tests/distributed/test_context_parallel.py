@@ -26,6 +26,11 @@ STEPS = 3
 BATCH = 4  # per data-parallel replica
 VAL_BATCH = 8
 
+LOSS_PARALLEL_PLAN = {
+    "model.blocks.*.attn.[qkv]_proj": "colwise", "model.blocks.*.attn.out_proj": "rowwise",
+    "model.blocks.*.mlp.fc_in": "colwise", "model.blocks.*.mlp.fc_out": "rowwise", "model.lm_head": "loss_parallel",
+}
+
 #: name -> (ranks, model, data-parallel size, accumulation, strategy options)
 JOBS: dict[str, tuple[int, str, int, int, dict]] = {
     "gpt-cp2-accumulate2": (2, "gpt", 1, 2, {"context_parallel_size": 2}),
@@ -42,6 +47,10 @@ JOBS: dict[str, tuple[int, str, int, int, dict]] = {
     "packed-window-cp2-accumulate2": (2, "packed_documents", 1, 2, {"context_parallel_size": 2}),
     "padded-window-cp2-accumulate2": (2, "padded_window", 1, 2, {"context_parallel_size": 2}),
     "packed-window-cp4": (4, "packed_documents", 1, 1, {"context_parallel_size": 4}),
+    # An untied head split over the vocabulary (loss_parallel): its logits gathered over the sequence as DTensors.
+    "gpt-tp2+sp×cp2": (4, "gpt", 1, 1, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
+    "gpt-tp2×cp2-loss-parallel-accumulate2": (4, "gpt", 1, 2, {"context_parallel_size": 2, "tensor_parallel_size": 2,
+                                                               "plan": LOSS_PARALLEL_PLAN}),
 }
 
 
@@ -57,13 +66,18 @@ def job(name: str) -> JobSpec:
         model=model, strategy="hybrid", devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH, accumulate=accumulate,
         steps=STEPS, validate=True, strategy_kwargs={"timeout": 120, **options}, monitor=name == MONITORED,
         # Saved sharded (FSDP2 over dp_shard × cp), weights wiped, validated from the checkpoint.
-        checkpoint_round_trip=name.endswith("round-trip"),
+        checkpoint_round_trip=name.endswith("round-trip"), tie_weights=_tied(name),
     )
 
 
+def _tied(name: str) -> bool:
+    return "loss-parallel" not in name  # a loss_parallel head is untied
+
+
 @cache
-def reference(model: str, dp: int, accumulate: int) -> dict:
-    return run_job(JobSpec(model=model, batch_size=BATCH * dp * accumulate, val_batch_size=VAL_BATCH * dp, steps=STEPS, validate=True))
+def reference(model: str, dp: int, accumulate: int, tied: bool = True) -> dict:
+    return run_job(JobSpec(model=model, batch_size=BATCH * dp * accumulate, val_batch_size=VAL_BATCH * dp, steps=STEPS,
+                           validate=True, tie_weights=tied))
 
 
 @cache
@@ -83,11 +97,15 @@ def tmp_root(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_context_parallel_matches_single_device(name: str, tmp_root: str) -> None:
     devices, model, dp, accumulate, _ = JOBS[name]
     result = launched(devices, tmp_root)[name]
-    expected = reference(model, dp, accumulate)
+    expected = reference(model, dp, accumulate, _tied(name))
     assert_same_training(expected, result, steps=STEPS)
     # Validation (batches of 8, not 4): the whole-sequence loss and accuracy, as on one device.
     for key, value in expected["validation"].items():
         assert result["validation"][key] == pytest.approx(value, abs=1e-6), key
+    if "sequence_parallel" in JOBS[name][4]:  # the norms ran on sequence shards: their parameters are DTensors
+        assert "model.blocks.0.ln_1.weight" in result["dtensor_names"]
+    if "plan" in JOBS[name][4]:  # the head split over the vocabulary
+        assert result["local_numel"]["model.lm_head.weight"] <= expected["states"][0]["model.lm_head.weight"].numel() // 2
     # The step's logged loss is the whole sequence's (synced over dp only: cp peers hold the same value).
     if accumulate == 1 and expected["synced_logs"]:
         assert result["synced_logs"] == pytest.approx(expected["synced_logs"], abs=1e-6)

@@ -136,7 +136,6 @@ class _Tiny(L.LightningModule):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"sequence_parallel": True, "tensor_parallel_size": 2}, "sequence_parallel=True"),
         ({"compile": True}, "compile=True"),
         ({"sync": "local_sgd", "sync_every": 2}, "sync='local_sgd'"),
     ],

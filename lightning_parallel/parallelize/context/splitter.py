@@ -487,7 +487,22 @@ class SequenceSplitter:
             )
 
         def gather(value: Any) -> Any:
-            return gather_sequence(value, layout, self.group) if per_token(value) else value
+            if not per_token(value):
+                return value
+            from torch.distributed.tensor import DTensor, Shard
+
+            if isinstance(value, DTensor):
+                # A loss_parallel head's logits: split over the vocabulary on the tensor-parallel ranks, over the
+                # sequence here. Each tp rank gathers its vocabulary slice of the whole sequence.
+                if any(isinstance(p, Shard) and p.dim % value.dim() == SEQUENCE_DIM for p in value.placements):
+                    raise TypeError(
+                        f"{type(module).__name__} returned a DTensor split along the sequence ({value.placements}) under "
+                        "context parallelism: gather it over the tensor-parallel ranks in the model, or set "
+                        "context_parallel_size=1."
+                    )
+                whole = gather_sequence(value.to_local(), layout, self.group)
+                return DTensor.from_local(whole, value.device_mesh, value.placements, run_check=False)
+            return gather_sequence(value, layout, self.group)
 
         if isinstance(output, dict):  # Hugging Face ModelOutput too: replace its entries in place
             for key in list(output.keys()):

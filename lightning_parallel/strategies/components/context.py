@@ -34,8 +34,6 @@ class ContextParallelComponent(Component):
             return
         engine = self.engine
         refused = []
-        if engine.tensor_parallel_config.sequence_parallel:
-            refused.append(("sequence_parallel=True", "sequence_parallel=False"))
         if engine.compile.config.enabled:
             refused.append(("compile=True", "compile=False"))
         if engine.data_parallel.sync.is_periodic:
@@ -51,11 +49,7 @@ class ContextParallelComponent(Component):
         if not self.enabled or self.splitter is not None or self.engine.layout.pipeline_parallel_size > 1:
             return  # (a pipeline splits the sequence of its model call itself: components/pipeline)
         engine = self.engine
-        if engine.tensor_parallel.loss_parallel:
-            raise ValueError(
-                "context parallelism gathers the model's outputs over the sequence and does not combine with a "
-                "loss_parallel head (vocabulary-sharded logits) yet; use a plan without 'loss_parallel'."
-            )
+        # A loss_parallel head's vocabulary-sharded logits are gathered over the sequence as DTensors (splitter).
         cp_mesh = engine.device_mesh["cp"]
         self.splitter = SequenceSplitter(
             engine.lightning_module, cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
