@@ -233,10 +233,13 @@ class HostSyncCounter:
         for name in self.COLLECTIVES:
             self._patch(torch.distributed, name)
         # The library's own collectives (all of them go through this one module), as "library.<name>"; one that
-        # calls another there counts once.
+        # calls another there counts once. The functional ones are the layers' own exchanges of activations
+        # (context parallelism's keys and values, expert dispatch, ...), as "activation.<name>": like tensor
+        # parallelism's, there are as many as layers by design.
         for name in lightning_parallel.collectives.__all__:
             if name != "group_device":
-                self._patch(lightning_parallel.collectives, name, key=f"library.{name}", outermost=True)
+                kind = "activation" if name.startswith(("functional_", "differentiable_")) else "library"
+                self._patch(lightning_parallel.collectives, name, key=f"{kind}.{name}", outermost=True)
 
     def _patch(
         self, owner: Any, name: str, key: str | None = None, outermost: bool = False, skip_callers: tuple[str, ...] = ()
