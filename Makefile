@@ -43,6 +43,7 @@ benchmark: venv
 	$(PY) benchmarks/planner_accuracy.py
 	$(PY) benchmarks/sync_stragglers.py
 	$(PY) benchmarks/context_parallel.py
+	$(PY) benchmarks/hot_path.py
 
 clean:
 	rm -rf $(VENV) outputs multirun lightning_logs
