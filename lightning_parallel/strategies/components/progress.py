@@ -64,6 +64,7 @@ class _LatestValueWriter:
         self._written: str | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._stop = threading.Event()
         self._closed = False
         self._stall_after, self._on_stall = stall_after, on_stall
         self._last_progress = time.monotonic()
@@ -89,8 +90,12 @@ class _LatestValueWriter:
                 self._written = value
 
     def close(self) -> None:
+        """Stop the thread and wait for it: it must not be inside a store call when the process group goes."""
         self._closed = True
+        self._stop.set()
         self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
     def _run(self) -> None:
         while not self._closed:
@@ -101,7 +106,7 @@ class _LatestValueWriter:
             try:
                 if woken:
                     self.flush()
-                    time.sleep(self._interval)
+                    self._stop.wait(self._interval)  # at most one write per interval; close() ends the wait
                 self._check_stall()
             except Exception:  # noqa: BLE001 - a progress note must never take a job down
                 return
