@@ -87,3 +87,48 @@ def test_a_mask_split_along_the_sequence_is_refused_with_the_reason(two_simulate
     mask = distribute_tensor(torch.zeros(2, 1, 8, 8, dtype=torch.float64), mesh, [Shard(2)])
     with pytest.raises(RuntimeError, match="no split of the attention over batch or heads matches"):
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.fixture
+def efficient_attention_on_cpu():
+    """A CPU stand-in for CUDA's memory-efficient attention kernel (torch has none on CPU), recording the bias
+    each rank's kernel receives. Math attention on the local tensors; forward only."""
+    seen: list[tuple[int, ...]] = []
+
+    def kernel(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+        seen.append(tuple(attn_bias.shape))
+        scores = query @ key.transpose(-2, -1) * (scale or query.shape[-1] ** -0.5) + attn_bias
+        lse = scores.logsumexp(-1)
+        seed = torch.zeros((), dtype=torch.int64)
+        return (scores.softmax(-1) @ value, lse, seed, seed.clone())
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_scaled_dot_product_efficient_attention", kernel, "CPU")
+    try:
+        yield seen
+    finally:
+        library._destroy()
+
+
+def test_cuda_efficient_attention_gives_every_rank_its_heads_of_a_broadcast_mask(two_simulated_ranks, efficient_attention_on_cpu):
+    """Issue 52, finding 4, checked without a GPU. On CUDA a masked SDPA runs the memory-efficient kernel, whose
+    DTensor rule in torch splits ``attn_bias`` over heads (dim 1) with q/k/v. An HF mask ``[B, 1, L, S]`` split on
+    its size-1 dim would leave rank 1 an empty bias — but torch's composite SDPA (``preprocess_mask`` in
+    aten/src/ATen/native/transformers/attention.cpp) pads the bias to 8-aligned strides and expands it to the
+    query's ``[B, H, L, S]`` before the kernel; on DTensors those are the global sizes, so the split is a local
+    slice of each rank's own heads. Replayed here step by step on the kernel's real DTensor rule."""
+    mesh = two_simulated_ranks
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 8, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(2, 1, 8, 8, dtype=torch.float64)  # transformers' shape, values differ per batch and position
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    dq, dk, dv = (distribute_tensor(t, mesh, [Shard(1)]) for t in (q, k, v))
+    bias = distribute_tensor(mask, mesh, [Replicate()])
+    bias = F.pad(bias, (0, 8 - bias.shape[-1] % 8))[..., : bias.shape[-1]]  # pad_bias: strides aligned to 8
+    bias = bias.expand(dq.shape[0], dq.shape[1], dq.shape[2], dk.shape[2])  # preprocess_mask: the query's sizes
+    out, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(dq, dk, dv, bias, False)
+
+    assert out.placements == (Shard(1),)
+    assert efficient_attention_on_cpu == [(2, 2, 8, 8)] * 2  # each rank: its two heads of every batch's mask
+    torch.testing.assert_close(out.full_tensor(), whole, rtol=0, atol=1e-12)
