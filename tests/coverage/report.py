@@ -9,6 +9,7 @@ from typing import Any
 
 from tests.coverage.cells import EXPERT_LAYOUTS, LAYOUTS
 from tests.coverage.configs import TASKS
+from tests.coverage.provenance import describe, summarise
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -65,7 +66,7 @@ def summary(results: dict[str, Any]) -> str:
     versions = results.get("versions", {})
     lines = [
         f"Swept with transformers {versions.get('transformers', '?')}, torch {versions.get('torch', '?')} "
-        f"({len(results['families'])} families; `python -m tests.coverage`; "
+        f"{describe(summarise(results['families']))} ({len(results['families'])} families; `python -m tests.coverage`; "
         f"{', '.join(EXPERT_LAYOUTS)} over the mixture-of-experts families).",
         "",
         "| task | layout | " + " | ".join(KINDS) + " |",

@@ -26,6 +26,7 @@ import torch
 
 from tests.coverage.cells import EXPERT_LAYOUTS, LAYOUTS, THREADS, describe_failure, reference
 from tests.coverage.configs import NOT_COMPARABLE, mapping
+from tests.coverage.provenance import fingerprint, summarise
 from tests.harness import launch_environment
 
 
@@ -63,7 +64,9 @@ def save(results: dict[str, Any], path: Path = RESULTS) -> None:
     results["versions"] = {name: _merged_versions(previous.get(name), now) for name, now in
                            (("transformers", transformers.__version__), ("torch", torch.__version__.split("+")[0]))}
     results["families"] = dict(sorted(results["families"].items(), key=lambda kv: (kv[1]["task"], kv[0])))
-    path.write_text(json.dumps(results, indent=1, sort_keys=False) + "\n")
+    # The commits (and library hashes) the cells were measured at, first in the file: partial re-sweeps mix them.
+    ordered = {"swept_at": summarise(results["families"]), **{k: v for k, v in results.items() if k != "swept_at"}}
+    path.write_text(json.dumps(ordered, indent=1, sort_keys=False) + "\n")
 
 
 def _merged_versions(previous: str | None, now: str) -> str:
@@ -82,7 +85,7 @@ def prepare(task: str, model_type: str, workdir: Path) -> dict[str, Any]:
     start = time.perf_counter()
     if model_type in NOT_COMPARABLE:
         record.update(built=False, reason=NOT_COMPARABLE[model_type], where="tests/coverage/configs.py NOT_COMPARABLE",
-                      reference_seconds=0.0)
+                      reference_seconds=0.0, **fingerprint())
         return record
     try:
         with warnings.catch_warnings():
@@ -97,6 +100,7 @@ def prepare(task: str, model_type: str, workdir: Path) -> dict[str, Any]:
         record.update(built=True, model_class=expected["model_class"], reference=str(path), parameters=expected["local_bytes"] // 8,
                       experts=expected["experts"])
     record["reference_seconds"] = round(time.perf_counter() - start, 2)
+    record.update(fingerprint())  # a family not built has no cells to say when that was found
     return record
 
 
@@ -113,7 +117,8 @@ def run_world(cells: list[dict[str, Any]], workdir: Path, log: Any = None) -> li
         if reason is not None and len(done) < len(cells):
             cell = cells[len(done)]
             done.append({"task": cell["task"], "model_type": cell["model_type"], "layout": cell["layout"],
-                         "status": "crash", "error": "WorldFailure", "message": reason, "where": "", "seconds": None})
+                         "status": "crash", "error": "WorldFailure", "message": reason, "where": "", "seconds": None,
+                         **fingerprint()})
             _say(log, f"{cell['model_type']:>24} {cell['layout']}: crash ({reason})")
     return done
 
@@ -174,7 +179,8 @@ def prepare_all(families: list[tuple[str, str]], workdir: Path, log: Any) -> dic
         if broken and solo:
             task, model_type = pending.pop(0)
             records[key(task, model_type)] = {"task": task, "model_type": model_type, "model_class": mapping(task)[model_type],
-                                              "built": False, "reason": "the process building it died", "reference_seconds": 0.0}
+                                              "built": False, "reason": "the process building it died", "reference_seconds": 0.0,
+                                              **fingerprint()}
             _say(log, f"{key(task, model_type)}: not built: the process building it died")
         solo = broken and not solo
     return {key(*family): records[key(*family)] for family in families}

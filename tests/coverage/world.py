@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tests.coverage.cells import TIMEOUT, build, describe_failure, judge, train
+from tests.coverage.provenance import fingerprint
 
 WAIT = timedelta(seconds=10 * TIMEOUT)  # a rank stuck in a timed-out collective still reports within this
 
@@ -100,7 +101,8 @@ def main(plan_file: str) -> None:
         outcomes = world.exchange(index, summary)
         if world.rank == 0:
             record = {"task": cell["task"], "model_type": cell["model_type"], "layout": cell["layout"],
-                      **verdict(cell, outcomes, result), "wall_seconds": round(time.time() - started, 2)}
+                      **verdict(cell, outcomes, result), "wall_seconds": round(time.time() - started, 2),
+                      **fingerprint()}  # what this rank imported: the cell's own record of the library it ran
             with out.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             print(f"[coverage] {cell['model_type']} {cell['layout']}: {record['status']} ({record['seconds']}s)", flush=True)
