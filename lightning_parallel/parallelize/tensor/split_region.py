@@ -39,10 +39,17 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel import collectives
-from lightning_parallel.parallelize.tensor.partial_gradients import ScaleGradient, gradient_summed
-from lightning_parallel.parallelize.tensor.projections import features, is_projection
-from lightning_parallel.parallelize.tensor.split_norm import SplitWidthNorm, install_split_width_norms, recognise_norm
+from lightning_parallel.parallelize.tensor.partial_gradients import (
+    ScaleGradient,
+    gradient_summed,
+)
 from lightning_parallel.parallelize.tensor.plan import ResolvedPlan
+from lightning_parallel.parallelize.tensor.projections import features, is_projection
+from lightning_parallel.parallelize.tensor.split_norm import (
+    SplitWidthNorm,
+    install_split_width_norms,
+    recognise_norm,
+)
 
 #: Attributes of an attention module giving how many model-parallel groups its fused q/k/v rows are
 #: interleaved in (CodeGen: ``mp_num`` blocks, each ``q_g | v_g | k_g`` for its heads).
