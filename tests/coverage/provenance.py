@@ -71,7 +71,10 @@ def describe(summary: dict[str, Any]) -> str:
     rows = summary.get("cells_by_commit", [])
     if not rows:
         return "at an unrecorded commit"
+    if len(rows) == 1 and rows[0]["commit"] == UNRECORDED:
+        return "at an unrecorded commit (swept before cells recorded theirs)"
     if len(rows) == 1:
         return f"at commit `{rows[0]['commit']}` (library sha256 `{rows[0]['library_sha256'][:12]}`)"
-    parts = [f"`{row['commit']}` ({row['cells']} cells)" for row in rows]
+    parts = [f"`{row['commit']}` ({row['cells']} cells)" if row["commit"] != UNRECORDED
+             else f"an unrecorded one ({row['cells']} cells, swept before cells recorded their commit)" for row in rows]
     return "at commits " + ", ".join(parts)

@@ -5,7 +5,9 @@ of experts with latent attention, a tied scaled embedding (Gemma 2), experts wit
 MLP with a statistic over its hidden units (Gemma-3n), hybrids of attention, Mamba and experts (Jamba: Mamba-1;
 Nemotron-H: Mamba-2), an encoder masked LM, one whose buffers keep running
 statistics of the batch (I-BERT), a ViT and a CNN, each under dp2, tp2, pp2 and cp2 against single-device training.
-A cell may be `exact` or `refused` (a clear error at setup or first batch); `wrong` or `crash` fails the test.
+A cell may be `exact` or `refused` (a clear error at setup or first batch); `wrong` or `crash` fails the test, and
+so does any cell worse than the committed ``tests/coverage/results.json`` says (exact -> refused, a tp share over
+0.6 where it was under: :func:`tests.coverage.staleness.regressions`); a cell may improve.
 """
 
 import pytest
@@ -13,7 +15,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.coverage.cells import EXPERT_LAYOUTS, LAYOUTS  # noqa: E402
-from tests.coverage.sweep import sweep  # noqa: E402
+from tests.coverage.staleness import regressions  # noqa: E402
+from tests.coverage.sweep import RESULTS, load, sweep  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
@@ -33,7 +36,7 @@ SAMPLE = [
 ]
 
 
-def test_sample_has_no_wrong_or_crashed_cell(tmp_path):
+def test_sample_is_exact_or_refused_and_no_worse_than_committed(tmp_path):
     results = sweep(SAMPLE, list(LAYOUTS), results_path=tmp_path / "results.json", workdir=tmp_path, log=None)
     bad = []
     for task, model_type in SAMPLE:
@@ -46,3 +49,5 @@ def test_sample_has_no_wrong_or_crashed_cell(tmp_path):
                 detail = cell.get("first_difference") or f"{cell.get('error')}: {cell.get('message')} at {cell.get('where')}"
                 bad.append(f"{model_type} {layout}: {cell['status']}: {detail}")
     assert not bad, "\n".join(bad)
+    worse = regressions(load(RESULTS), results, [f"{task}/{model_type}" for task, model_type in SAMPLE])
+    assert not worse, "worse than the committed results.json:\n" + "\n".join(worse)

@@ -102,3 +102,41 @@ def test_judge_skips_only_the_buffers_the_strategy_warned_about():
     warned = judge("dp2", expected, _run(1.0, 0.5, divergent=("stat",)), 8)
     assert warned["status"] == "exact" and warned["divergent_buffers_warned"] == ["stat"]
     assert judge("dp2", expected, _run(1.5, 0.5, divergent=("stat",)), 8)["status"] == "wrong"  # parameters still count
+
+
+def test_a_re_run_worse_than_the_committed_results_is_named():
+    """The sample re-run's comparison (tests/distributed/test_coverage_sample.py) on edited copies of the committed
+    results: a cell going from exact to refused, or a tp share crossing 0.6, is named with both values; improving is
+    allowed; the unchanged results give nothing."""
+    import copy
+
+    from tests.coverage.staleness import regressions
+
+    committed = results()
+    name = next(n for n, r in committed["families"].items() if r["built"] and r["cells"].get("tp2", {}).get("status") == "exact")
+    assert regressions(committed, committed) == []
+
+    refused = copy.deepcopy(committed)
+    refused["families"][name]["cells"]["dp2"] = {"status": "refused", "error": "ValueError", "message": "dp2 not supported"}
+    found = regressions(committed, refused, [name])
+    assert len(found) == 1 and found[0].startswith(f"{name} dp2: committed exact") and "now refused: ValueError" in found[0]
+
+    shared = copy.deepcopy(committed)
+    shared["families"][name]["cells"]["tp2"].update(status="exact (share 0.71)", share=0.71)
+    assert regressions(committed, shared, [name]) == [
+        f"{name} tp2: committed exact (share {committed['families'][name]['cells']['tp2']['share']}); "
+        "now exact (share 0.71)"
+    ]
+
+    # Improving is allowed: the committed copy says refused, the re-run exact.
+    older = copy.deepcopy(committed)
+    older["families"][name]["cells"]["tp2"] = {"status": "refused", "error": "ValueError", "message": "no plan"}
+    assert regressions(older, committed, [name]) == []
+    # ... but not the reverse, nor a family that stops building or loses a cell.
+    assert regressions(committed, older, [name]) != []
+    unbuilt = copy.deepcopy(committed)
+    unbuilt["families"][name] = {**unbuilt["families"][name], "built": False, "reason": "config error", "cells": {}}
+    assert regressions(committed, unbuilt, [name]) == [f"{name}: committed built, now not built: config error"]
+    dropped = copy.deepcopy(committed)
+    del dropped["families"][name]["cells"]["dp2"]
+    assert regressions(committed, dropped, [name]) == [f"{name} dp2: committed exact; not run now"]
