@@ -1,6 +1,7 @@
 """TensorParallelStrategy(plan="auto") on a Hugging Face Llama against transformers' own tensor parallelism.
 
     python benchmarks/tp_vs_hf_tp.py          # ~10 min on 2 cores; writes benchmarks/results/tp_vs_hf_tp.{md,json}
+    python benchmarks/tp_vs_hf_tp.py --smoke --results /tmp/smoke   # a 2-layer Llama, 1 round, 1 step: seconds
 
 A Llama (GQA) from a config scaled to ~50M parameters is saved locally once (random weights, nothing
 downloaded); both variants train it from that directory for the same steps, 2 processes × 1 thread, gloo,
@@ -41,6 +42,8 @@ CONFIG = {
     "vocab_size": 128, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 16,
     "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128, "tie_word_embeddings": False,
 }
+#: ``--smoke``: the same architecture, tiny.
+SMOKE = {**CONFIG, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 BLOCK, BATCH = 64, 8
 SETUP = (
     f"Llama {CONFIG['num_hidden_layers']}×{CONFIG['hidden_size']} (GQA {CONFIG['num_attention_heads']}/{CONFIG['num_key_value_heads']} heads, "
@@ -48,12 +51,12 @@ SETUP = (
 )
 
 
-def save_model(path: Path) -> int:
+def save_model(path: Path, config: dict = CONFIG) -> int:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(**CONFIG)
+    config = LlamaConfig(**config)
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
@@ -113,23 +116,29 @@ def worker(variant: str, path: Path, steps: int, warmup: int, out: Path) -> None
     trainer.fit(model, datamodule=CharCorpusDataModule(block_size=BLOCK, batch_size=BATCH, max_chars=200_000))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a tiny Llama, 1 round, 1 timed step (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for tp_vs_hf_tp.{md,json}")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.model, args.steps, args.warmup, args.out)
         return
+    if args.smoke:
+        args.rounds, args.steps, args.warmup = 1, 1, 1
+    results = args.results
+    results.mkdir(parents=True, exist_ok=True)
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    with scratch_dir() as scratch:
-        model_dir = scratch / "llama-50m"
-        parameters = save_model(model_dir)
+    with scratch_dir(results) as scratch:
+        model_dir = scratch / "llama"
+        parameters = save_model(model_dir, SMOKE if args.smoke else CONFIG)
         for round_index in range(args.rounds):
             for variant in VARIANTS:
                 worker_args = ["--worker", variant, "--model", str(model_dir), "--steps", str(args.steps), "--warmup", str(args.warmup)]
@@ -142,7 +151,7 @@ def main() -> None:
     summary = {
         "command": f"python benchmarks/tp_vs_hf_tp.py --rounds {args.rounds} --steps {args.steps}",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "setup": SETUP,
+        "setup": SETUP if not args.smoke else f"smoke: {SMOKE}",
         "parameters": parameters,
         "median_step_s": medians,
         "ratio_ours_over_transformers": {"per_round": ratios, "median": statistics.median(ratios)},
@@ -150,13 +159,13 @@ def main() -> None:
         "whole_model_bytes": parameters * 4,
         "comm_counts_per_step": {v: runs[v][0]["comm_counts"] for v in VARIANTS},
     }
-    (RESULTS / "tp_vs_hf_tp.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "tp_vs_hf_tp.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [
         "# TensorParallelStrategy(plan=auto) vs transformers' own tensor parallelism (tp_plan=\"auto\")",
         "",
         f"Command: `{summary['command']}` · {summary['machine']}",
         "",
-        f"Setup: {SETUP} ({parameters:,} parameters). Each cell is one run's median step time after "
+        f"Setup: {summary['setup']} ({parameters:,} parameters). Each cell is one run's median step time after "
         f"{args.warmup} warm-up steps; variants alternate.",
         "",
         "| round | transformers tp_plan=auto (ms) | ours, plan=auto (ms) | ratio ours/transformers |",
@@ -179,7 +188,7 @@ def main() -> None:
         "Raw figures: tp_vs_hf_tp.json.",
         "",
     ]
-    (RESULTS / "tp_vs_hf_tp.md").write_text("\n".join(lines))
+    (results / "tp_vs_hf_tp.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
