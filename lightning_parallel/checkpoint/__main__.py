@@ -5,6 +5,7 @@
     python -m lightning_parallel.checkpoint convert model.ckpt model-sharded.ckpt  # full -> sharded
     python -m lightning_parallel.checkpoint export last.ckpt hf-model/ --format hf [--config CONFIG] [--prefix net.]
                                                        [--max-shard-size 5GB] [--dtype bfloat16] [--overwrite]
+                                                       [--no-original-format]
 
 A full checkpoint's ``state_dict`` loads into the plain LightningModule with ``load_state_dict`` (export,
 inference); either format resumes training under any layout. Every command refuses a checkpoint holding objects
@@ -164,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     exporting.add_argument("--max-shard-size", default="5GB", help="bytes per weight file, e.g. 5GB, 500MB, 2GiB (default 5GB)")
     exporting.add_argument("--dtype", help="convert floating-point weights (bfloat16, float16, float32); default: as saved")
     exporting.add_argument("--overwrite", action="store_true", help="write into a non-empty directory (replaces only the export's own files)")
+    exporting.add_argument(
+        "--no-original-format", dest="original_format", action="store_false",
+        help="keep the model's in-memory layout (fused MoE experts) instead of the Hub's, which save_pretrained writes",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
@@ -176,11 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             summary = export(
                 args.checkpoint, args.directory, args.format, config=args.config, prefix=args.prefix,
                 max_shard_size=args.max_shard_size, dtype=args.dtype, overwrite=args.overwrite, trust_pickle=args.trust_pickle,
+                original_format=args.original_format,
             )
             print(f"wrote {summary.directory}: {summary.tensors} tensors, {summary.bytes / 2**20:.1f} MiB in {', '.join(summary.files)}")
             print(f"  names without {summary.prefix!r}; config from {summary.config_from}")
             if summary.tied_left_out:
                 print(f"  tied, left out as from_pretrained expects: {', '.join(summary.tied_left_out)}")
+            if summary.converted:
+                print(f"  {summary.converted} tensor(s) converted to the Hub's layout by transformers' reverse conversion")
             if summary.outside_prefix:
                 print(f"  {summary.outside_prefix} tensor(s) outside {summary.prefix!r} not exported")
         else:

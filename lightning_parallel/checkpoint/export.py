@@ -39,8 +39,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_parallel.checkpoint import hub_layout
 from lightning_parallel.checkpoint.files import checkpoint_format
-from lightning_parallel.checkpoint.sharded import MODEL_KEY, read_meta, reading, stored_tensors
+from lightning_parallel.checkpoint.sharded import (
+    MODEL_KEY,
+    read_meta,
+    reading,
+    stored_tensors,
+)
 from lightning_parallel.checkpoint.state import describe_mismatch, listing
 from lightning_parallel.checkpoint.unpickling import CheckedReader, load_file
 
@@ -71,6 +77,8 @@ class ExportSummary:
     config_from: str
     tied_left_out: list[str] = field(default_factory=list)
     outside_prefix: int = 0
+    #: The model's tensors written under other names or split (the Hub layout: per-expert modules of fused experts).
+    converted: int = 0
 
 
 def export(checkpoint: str | os.PathLike, directory: str | os.PathLike, format: str = "hf", **options: Any) -> ExportSummary:
@@ -90,6 +98,7 @@ def export_hf(
     dtype: torch.dtype | str | None = None,
     overwrite: bool = False,
     trust_pickle: bool = False,
+    original_format: bool = True,
 ) -> ExportSummary:
     """Write a Hugging Face model directory that ``from_pretrained`` loads with the checkpoint's weights.
 
@@ -106,6 +115,10 @@ def export_hf(
         overwrite: Write into a non-empty ``directory``: only files of the same names and earlier weight files
             (``model*.safetensors*``) are replaced or removed, nothing else.
         trust_pickle: Unpickle the checkpoint in full, which runs any code the file names (only for files you trust).
+        original_format: Write the Hub's layout, as ``save_pretrained`` does: families that transformers converts on
+            load (Mixture-of-Experts experts fused in memory, one module per expert on the Hub) are converted back by
+            transformers' own reverse conversion (``hub_layout.py``). ``False``: the model's in-memory names and
+            fused tensors (transformers 5 loads those too; other readers of the Hub layout may not).
 
     Raises:
         FileNotFoundError: No checkpoint at ``checkpoint``, or no config at ``config``.
@@ -138,9 +151,11 @@ def export_hf(
             f"removing {prefix!r}): {message}. Pass the config the model was trained with (config), or the right prefix."
         )
     written = [name for name in expected if name not in aliases]  # the module's own order
-    dtypes = {name: out_dtype if out_dtype is not None and source.dtype(prefix + name).is_floating_point else source.dtype(prefix + name) for name in written}
-    sizes = {name: _numel(expected[name]) * dtypes[name].itemsize for name in written}
-    shards = _split(written, sizes, limit)
+    groups = _groups(model, {name: (expected[name], source.dtype(prefix + name)) for name in written}, original_format)
+    outputs = {out: shape_dtype for group in groups for out, shape_dtype in group.outputs.items()}
+    dtypes = {out: out_dtype if out_dtype is not None and dtype.is_floating_point else dtype for out, (_, dtype) in outputs.items()}
+    sizes = {out: _numel(shape) * dtypes[out].itemsize for out, (shape, _) in outputs.items()}
+    shards = _split(groups, sizes, limit)
     files = [SAFE_WEIGHTS_NAME] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -148,7 +163,8 @@ def export_hf(
     from safetensors.torch import save_file
 
     checked_aliases = {k: v for k, v in aliases.items() if k in stripped and v in stripped}
-    for names, file in zip(shards, files):
+    for shard, file in zip(shards, files):
+        names = [n for group in shard for n in group.inputs]
         extra = [k for k, v in checked_aliases.items() if v in names]
         values = source.read([prefix + n for n in names + extra])
         for left_out in extra:
@@ -158,11 +174,14 @@ def export_hf(
                     f"The config ties {left_out!r} to {kept!r}, but the checkpoint holds different values for them (the model "
                     f"was trained untied). Pass a config with tie_word_embeddings=False. {str(directory)!r} is incomplete."
                 )
-        tensors = {n: values[prefix + n].to(dtypes[n]).contiguous() for n in names}
+        tensors = {
+            out: value.to(dtypes[out]).contiguous() for group in shard
+            for out, value in hub_layout.converted(model, group, {n: values[prefix + n] for n in group.inputs}).items()
+        }
         _atomic(directory / file, lambda path, t=tensors: save_file(t, str(path), metadata={"format": "pt"}))
         del values, tensors
     if len(files) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": {n: f for names, f in zip(shards, files) for n in names}}
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": {n: f for shard, f in zip(shards, files) for g in shard for n in g.outputs}}
         _atomic(directory / SAFE_WEIGHTS_INDEX_NAME, lambda path: path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
     hf_config.architectures = [type(model).__name__]
     hf_config.dtype = _most_common(dtypes.values())
@@ -179,12 +198,13 @@ def export_hf(
     return ExportSummary(
         directory=directory,
         files=files + ([SAFE_WEIGHTS_INDEX_NAME] if len(files) > 1 else []) + extra_files,
-        tensors=len(written),
+        tensors=len(outputs),
         bytes=sum(sizes.values()),
         prefix=prefix,
         config_from=config_from,
         tied_left_out=sorted(aliases),
         outside_prefix=len(found) - len(stripped),
+        converted=sum(len(group.inputs) for group in groups if group.renamed),
     )
 
 
@@ -354,16 +374,25 @@ def _find_prefix(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tu
     return top[0]
 
 
-def _split(names: list[str], sizes: Mapping[str, int], limit: int) -> list[list[str]]:
-    """Consecutive names in files of at most ``limit`` bytes (a larger tensor alone in its file)."""
-    shards: list[list[str]] = [[]]
+def _groups(model: Any, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], original_format: bool) -> list[hub_layout.HubGroup]:
+    """The tensors to write, in groups converted together (one tensor each unless the Hub layout joins some)."""
+    if not original_format:
+        return [hub_layout.HubGroup((name,), {name: value}) for name, value in tensors.items()]
+    return hub_layout.plan(model, tensors)
+
+
+def _split(groups: list[hub_layout.HubGroup], sizes: Mapping[str, int], limit: int) -> list[list[hub_layout.HubGroup]]:
+    """Consecutive groups in files of at most ``limit`` bytes (a larger group alone in its file): a group's outputs
+    share a file, so that each file is written from the tensors read for it."""
+    shards: list[list[hub_layout.HubGroup]] = [[]]
     used = 0
-    for name in names:
-        if shards[-1] and used + sizes[name] > limit:
+    for group in groups:
+        size = sum(sizes[out] for out in group.outputs)
+        if shards[-1] and used + size > limit:
             shards.append([])
             used = 0
-        shards[-1].append(name)
-        used += sizes[name]
+        shards[-1].append(group)
+        used += size
     return shards
 
 

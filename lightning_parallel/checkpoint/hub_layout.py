@@ -1,0 +1,96 @@
+"""A transformers model's tensors in the layout its Hub checkpoints use, group by group.
+
+transformers 5 holds some families differently in memory than on the Hub: Mixture-of-Experts layers keep their
+experts fused (``...mlp.experts.gate_up_proj [E, 2·I, H]``, ``down_proj [E, H, I]``) where the Hub stores one module
+per expert (``...block_sparse_moe.experts.3.w1.weight``), and some modules are renamed. ``from_pretrained`` converts
+through the model type's conversion mapping; ``save_pretrained`` reverts it (its ``save_original_format=True``
+default) with ``transformers.core_model_loading.revert_weight_conversion``. This module runs that same function, so
+an export writes what ``save_pretrained`` of the trained model would, for every family transformers maps (and the
+names unchanged where it maps nothing), with no per-family table of ours. ``expert_conversion.PerExpertSource``
+reads the same mapping the other way (``weights_from`` a Hub directory).
+
+An export reads a few tensors at a time, so the conversion runs on groups: :func:`plan` runs it on the meta device,
+once on the whole state and once per tensor; where the per-tensor results add up to the whole one (every mapping
+transformers ships for MoE experts: each fused tensor becomes its experts' tensors on its own), each tensor is a
+group of its own. A mapping whose outputs need several tensors together (a reverse that joins them) is one group.
+No Lightning here; transformers is imported only when a model is given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class HubGroup:
+    """Tensors of the model (``inputs``, its own names) converted together into the Hub's ``outputs``."""
+
+    inputs: tuple[str, ...]
+    outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]  # Hub name -> (shape, dtype), in written order
+
+    @property
+    def renamed(self) -> bool:
+        """Whether the Hub layout differs from the model's for these tensors."""
+        return len(self.outputs) != 1 or self.inputs[0] not in self.outputs
+
+
+def plan(model: Any, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[HubGroup]:
+    """The groups in which ``tensors`` (the model's names, in the order to write them) convert to the Hub layout.
+
+    Args:
+        model: The transformers model (on the meta device will do): its type's conversion mapping is used.
+        tensors: Name -> (shape, dtype) of every tensor to write (tied copies left out, as ``save_pretrained`` does).
+
+    Raises:
+        ValueError: transformers' conversion writes two tensors under one Hub name.
+    """
+    meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in tensors.items()}
+    whole = _signature(to_hub_layout(model, meta))
+    if whole == _signature(meta):  # nothing renamed or converted (every dense family)
+        return [HubGroup((name,), {name: whole[name]}) for name in tensors]
+    groups = []
+    for name in tensors:
+        try:
+            outputs = _signature(to_hub_layout(model, {name: meta[name]}))
+        except Exception:  # the reverse needs this tensor's companions: convert everything together
+            return [HubGroup(tuple(tensors), whole)]
+        groups.append(HubGroup((name,), outputs))
+    written = [out for group in groups for out in group.outputs]
+    if len(set(written)) != len(written) or {out: sig for g in groups for out, sig in g.outputs.items()} != whole:
+        return [HubGroup(tuple(tensors), whole)]
+    return groups
+
+
+def to_hub_layout(model: Any, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``values`` (the model's names, whole tensors) under the Hub's names and layout, by transformers' own reverse
+    conversion (views of ``values`` where it only splits them)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(values)))
+
+
+def converted(model: Any, group: HubGroup, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``group``'s tensors converted, checked against what :func:`plan` expected of them.
+
+    Raises:
+        RuntimeError: The conversion of real tensors gave other names, shapes or dtypes than on the meta device.
+    """
+    if not group.renamed:
+        return {name: values[name] for name in group.inputs}
+    outputs = to_hub_layout(model, {name: values[name] for name in group.inputs})
+    if _signature(outputs) != group.outputs:
+        raise RuntimeError(
+            f"transformers' reverse conversion of {list(group.inputs)[:3]} gave {sorted(_signature(outputs).items())[:3]}, not the "
+            f"planned {sorted(group.outputs.items())[:3]}; export with original_format=False (--no-original-format) to keep "
+            "the model's own layout, which transformers 5 loads too."
+        )
+    return {name: outputs[name] for name in group.outputs}
+
+
+def _signature(tensors: Mapping[str, Tensor]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
