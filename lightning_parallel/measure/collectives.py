@@ -86,6 +86,47 @@ def record_expert_load(tokens_per_expert: torch.Tensor) -> None:
         owner.expert_load.record(tokens_per_expert)
 
 
+@dataclass
+class ContextWork:
+    """Ring attention's work on this rank while a :class:`DTensorCollectives` is active: attention scores computed
+    (those of the blocks a mask keeps any of; a causal diagonal block counts half) and skipped (blocks the mask drops
+    whole), summed over batch rows and heads; and the busiest context-parallel rank's expected work over the mean for
+    the chunk layouts used (packed documents, :mod:`lightning_parallel.parallelize.context.balance`)."""
+
+    scores_computed: float = 0.0
+    scores_skipped: float = 0.0
+    layouts: int = 0
+    imbalance_sum: float = 0.0
+
+    def record(self, computed: float, skipped: float) -> None:
+        self.scores_computed += computed
+        self.scores_skipped += skipped
+
+    def record_layout(self, rank_work: list[float]) -> None:
+        mean = sum(rank_work) / len(rank_work)
+        if mean > 0:
+            self.layouts += 1
+            self.imbalance_sum += max(rank_work) / mean
+
+    def reset(self) -> None:
+        self.scores_computed = self.scores_skipped = self.imbalance_sum = 0.0
+        self.layouts = 0
+
+
+def record_context_work(computed: float, skipped: float) -> None:
+    """Count one ring attention call's scores (a no-op unless a :class:`DTensorCollectives` is counting)."""
+    owner = DTensorCollectives._owner
+    if owner is not None and not owner._paused and not _checking[0]:
+        owner.context_work.record(computed, skipped)
+
+
+def record_context_layout(rank_work: list[float]) -> None:
+    """Count one model call's chunk layout by every context-parallel rank's expected work (a no-op unless counting)."""
+    owner = DTensorCollectives._owner
+    if owner is not None and not owner._paused and not _checking[0]:
+        owner.context_work.record_layout(rank_work)
+
+
 #: How many checks outside training (see :func:`outside_training`) are running on this thread.
 _checking = [0]
 
@@ -147,6 +188,7 @@ class DTensorCollectives:
         self.context_tally = CollectiveTally()  # ring attention and sequence gathers (context parallelism)
         self.expert_tally = CollectiveTally()  # token dispatch and combine (expert parallelism)
         self.expert_load = ExpertLoad()
+        self.context_work = ContextWork()
         #: Where the time spent in collectives is read (the monitor sets the training device's clock).
         self.clock = DeviceClock("cpu")
         self._paused = False

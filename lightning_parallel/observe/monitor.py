@@ -69,6 +69,11 @@ class StepTiming:
     #: Expert parallelism: the busiest expert's tokens over the mean, averaged over the step's MoE layer calls
     #: (this rank's routing; 0 without expert parallelism).
     expert_imbalance: float = 0.0
+    #: Context parallelism: attention scores this rank computed and skipped (masked blocks) in the step, and the
+    #: busiest cp rank's expected work over the mean for the step's chunk layouts (0: no packed documents seen).
+    cp_scores_computed: float = 0.0
+    cp_scores_skipped: float = 0.0
+    cp_imbalance: float = 0.0
 
 
 class ScalingMonitor(Callback):
@@ -190,6 +195,9 @@ class ScalingMonitor(Callback):
             ep_s=delta["ep_s"],
             ep_bytes=int(delta["ep_bytes"]),
             expert_imbalance=delta["ep_imbalance_sum"] / delta["ep_calls"] if delta["ep_calls"] else 0.0,
+            cp_scores_computed=delta["cp_scores_computed"],
+            cp_scores_skipped=delta["cp_scores_skipped"],
+            cp_imbalance=delta["cp_imbalance_sum"] / delta["cp_layouts"] if delta["cp_layouts"] else 0.0,
         )
         self._step_start = {}
         # global_step has advanced past the step just finished.
@@ -282,6 +290,10 @@ class ScalingMonitor(Callback):
             "ep_bytes": self._collectives.expert_tally.bytes,
             "ep_calls": self._collectives.expert_load.calls,
             "ep_imbalance_sum": self._collectives.expert_load.imbalance_sum,
+            "cp_scores_computed": self._collectives.context_work.scores_computed,
+            "cp_scores_skipped": self._collectives.context_work.scores_skipped,
+            "cp_layouts": self._collectives.context_work.layouts,
+            "cp_imbalance_sum": self._collectives.context_work.imbalance_sum,
         }
 
     def _utilization(self, trainer: Trainer, samples: float, tokens: float, step_s: float) -> Utilization | None:

@@ -41,6 +41,12 @@ def scaling_rows(summary: dict[str, Any]) -> list[tuple[str, float | None, float
         rows += [("expert-parallel MiB per step", pick(comm.get("ep", 0) / 2**20 if predicted and "ep" in comm else None),
                   measured["ep_bytes"] / 2**20),
                  ("tokens per expert, busiest / mean", None, measured["expert_imbalance"])]
+    computed, skipped = measured.get("cp_scores_computed", 0.0), measured.get("cp_scores_skipped", 0.0)
+    if computed:  # context parallelism: ring attention's work on this rank, and what masks let it skip
+        rows += [("attention scores computed, rank 0 (M)", None, computed / 1e6),
+                 ("attention scores skipped (masked blocks), rank 0 (M)", None, skipped / 1e6)]
+        if measured.get("cp_imbalance"):
+            rows.append(("attention work per cp rank, busiest / mean", None, measured["cp_imbalance"]))
     return rows
 
 

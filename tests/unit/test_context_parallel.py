@@ -334,7 +334,7 @@ def test_hugging_face_masks_are_built_over_the_whole_sequence(monkeypatch, famil
     calls = []
 
     def local_attention(query, key, value, group, is_causal=False, scale=None, enable_gqa=False, attn_mask=None,
-                        plan=None, rank=None, size=None, softcap=None, sinks=None):
+                        plan=None, rank=None, size=None, softcap=None, sinks=None, assignment=None):
         calls.append((is_causal, None if attn_mask is None else tuple(attn_mask.shape), plan))
         return torch.zeros_like(query)  # no ring here: only what reaches it is checked
 

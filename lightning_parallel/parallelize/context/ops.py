@@ -1,6 +1,6 @@
 """Ops that mix tokens along the split sequence, under context parallelism: made global, or refused.
 
-Each rank holds two chunks of every sequence (head-tail, see :class:`~lightning_parallel.parallelize.context.sequence.
+Each rank holds two chunks of every sequence (head-tail by default, see :class:`~lightning_parallel.parallelize.context.sequence.
 SequenceLayout`), so an op that runs along the sequence sees this rank's part only. Inside the model call
 :class:`~lightning_parallel.parallelize.context.splitter.ContextParallelMode` sends such ops here:
 
@@ -117,20 +117,22 @@ def handle_sequence_op(name: str, func: Callable, args: tuple, kwargs: dict, lay
     )
 
 
-def chunk_cumsum(local: Tensor, dim: int, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-    """The cumulative sums of this rank's head and tail chunks along ``dim`` separately (``local``'s shape with
-    ``dim`` split into ``(2, chunk)``), and the two chunks' totals (``dim`` of size 2)."""
-    chunk = local.size(dim) // 2
-    sums = torch.cumsum(local.unflatten(dim, (2, chunk)), dim + 1, dtype=dtype)
+def chunk_cumsum(local: Tensor, dim: int, dtype: torch.dtype | None = None, parts: int = 2) -> tuple[Tensor, Tensor]:
+    """The cumulative sums of this rank's ``parts`` chunks (head and tail by default) along ``dim`` separately
+    (``local``'s shape with ``dim`` split into ``(parts, chunk)``), and the chunks' totals (``dim`` of size
+    ``parts``)."""
+    chunk = local.size(dim) // parts
+    sums = torch.cumsum(local.unflatten(dim, (parts, chunk)), dim + 1, dtype=dtype)
     return sums, sums.select(dim + 1, chunk - 1)
 
 
 def order_chunks(gathered: Tensor, layout: SequenceLayout, dim: int) -> list[Tensor]:
-    """Every rank's per-chunk values (``[ranks, ...]``, ``dim`` of size 2: head and tail), in global chunk order."""
-    ranks = layout.size
-    # Global chunk k is the head of rank k (k < ranks) or the tail of rank 2·ranks−1−k.
-    return [gathered[k].select(dim, 0) if k < ranks else gathered[2 * ranks - 1 - k].select(dim, 1)
-            for k in range(2 * ranks)]
+    """Every rank's per-chunk values (``[ranks, ...]``, ``dim`` of size ``g``: its chunks in local order), in global
+    chunk order."""
+    # Global chunk k is chunk `slot` of the rank that holds it (head-tail: the head of rank k, or the tail of rank
+    # 2·ranks−1−k).
+    count = len(layout.assignment[0]) * layout.size
+    return [gathered[rank].select(dim, slot) for rank, slot in map(layout.owner, range(count))]
 
 
 def _gather_chunks(values: Tensor, layout: SequenceLayout, group: dist.ProcessGroup | None, dim: int) -> list[Tensor]:
@@ -149,14 +151,14 @@ def chunk_offsets(ordered: list[Tensor], layout: SequenceLayout, dim: int) -> Te
     every chunk's total in global order (:func:`order_chunks`)."""
     totals = torch.stack(ordered, dim)
     before = torch.cumsum(totals, dim) - totals  # exclusive prefix sums
-    index = torch.tensor([layout.rank, 2 * layout.size - 1 - layout.rank], device=totals.device)
+    index = torch.tensor(layout.chunks_of(layout.rank), device=totals.device)
     return before.index_select(dim, index)
 
 
 def global_cumsum(local: Tensor, layout: SequenceLayout, group: dist.ProcessGroup | None,
                   dtype: torch.dtype | None = None, dim: int = SEQUENCE_DIM) -> Tensor:
     """``torch.cumsum`` along the split sequence dimension, over the whole sequence: this rank's slice of it."""
-    sums, totals = chunk_cumsum(local, dim, dtype)
+    sums, totals = chunk_cumsum(local, dim, dtype, len(layout.chunks_of(layout.rank)))
     offsets = chunk_offsets(_gather_chunks(totals, layout, group, dim), layout, dim)
     return (sums + offsets.unsqueeze(dim + 1)).flatten(dim, dim + 1)
 
@@ -168,20 +170,21 @@ def _first_difference(args: tuple, kwargs: dict) -> bool:
             and isinstance(prepend, Tensor) and prepend.dim() >= 2 and prepend.size(SEQUENCE_DIM) == 1)
 
 
-def chunk_last(local: Tensor, dim: int) -> Tensor:
-    """The last value of this rank's head and tail chunks along ``dim`` (``dim`` of size 2)."""
-    chunk = local.size(dim) // 2
-    return local.unflatten(dim, (2, chunk)).select(dim + 1, chunk - 1)
+def chunk_last(local: Tensor, dim: int, parts: int = 2) -> Tensor:
+    """The last value of each of this rank's ``parts`` chunks along ``dim`` (``dim`` of size ``parts``)."""
+    chunk = local.size(dim) // parts
+    return local.unflatten(dim, (parts, chunk)).select(dim + 1, chunk - 1)
 
 
 def diff_after(local: Tensor, ordered_lasts: list[Tensor], layout: SequenceLayout, prepend: Tensor,
                dim: int) -> Tensor:
     """This rank's slice of the global first difference, from every chunk's last value in global order."""
-    chunk = local.size(dim) // 2
-    chunks = local.unflatten(dim, (2, chunk))
-    rank = layout.rank
-    before_head = prepend.select(dim, 0) if rank == 0 else ordered_lasts[rank - 1]
-    before = torch.stack([before_head.to(chunks.dtype), ordered_lasts[2 * layout.size - 2 - rank]], dim)
+    parts = len(layout.chunks_of(layout.rank))
+    chunk = local.size(dim) // parts
+    chunks = local.unflatten(dim, (parts, chunk))
+    # The value before each of this rank's chunks: the last of the chunk before it in global order, or `prepend`.
+    before = torch.stack([(prepend.select(dim, 0) if k == 0 else ordered_lasts[k - 1]).to(chunks.dtype)
+                          for k in layout.chunks_of(layout.rank)], dim)
     shifted = torch.cat([before.unsqueeze(dim + 1), chunks.narrow(dim + 1, 0, chunk - 1)], dim + 1)
     return (chunks - shifted).flatten(dim, dim + 1)
 
@@ -191,7 +194,8 @@ def global_diff(local: Tensor, layout: SequenceLayout, group: dist.ProcessGroup 
     """``torch.diff(x, dim=dim, prepend=prepend)`` over the whole sequence (``prepend``: the column before its
     first position, taken from the rank that holds that position): this rank's slice of it. Each chunk's first
     difference needs the last value of the chunk before it in global order (one small all-gather)."""
-    return diff_after(local, _gather_chunks(chunk_last(local, dim), layout, group, dim), layout, prepend, dim)
+    parts = len(layout.chunks_of(layout.rank))
+    return diff_after(local, _gather_chunks(chunk_last(local, dim, parts), layout, group, dim), layout, prepend, dim)
 
 
 def mask_pattern(mask: Tensor, positions: Tensor) -> tuple[bool, bool, str]:

@@ -1,6 +1,6 @@
 """Ring attention on ordinary (local) tensors: each rank's queries against every rank's keys and values, with masks.
 
-The sequence is laid out head-tail (rank ``r`` holds chunks ``r`` and ``2·cp−1−r`` of ``2·cp``). Each rank gathers
+Each rank holds two of the sequence's ``2·cp`` chunks (by default head-tail: chunks ``r`` and ``2·cp−1−r``). Each rank gathers
 every rank's keys and values once (one all-gather, as torch's ring with its all-gather rotation), then runs the
 blocks its :class:`~.ring_plan.RingPlan` keeps — one fused kernel call per live block (:mod:`.kernels`), skipped
 blocks cost nothing — and merges the blocks' outputs by their log-sum-exps. Backward gathers the keys and values
@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel import collectives
-from lightning_parallel.measure.collectives import context_parallel_exchange
+from lightning_parallel.measure.collectives import context_parallel_exchange, record_context_work
 from lightning_parallel.parallelize.context.kernels import (
     AttentionKernel,
     additive_bias,
@@ -74,11 +74,20 @@ def _return_gradients(grads: list[Tensor], group: dist.ProcessGroup | None, size
     return received.view(size, -1).sum(0)
 
 
-def _chunks(tensor: Tensor, chunks: tuple[int, ...]) -> Tensor:
-    if len(chunks) == 2:
-        return tensor
-    half = tensor.size(SEQUENCE_DIM) // 2
-    return tensor.narrow(SEQUENCE_DIM, chunks[0] * half, half)
+def _chunks(tensor: Tensor, chunks: tuple[int, ...], chunk: int) -> Tensor:
+    """The source rank's ``chunks`` (its chunk indices, increasing) of ``tensor``: a view where they are adjacent."""
+    if chunks[-1] - chunks[0] == len(chunks) - 1:
+        return tensor.narrow(SEQUENCE_DIM, chunks[0] * chunk, len(chunks) * chunk)
+    return torch.cat([tensor.narrow(SEQUENCE_DIM, d * chunk, chunk) for d in chunks], SEQUENCE_DIM)
+
+
+def _add_to_chunks(total: Tensor, chunks: tuple[int, ...], chunk: int, grad: Tensor) -> None:
+    """Add ``grad`` (the gradient of :func:`_chunks`'s result) into ``total``'s ``chunks``, in place."""
+    if chunks[-1] - chunks[0] == len(chunks) - 1:
+        total.narrow(SEQUENCE_DIM, chunks[0] * chunk, len(chunks) * chunk).add_(grad)
+        return
+    for i, d in enumerate(chunks):
+        total.narrow(SEQUENCE_DIM, d * chunk, chunk).add_(grad.narrow(SEQUENCE_DIM, i * chunk, chunk))
 
 
 def _merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -144,8 +153,8 @@ class _RingAttention(torch.autograd.Function):
                 block = _Block(query, mask, plan, source, call, softcap)
                 forward, _ = _grouped(block.kernel, groups)
                 block_out, block_lse, extra = forward(
-                    query[:, :, call.rows], _chunks(key_j, call.chunks).contiguous(),
-                    _chunks(value_j, call.chunks).contiguous(), block.bias, block.causal, scale)
+                    query[:, :, call.rows], _chunks(key_j, call.chunks, plan.chunk).contiguous(),
+                    _chunks(value_j, call.chunks, plan.chunk).contiguous(), block.bias, block.causal, scale)
                 extras.setdefault(block.kernel.name, extra)
                 if block.dead is not None:
                     block_lse = block_lse.masked_fill(block.dead, float("-inf"))
@@ -186,12 +195,13 @@ class _RingAttention(torch.autograd.Function):
                 rows = call.rows
                 grads = backward(
                     grad_out[:, :, rows].contiguous(), query[:, :, rows].contiguous(),
-                    _chunks(key_j, call.chunks).contiguous(), _chunks(value_j, call.chunks).contiguous(),
+                    _chunks(key_j, call.chunks, plan.chunk).contiguous(),
+                    _chunks(value_j, call.chunks, plan.chunk).contiguous(),
                     out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), block.bias, block.causal, ctx.scale,
                     ctx.extras[block.kernel.name])
                 grad_query[:, :, rows] += grads[0]
-                _chunks(grad_key, call.chunks).add_(grads[1])
-                _chunks(grad_value, call.chunks).add_(grads[2])
+                _add_to_chunks(grad_key, call.chunks, plan.chunk, grads[1])
+                _add_to_chunks(grad_value, call.chunks, plan.chunk, grads[2])
             grad_kv.append(torch.cat([grad_key.reshape(-1), grad_value.reshape(-1)]))
         own = _return_gradients(grad_kv, ctx.group, plan.size)
         grad_key, grad_value = own[:key.numel()].view(key.shape), own[key.numel():].view(value.shape)
@@ -203,15 +213,15 @@ def ring_attention(
     query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, is_causal: bool = False,
     scale: float | None = None, enable_gqa: bool = False, attn_mask: Tensor | None = None,
     plan: RingPlan | None = None, rank: int | None = None, size: int | None = None, softcap: float | None = None,
-    sinks: Tensor | None = None,
+    sinks: Tensor | None = None, assignment: tuple[tuple[int, int], ...] | None = None,
 ) -> Tensor:
-    """``F.scaled_dot_product_attention`` over a sequence split head-tail across ``group``'s ranks.
+    """``F.scaled_dot_product_attention`` over a sequence split in chunks across ``group``'s ranks.
 
     Args:
         query, key, value: This rank's ``[batch, heads, local sequence, head_dim]`` slices (``value``'s head
             width may differ from ``query``'s and ``key``'s, as in multi-head latent attention; one key/value
             head broadcasts over the query heads).
-        group: The context-parallel ranks, in the order of the head-tail layout.
+        group: The context-parallel ranks, in the order of the chunks' layout.
         is_causal: Causal attention over the global positions (not with ``attn_mask``).
         scale: Softmax scale (``None``: ``1/sqrt(head_dim)``).
         enable_gqa: Fewer key/value heads than query heads (each shared by a group of query heads).
@@ -219,6 +229,7 @@ def ring_attention(
             whole sequence]``: this rank's query rows in local order × every key in global order. No gradient.
         plan: The blocks to compute (default: from ``attn_mask``, one host read, or from ``is_causal``).
         rank, size: This rank's index in the ring and the ring's size (default: ``group``'s).
+        assignment: Each rank's two chunks of the ``2·size`` (default head-tail; a given ``plan`` carries its own).
         softcap: Scores capped as ``softcap·tanh(s/softcap)`` before the mask (Gemma 2; written-out kernel).
         sinks: One logit per query head added to each softmax's denominator, without a value (gpt-oss's attention
             sinks; differentiable).
@@ -232,7 +243,7 @@ def ring_attention(
         if softcap is not None or sinks is not None:
             raise NotImplementedError("Ring attention over DTensor heads takes no softcap or sinks yet.")
         return _ring_over_local_heads(query, key, value, group, is_causal, scale, enable_gqa, attn_mask, plan, rank,
-                                      size)
+                                      size, assignment)
     if key.size(1) != query.size(1):
         # Grouped-query attention: the ring passes the keys/values with their own heads (see _grouped).
         # One key/value head broadcasts over the query heads (multi-query attention without enable_gqa, as
@@ -256,9 +267,12 @@ def ring_attention(
     size = (dist.get_world_size(group) if group is not None else 1) if size is None else size
     if plan is None:
         local = query.size(SEQUENCE_DIM)
-        plan = (plan_without_mask(rank, size, local, is_causal) if attn_mask is None
-                else plan_for_mask(four_dims(attn_mask), rank, size, local))
+        plan = (plan_without_mask(rank, size, local, is_causal, assignment) if attn_mask is None
+                else plan_for_mask(four_dims(attn_mask), rank, size, local, assignment))
     mask = None if attn_mask is None else four_dims(attn_mask)
+    computed, skipped = plan.work
+    scores = query.size(0) * query.size(1) * plan.chunk ** 2  # per block: batch rows × heads × chunk²
+    record_context_work(computed * scores, skipped * scores)
     query, key, value = as_autocast_would(query, key, value)
     qk_width, v_width = query.size(-1), value.size(-1)
     if v_width == qk_width:
@@ -279,6 +293,7 @@ def ring_attention(
 def _ring_over_local_heads(
     query: Tensor, key: Tensor, value: Tensor, group: dist.ProcessGroup | None, is_causal: bool, scale: float | None,
     enable_gqa: bool, attn_mask: Tensor | None, plan: RingPlan | None, rank: int | None, size: int | None,
+    assignment: tuple[tuple[int, int], ...] | None = None,
 ) -> Tensor:
     """The ring on DTensor inputs (attention of a tensor-parallel model traced whole, as pipeline stages are):
     heads split over the tensor-parallel ranks (or replicated) are independent of each other, so each rank runs
@@ -305,7 +320,8 @@ def _ring_over_local_heads(
         raise TypeError("scaled_dot_product_attention got a mask per head while the heads are split over the "
                         "tensor-parallel ranks under context parallelism: use a mask shared by the heads.")
     out = ring_attention(query.to_local(), key.to_local(), value.to_local(), group, is_causal=is_causal, scale=scale,
-                         enable_gqa=enable_gqa, attn_mask=attn_mask, plan=plan, rank=rank, size=size)
+                         enable_gqa=enable_gqa, attn_mask=attn_mask, plan=plan, rank=rank, size=size,
+                         assignment=assignment)
     return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
 
 

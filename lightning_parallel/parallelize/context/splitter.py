@@ -41,7 +41,8 @@ from lightning_parallel.parallelize.common.activation_checkpointing import insid
 from lightning_parallel.parallelize.context import hf_masks
 from lightning_parallel.parallelize.context.masks import four_dims, ring_mask
 from lightning_parallel.parallelize.context.ops import handle_sequence_op, sequence_op
-from lightning_parallel.measure.collectives import outside_training
+from lightning_parallel.measure.collectives import outside_training, record_context_layout
+from lightning_parallel.parallelize.context.balance import assignment_for
 from lightning_parallel.parallelize.context.ring_attention import ring_attention
 from lightning_parallel.parallelize.context.ring_plan import RingPlan, plan_for_mask
 from lightning_parallel.parallelize.context.whole import WholeSequence
@@ -220,7 +221,7 @@ class ContextParallelMode(TorchFunctionMode):
         self.attention_calls += 1
         return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                               attn_mask=ring, plan=plan, rank=self.layout.rank, size=self.layout.size,
-                              softcap=softcap, sinks=sinks)
+                              softcap=softcap, sinks=sinks, assignment=self.layout.assignment)
 
     def _ring_mask(self, mask: Tensor) -> tuple[Tensor | None, bool, RingPlan | None]:
         """The model's ``attn_mask`` in the ring's form (:func:`~.masks.ring_mask`) and the ring's plan for it;
@@ -239,7 +240,7 @@ class ContextParallelMode(TorchFunctionMode):
             whole = self.whole.of(mask)
             ring, as_causal = ring_mask(local if whole is None else whole, self.layout, self.group)
             plan = None if ring is None else plan_for_mask(four_dims(ring), self.layout.rank, self.layout.size,
-                                                          self.layout.local_length)
+                                                          self.layout.local_length, self.layout.assignment)
             self._masks[id(mask)] = (mask, ring, as_causal, plan)
         _, ring, as_causal, plan = self._masks[id(mask)]
         return ring, as_causal, plan
@@ -355,6 +356,7 @@ class SequenceSplitter:
             self._depth += 1
             return None
         layout, batch = self._layout_of(module, args, kwargs)
+        layout = self._balanced(layout, kwargs)
         if not self.checked:
             self.checked = True
             self._check_against_whole(module, args, kwargs, layout)
@@ -376,6 +378,20 @@ class SequenceSplitter:
         self.mode.__enter__()
         self._depth = 1
         return args, kwargs
+
+    def _balanced(self, layout: SequenceLayout, kwargs: dict) -> SequenceLayout:
+        """``layout`` with the chunks assigned by their attention work when ``position_ids`` mark packed documents
+        (:mod:`.balance`); every cp rank sees the same inputs, so they choose alike."""
+        position_ids = kwargs.get("position_ids")
+        if not (isinstance(position_ids, Tensor) and position_ids.dim() == 2
+                and position_ids.size(SEQUENCE_DIM) == layout.length):
+            return layout
+        balanced = assignment_for(position_ids, self.size)
+        if balanced is None:
+            return layout
+        assignment, rank_work = balanced
+        record_context_layout(rank_work)
+        return SequenceLayout(layout.length, layout.size, layout.rank, assignment)
 
     def _after_call(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self._depth == 0:  # the skipped redirect call, or a call whose pre-hook refused it
