@@ -60,7 +60,7 @@ from lightning_parallel.strategies.launch import StartMethod
 from lightning_parallel.strategies.mesh_strategy import DEFAULT_TIMEOUT_S, MeshStrategy
 from lightning_parallel.strategies.options import preset_options, preset_signature
 from lightning_parallel.strategies.components.pipeline.runner import PipelineRunner
-from lightning_parallel.strategies import grad_norms
+from lightning_parallel.strategies import grad_norms, lightning_callbacks
 from lightning_parallel.strategies.weight_averaging import WeightAveragingSupport
 
 log = logging.getLogger(__name__)
@@ -278,6 +278,7 @@ class ParallelEngineStrategy(MeshStrategy):
         # Before the callbacks' setup, where Lightning's WeightAveraging would copy the whole, unsplit module.
         module = self.lightning_module
         self.weight_averaging.take_over(getattr(module, "_trainer", None))
+        lightning_callbacks.check(self, getattr(module, "_trainer", None))  # SWA, pruning: refused with the fix
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -305,6 +306,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self.checkpoint_state.after_setup()
         self.weight_averaging.after_setup()
         grad_norms.attach(self)  # Lightning's grad_norm of this module: whole-model norms on every rank
+        lightning_callbacks.attach(self, trainer)  # finetuning's parameter comparison, throughput's replica count
 
     @override
     def model_to_device(self) -> None:
@@ -455,6 +457,7 @@ class ParallelEngineStrategy(MeshStrategy):
     @override
     def teardown(self) -> None:
         grad_norms.detach(self)
+        lightning_callbacks.detach(getattr(self.lightning_module, "_trainer", None))
         self.checkpoint_state.teardown()
         self.checkpoint_files.teardown()
         for component in reversed(self.components):
