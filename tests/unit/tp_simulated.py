@@ -35,11 +35,11 @@ def split_and_run(
         if reduce_regions:
             reduce_split_region_gradients(module)
         whole = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t)._local_tensors[0]  # noqa: E731
-        return whole(out).detach(), {n: whole(p.grad) for n, p in module.named_parameters()}, resolved
+        return whole(out).detach(), {n: whole(p.grad) for n, p in module.named_parameters() if p.grad is not None}, resolved
 
 
 def whole_run(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``module`` run whole: (output, gradient of each parameter) under the same loss as :func:`split_and_run`."""
     out = module(x)
     _backward_of_a_weighted_sum(out)
-    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters()}
+    return out.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}

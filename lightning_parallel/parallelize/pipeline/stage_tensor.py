@@ -87,7 +87,8 @@ class StageTensorParallel:
         """
         prefix = f"{root_name}." if root_name else ""
         styles: dict[str, str] = {}
-        for fqn, style in resolved.styles.items():
+        # Names of the model as it is: a projection wrapped with adapters places its base layer and adapters.
+        for fqn, style in resolved.module_styles().items():
             if style in _UNSUPPORTED:
                 raise ValueError(f"Plan entry {fqn!r}: style {style!r} is not supported with pipeline parallelism ({_UNSUPPORTED[style]}).")
             if style == "replicate":
@@ -98,7 +99,9 @@ class StageTensorParallel:
                     f"under pipeline parallelism only its layers can be split. Leave {fqn} replicated."
                 )
             styles[fqn[len(prefix) :]] = style
-        conv1d = frozenset(fqn[len(prefix) :] for fqn in resolved.conv1d if fqn.startswith(prefix))
+        conv1d = frozenset(
+            (f"{fqn}.{resolved.wrapped[fqn].base}" if fqn in resolved.wrapped else fqn)[len(prefix) :]
+            for fqn in resolved.conv1d if fqn.startswith(prefix))
         owned = frozenset(fqn[len(prefix) :] for fqn in owned_elsewhere if fqn.startswith(prefix))
         return cls(mesh, styles, conv1d, owned)
 

@@ -62,6 +62,7 @@ from lightning_parallel.parallelize.tensor.sequence import (
 from lightning_parallel.parallelize.tensor.split_region import check_split_regions, track_split_region_parameters
 from lightning_parallel.parallelize.tensor.state_space import check_state_space, split_state_space
 from lightning_parallel.parallelize.tensor.tied import aliases, check_tied_parameters, merge_tied_units, tie_again, tied_groups
+from lightning_parallel.parallelize.tensor.wrapped import find_wrapped, see_through, split_adapters, unfollowed
 from lightning_parallel.parallelize.tensor.vocabulary import (
     gather_reads_elsewhere,
     reduce_lookups_in,
@@ -144,6 +145,20 @@ class TensorParallelConfig:
             ValueError: ``plan="auto"`` and ``tp_size > 1``, but nothing in ``module`` can be split: training
                 would be a whole copy on every rank, not tensor parallel. The error names what stays whole and why.
         """
+        # Projections wrapped with adapters (peft's LoRA layers) are planned as the projections they wrap (tensor.wrapped).
+        wrapped = find_wrapped(module, warn)
+        with see_through(module, wrapped):
+            resolved = self._resolve(module, warn, tp_size, exclude)
+        refused = unfollowed(resolved.styles, wrapped)
+        if refused:
+            raise ValueError(
+                "The tensor-parallel plan splits projections whose adapters cannot follow that split: "
+                + "; ".join(f"{fqn}: {why}" for fqn, why in refused.items())
+                + ". Leave them out of the adapters' target_modules, or give their module 'replicate' in an explicit plan."
+            )
+        return dataclasses.replace(resolved, wrapped={fqn: found for fqn, found in wrapped.items() if fqn in resolved.styles})
+
+    def _resolve(self, module: nn.Module, warn: Callable[[str], None], tp_size: int | None, exclude: Collection[str]) -> ResolvedPlan:
         if self.plan != "auto":
             resolved = resolve_plan(module, dict(self.plan), self.head_attributes)
             owned = sorted(fqn for fqn in resolved.styles if any(fqn == o or fqn.startswith(f"{o}.") for o in exclude))
@@ -335,6 +350,11 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
         ValueError: Naming the module, the size and the TP degree.
         TypeError: A style is applied to a module type it does not fit.
     """
+    with see_through(module, resolved.wrapped):
+        _check_plan(module, resolved, tp_size)
+
+
+def _check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
     modules = dict(module.named_modules())
     for fqn, style in resolved.styles.items():
         sub = modules[fqn]
@@ -396,8 +416,16 @@ def check_plan(module: nn.Module, resolved: ResolvedPlan, tp_size: int) -> None:
 def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, sequence_parallel: bool = False) -> nn.Module:
     """Shard ``module`` in place over the 1-D ``tp_mesh`` and shrink its attention head counts.
 
-    Call :func:`check_plan` first; this assumes the sizes divide.
+    Call :func:`check_plan` first; this assumes the sizes divide. Projections wrapped with adapters split as the
+    unwrapped model's, their adapters with them (:mod:`~lightning_parallel.parallelize.tensor.wrapped`).
     """
+    with see_through(module, resolved.wrapped):
+        _apply_tensor_parallel(module, tp_mesh, resolved, sequence_parallel)
+    split_adapters(module, resolved.styles, resolved.wrapped, tp_mesh, parallel_style)
+    return module
+
+
+def _apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, sequence_parallel: bool) -> None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -487,7 +515,6 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh, resolved: ResolvedPlan, se
                   for fqn in resolved.head_attributes}
     explain_split_failures(modules, list(attentions))
     refuse_replaced_modules(module, modules, attentions)
-    return module
 
 
 def _order_fused_rank_major(

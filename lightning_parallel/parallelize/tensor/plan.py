@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_parallel.parallelize.tensor.wrapped import WrappedProjection, wrapped_styles
+
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -67,6 +69,9 @@ class ResolvedPlan:
             (:mod:`~lightning_parallel.parallelize.tensor.latent`).
         multi_query: Fused q|k|v projections with one key/value head: queries split by heads, the k/v head's
             features split and gathered whole after the projection (:mod:`~lightning_parallel.parallelize.tensor.multi_query`).
+        wrapped: Split projection name -> how it is wrapped with adapters (peft's LoRA layers): ``styles`` name the
+            projections as before wrapping; the base layer splits so, its adapters with it
+            (:mod:`~lightning_parallel.parallelize.tensor.wrapped`).
     """
 
     styles: dict[str, str]
@@ -79,6 +84,12 @@ class ResolvedPlan:
     per_head: dict[str, tuple[str, ...]] = field(default_factory=dict)
     latent: dict[str, tuple[str, ...]] = field(default_factory=dict)
     multi_query: frozenset[str] = frozenset()
+    wrapped: dict[str, WrappedProjection] = field(default_factory=dict)
+
+    def module_styles(self) -> dict[str, str]:
+        """``styles`` by the names of the modules that split in the model as it is (a wrapped projection's base layer
+        and adapters in place of the projection)."""
+        return wrapped_styles(self.styles, self.wrapped)
 
     def describe(self) -> str:
         """One line per split module, e.g. ``blocks.0.attn.q_proj → colwise  (inferred)``, then what stays whole and why."""
@@ -90,6 +101,8 @@ class ResolvedPlan:
             blocks += " (one k/v head, gathered)" if fqn in self.multi_query else ""
             source = f"  ({self.sources[fqn]})" if fqn in self.sources else ""
             lines.append(f"{fqn} → {style}{blocks}{source}")
+        lines += [f"{fqn} is wrapped with adapters: {', '.join(f'{name[len(fqn) + 1:]} → {style}' for name, style in found.styles(fqn, self.styles[fqn]).items())}"
+                  for fqn, found in self.wrapped.items()]
         lines += [f"{fqn}.{attr} ÷ tp" for fqn, attrs in self.head_attributes.items() for attr in attrs]
         lines += [f"{fqn}.{name} → per head (dim 0)" for fqn, names in self.per_head.items() for name in names]
         lines += [f"{fqn} stays replicated: latent projection, gradients summed over tp"
