@@ -39,6 +39,11 @@ LAYOUTS = {
         "strategy": "hybrid", "batch_size": 2,
         "strategy_kwargs": {"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2},
     },
+    # docs/checkpoints.md's first example: saved by dp=4, resumed as tp=2 × pp=2.
+    "tp2xpp2": {
+        "strategy": "hybrid", "batch_size": 4,
+        "strategy_kwargs": {"data_parallel_size": 1, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2},
+    },
     # The recipe's Mixture-of-Experts GPT (4 experts per block): experts divided over 2 or 4 ranks, or replicated.
     "moe_single": {"strategy": "single", "batch_size": 4, "model_kwargs": {"model": "gpt_moe"}},
     "moe_dp4ep2": {"strategy": "hybrid", "batch_size": 1, "model_kwargs": {"model": "gpt_moe"},
@@ -62,12 +67,13 @@ SAVES = {
     "list_dp2ep2": {},  # sharded: each rank writes its own experts
     # world size 4, accumulate 2
     "dp2xtp2": {},
+    "dp4": {},
     "moe_dp4ep2": {},
 }
 #: (source, target) pairs resumed in each job; a pair with equal names is the bitwise same-layout check.
 RESUMES_2 = [("single", "dp2"), ("dp2", "pp2"), ("pp2", "tp2"), ("tp2", "pp2"), ("tp2", "dp2"), ("dp2", "dp2"),
              ("list_dp2ep2", "list_dp2")]
-RESUMES_4 = [("dp2xtp2", "dp2xpp2"), ("dp2xtp2", "dp4"), ("dp2xtp2", "dp2xtp2"),
+RESUMES_4 = [("dp2xtp2", "dp2xpp2"), ("dp2xtp2", "dp4"), ("dp2xtp2", "dp2xtp2"), ("dp4", "tp2xpp2"),
              ("moe_dp4ep2", "moe_dp4ep4"), ("moe_dp4ep2", "moe_dp4")]
 RESUMES_SINGLE = [("pp2", "single", 1), ("tp2", "single", 1), ("dp2xtp2", "single", 2), ("list_dp2ep2", "list_moe_single", 1)]
 

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, pipe_split, pipeline
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.export.unflatten import InterpreterModule
 from torch.utils._pytree import tree_map
 
@@ -553,6 +554,7 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Par
 
     Parameters that moved to a stage object are swapped (with any optimizer state already loaded, e.g.
     from a checkpoint); those living on other ranks are dropped; parameters outside the pipeline stay.
+    A stage parameter that tensor parallelism placed on its mesh gets its state placed the same way.
     """
     seen: set[int] = set()
     for group in optimizer.param_groups:
@@ -564,6 +566,23 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, replaced: dict[int, nn.Par
                 continue
             seen.add(id(local))
             if state is not None:
-                optimizer.state[local] = state
+                optimizer.state[local] = _placed_like(state, local)
             kept.append(local)
         group["params"] = kept
+
+
+def _placed_like(state: dict[str, Any], param: Tensor) -> dict[str, Any]:
+    """``state`` of a whole parameter, its per-element tensors (AdamW's moments) placed as ``param`` is.
+
+    A checkpoint's optimizer state is loaded before the first batch cuts the pipeline, onto the whole parameters;
+    tensor-parallel stages then replace those by DTensors (:meth:`StageTensorParallel.distribute`), and their whole
+    state must become DTensors the same way (every rank holds the same values: each keeps its part, no
+    communication). Scalars (the step count) stay as they are.
+    """
+    if not isinstance(param, DTensor):
+        return state
+    return {
+        key: distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == param.shape else value
+        for key, value in state.items()
+    }
