@@ -33,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from benchmarks.common import RESULTS, run_worker_copies, scratch_dir
 
 MODEL = {"vocab_size": 128, "block_size": 32, "n_layer": 8, "n_head": 8, "n_embd": 704}
+#: ``--smoke``: two blocks 32 wide, one save and load each of a few variants (both formats, async, three layouts).
+SMOKE_MODEL = {**MODEL, "n_layer": 2, "n_embd": 32}
+SMOKE_VARIANTS = ("single, full (Lightning)", "dp=2 DDPStrategy, full (Lightning)", "dp=2 shard, full",
+                  "dp=2 shard, sharded, async", "tp=2, sharded")
 GLOBAL_BATCH = 8
 #: name -> (processes, HybridParallelStrategy arguments, or a Lightning strategy name)
 VARIANTS: dict[str, tuple[int, dict | str]] = {
@@ -54,7 +58,7 @@ def _disk_bytes(path: Path) -> int:
     return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def worker(name: str, repeats: int, directory: Path, out: Path) -> None:
+def worker(name: str, repeats: int, directory: Path, out: Path, smoke: bool = False) -> None:
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -109,28 +113,34 @@ def worker(name: str, repeats: int, directory: Path, out: Path) -> None:
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[SaveAndLoad()],
     )
-    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // dp, max_chars=400_000)
-    trainer.fit(GPTLightningModule(**MODEL), datamodule=data)
+    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // dp, max_chars=20_000 if smoke else 400_000)
+    trainer.fit(GPTLightningModule(**(SMOKE_MODEL if smoke else MODEL)), datamodule=data)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3, help="saves and loads per variant (median)")
+    parser.add_argument("--smoke", action="store_true", help="a 2×32 GPT, 5 variants, 1 save and load each (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for checkpoint_io.{md,json}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--directory", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.repeats, args.directory, args.out)
+        worker(args.worker, args.repeats, args.directory, args.out, args.smoke)
         return
+    if args.smoke:
+        args.repeats = 1
+    results = args.results
 
     rows = []
-    with scratch_dir() as scratch:
-        for index, name in enumerate(VARIANTS):
+    with scratch_dir(results) as scratch:
+        for index, name in enumerate(SMOKE_VARIANTS if args.smoke else VARIANTS):
             directory = scratch / f"variant{index}"
             directory.mkdir()
             worker_args = ["--worker", name, "--repeats", str(args.repeats), "--directory", str(directory)]
-            (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{index}.json"])
+            worker_args += ["--smoke"] if args.smoke else []
+            (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{index}.json"], ranks=VARIANTS[name][0])
             per_rank = result["per_rank"]
             row = {
                 "variant": name,
@@ -148,10 +158,10 @@ def main() -> None:
     summary = {
         "command": f"python benchmarks/checkpoint_io.py --repeats {args.repeats}",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "model": MODEL,
+        "model": SMOKE_MODEL if args.smoke else MODEL,
         "runs": rows,
     }
-    (RESULTS / "checkpoint_io.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "checkpoint_io.json").write_text(json.dumps(summary, indent=2) + "\n")
     mib = 2**20
     lines = [
         "# Checkpoint save and load: sharded vs full, sync vs background (recipe GPT, 48M parameters)",
@@ -174,7 +184,7 @@ def main() -> None:
             f"{r['complete_s']:.2f} | {r['load_s']:.2f} | {r['load_vs_single']:.2f} | {r['bytes'] / mib:.0f} |"
         )
     lines += ["", READING, ""]
-    (RESULTS / "checkpoint_io.md").write_text("\n".join(lines))
+    (results / "checkpoint_io.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

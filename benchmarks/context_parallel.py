@@ -35,6 +35,9 @@ from benchmarks.common import (
 SEQUENCES = (1024, 2048, 4096, 8192)
 CONTEXT_SIZES = (1, 2, 4)
 MODEL = {"vocab_size": 128, "n_layer": 6, "n_head": 4, "n_embd": 128, "dropout": 0.0}
+#: ``--smoke``: one block 32 wide, 64 tokens, cp1 and cp2 (cp4 is the suite's 4-rank cp launch).
+SMOKE_MODEL = {**MODEL, "n_layer": 1, "n_head": 2, "n_embd": 32}
+SMOKE_SEQUENCE, SMOKE_CONTEXT_SIZES = 64, (1, 2)
 SETUP = (f"recipe GPT {MODEL['n_layer']}×{MODEL['n_embd']} ({MODEL['n_head']} heads, vocabulary {MODEL['vocab_size']}), "
          "one sequence per step, float32, 1 thread per process, gloo")
 
@@ -109,7 +112,7 @@ class PeakMemory(L.Callback):
         self.largest = max(every)
 
 
-def worker(cp: int, sequence: int, steps: int, warmup: int, out: Path) -> None:
+def worker(cp: int, sequence: int, steps: int, warmup: int, out: Path, smoke: bool = False) -> None:
     import torch
 
     import lightning_parallel as lp
@@ -126,7 +129,7 @@ def worker(cp: int, sequence: int, steps: int, warmup: int, out: Path) -> None:
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer, activations, peak],
     )
     L.seed_everything(0)
-    module = GPTLightningModule(**MODEL, block_size=sequence, lr=1e-4)
+    module = GPTLightningModule(**(SMOKE_MODEL if smoke else MODEL), block_size=sequence, lr=1e-4)
     # The corpus keeps a tenth for validation, which must hold one block too.
     data = CharCorpusDataModule(block_size=sequence, batch_size=1, max_chars=sequence * max(24, 2 * (warmup + steps + 2)), shuffle=False)
     trainer.fit(module, datamodule=data)
@@ -136,23 +139,30 @@ def worker(cp: int, sequence: int, steps: int, warmup: int, out: Path) -> None:
         out.write_text(json.dumps(result))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--sequences", type=int, nargs="+", default=list(SEQUENCES))
+    parser.add_argument("--smoke", action="store_true", help="a 1×32 GPT, 64 tokens, cp1 and cp2, 1 timed step (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for context_parallel.{md,json}")
     parser.add_argument("--worker", nargs=2, type=int, metavar=("CP", "SEQUENCE"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.out)
+        worker(args.worker[0], args.worker[1], args.steps, args.warmup, args.out, args.smoke)
         return
+    context_sizes, results = CONTEXT_SIZES, args.results
+    if args.smoke:
+        args.steps, args.warmup, args.sequences, context_sizes = 1, 1, [SMOKE_SEQUENCE], SMOKE_CONTEXT_SIZES
     runs: dict[tuple[int, int], dict] = {}
-    with scratch_dir() as scratch:
+    with scratch_dir(results) as scratch:
         for sequence in args.sequences:
-            for cp in CONTEXT_SIZES:
+            for cp in context_sizes:
                 worker_args = ["--worker", str(cp), str(sequence), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-                (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"cp{cp}-{sequence}-{time.monotonic_ns()}.json"])
+                worker_args += ["--smoke"] if args.smoke else []
+                outs = [scratch / f"cp{cp}-{sequence}-{time.monotonic_ns()}.json"]
+                (result,) = run_worker_copies(Path(__file__), worker_args, outs, ranks=cp)
                 runs[sequence, cp] = result
                 print(f"seq {sequence} cp{cp}: {result['activation_bytes'] / 2**20:.1f} MiB saved, "
                       f"step {median_step(result):.2f} s", flush=True)
@@ -199,9 +209,9 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "context_parallel.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / "context_parallel.json").write_text(json.dumps({"command": command, "machine": machine, "setup": SETUP, "runs": summary}, indent=2))
+    (results / "context_parallel.md").write_text("\n".join(lines) + "\n")
+    setup = f"smoke: recipe GPT {SMOKE_MODEL}" if args.smoke else SETUP
+    (results / "context_parallel.json").write_text(json.dumps({"command": command, "machine": machine, "setup": setup, "runs": summary}, indent=2))
     print("\n".join(lines))
 
 

@@ -38,10 +38,13 @@ from benchmarks.common import (
 VARIANTS = ("ours", "ddp", "single", "pair")
 
 
+#: The recipe GPT's size; ``--smoke``: one block 32 wide.
+MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128}
+SMOKE_MODEL = {"n_layer": 1, "n_head": 2, "n_embd": 32}
 SETUP = "recipe GPT 4×128 (0.8M parameters, 3.3 MB of float32 gradients), block 64, float32, 1 thread per process, gloo"
 
 
-def worker(variant: str, batch_size: int, steps: int, warmup: int, out: Path) -> None:
+def worker(variant: str, batch_size: int, steps: int, warmup: int, out: Path, smoke: bool = False) -> None:
     """One training run; rank 0 writes its step times to ``out``."""
     import lightning as L
     import torch
@@ -73,26 +76,28 @@ def worker(variant: str, batch_size: int, steps: int, warmup: int, out: Path) ->
         limit_val_batches=0,
         callbacks=[timer],
     )
-    model = GPTLightningModule(vocab_size=128, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    data = CharCorpusDataModule(block_size=64, batch_size=batch_size, max_chars=400_000)
+    model = GPTLightningModule(vocab_size=128, block_size=64, **(SMOKE_MODEL if smoke else MODEL))
+    data = CharCorpusDataModule(block_size=64, batch_size=batch_size, max_chars=20_000 if smoke else 400_000)
     trainer.fit(model, datamodule=data)
 
 
-def run_variant(variant: str, batch_size: int, steps: int, warmup: int, scratch: Path) -> float:
+def run_variant(variant: str, batch_size: int, steps: int, warmup: int, scratch: Path, smoke: bool = False) -> float:
     """Median step time of one run; for ``pair``, the mean of two concurrent single-process runs."""
     copies = 2 if variant == "pair" else 1
     worker_variant = "single" if variant == "pair" else variant
     outs = [scratch / f"{variant}-{i}-{time.monotonic_ns()}.json" for i in range(copies)]
     args = ["--worker", worker_variant, "--batch-size", str(batch_size), "--steps", str(steps), "--warmup", str(warmup)]
-    return statistics.mean(median_step(result) for result in run_worker_copies(Path(__file__), args, outs))
+    args += ["--smoke"] if smoke else []
+    ranks = 1 if worker_variant == "single" else 2
+    return statistics.mean(median_step(result) for result in run_worker_copies(Path(__file__), args, outs, ranks=ranks))
 
 
-def measure(batch_size: int, rounds: int, steps: int, warmup: int, scratch: Path) -> dict:
+def measure(batch_size: int, rounds: int, steps: int, warmup: int, scratch: Path, smoke: bool = False) -> dict:
     """Alternate the variants for ``rounds`` rounds at one per-rank batch size; ratios per round."""
     medians: dict[str, list[float]] = {v: [] for v in VARIANTS}
     for round_index in range(rounds):
         for variant in VARIANTS:
-            medians[variant].append(run_variant(variant, batch_size, steps, warmup, scratch))
+            medians[variant].append(run_variant(variant, batch_size, steps, warmup, scratch, smoke))
             print(f"batch {batch_size} round {round_index + 1}/{rounds} {variant:6s} "
                   f"median step {medians[variant][-1] * 1e3:7.1f} ms", flush=True)
     # Per-rank batch is fixed, so 2 ranks process twice the samples per step: efficiency is a ratio of
@@ -130,32 +135,37 @@ def format_table(result: dict) -> list[str]:
     return [*lines, ""]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-sizes", default="16,64", help="per-rank batch sizes, comma-separated")
+    parser.add_argument("--smoke", action="store_true", help="a 1×32 GPT, batch 4, 1 round, 1 timed step (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for dp_vs_ddp.{md,json}")
     parser.add_argument("--worker", choices=(*VARIANTS, "ours_untracked"), help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=16, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.batch_size, args.steps, args.warmup, args.out)
+        worker(args.worker, args.batch_size, args.steps, args.warmup, args.out, args.smoke)
         return
-
-    with scratch_dir() as scratch:
-        results = [measure(int(b), args.rounds, args.steps, args.warmup, scratch) for b in args.batch_sizes.split(",")]
+    if args.smoke:
+        args.rounds, args.steps, args.warmup, args.batch_sizes = 1, 1, 1, "4"
+    out = args.results
+    with scratch_dir(out) as scratch:
+        results = [measure(int(b), args.rounds, args.steps, args.warmup, scratch, args.smoke) for b in args.batch_sizes.split(",")]
 
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    setup = f"smoke: recipe GPT {SMOKE_MODEL}" if args.smoke else SETUP
     command = f"python benchmarks/dp_vs_ddp.py --rounds {args.rounds} --steps {args.steps} --batch-sizes {args.batch_sizes}"
-    (RESULTS / "dp_vs_ddp.json").write_text(json.dumps({"command": command, "machine": machine, "setup": SETUP, "results": results}, indent=2) + "\n")
+    (out / "dp_vs_ddp.json").write_text(json.dumps({"command": command, "machine": machine, "setup": setup, "results": results}, indent=2) + "\n")
     lines = [
         "# DataParallelStrategy vs Lightning DDPStrategy (CPU, 2 processes × 1 thread)",
         "",
         f"Command: `{command}` · {machine}",
         "",
-        f"Setup: {SETUP}. Each cell is one run's median step time after {args.warmup} warm-up steps;",
+        f"Setup: {setup}. Each cell is one run's median step time after {args.warmup} warm-up steps;",
         "the variants alternate within each round.",
         "",
         *[line for result in results for line in format_table(result)],
@@ -165,7 +175,7 @@ def main() -> None:
         "is the cost of data parallelism itself: the gradient all-reduce and waiting for the slower rank).",
         "",
     ]
-    (RESULTS / "dp_vs_ddp.md").write_text("\n".join(lines))
+    (out / "dp_vs_ddp.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -128,27 +128,29 @@ def worker(variant: str, path: Path, steps: int, warmup: int, out: Path) -> None
     trainer.fit(model, datamodule=CharCorpusDataModule(block_size=BLOCK, batch_size=BATCH, max_chars=200_000))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, 1 round, 2 steps; nothing written")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, 1 round, 1 timed step (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for expert_parallel.{md,json}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset to run")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker, args.model, args.steps, args.warmup, args.out)
         return
     if args.smoke:
-        args.rounds, args.steps, args.warmup = 1, 2, 1
+        args.rounds, args.steps, args.warmup = 1, 1, 1
     config = SMOKE if args.smoke else CONFIG
     variants = [v for v in args.variants.split(",") if v]
+    results = args.results
 
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    with scratch_dir() as scratch:
+    with scratch_dir(results) as scratch:
         model_dir = scratch / "qwen3-moe"
         parameters, experts = save_model(model_dir, config)
         for round_index in range(args.rounds):
@@ -157,8 +159,6 @@ def main() -> None:
                 (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{variant}-{time.monotonic_ns()}.json"])
                 runs[variant].append(result)
                 print(f"round {round_index + 1}/{args.rounds} {variant:12s} median step {median_step(result) * 1e3:8.1f} ms", flush=True)
-    if args.smoke:
-        return
 
     medians = {v: [median_step(r) for r in runs[v]] for v in variants}
 
@@ -179,7 +179,7 @@ def main() -> None:
         "param_bytes_per_rank": {v: runs[v][0]["param_bytes_per_rank"] for v in variants},
         "whole_model_bytes": whole,
     }
-    (RESULTS / "expert_parallel.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "expert_parallel.json").write_text(json.dumps(summary, indent=2) + "\n")
     step = lambda v: statistics.median(medians[v]) * 1e3  # noqa: E731
     over = lambda table, v: f"{summary[table][v]['median']:.3f}" if v in summary[table] else "—"  # noqa: E731
     lines = [
@@ -202,7 +202,7 @@ def main() -> None:
         "Raw figures: expert_parallel.json.",
         "",
     ]
-    (RESULTS / "expert_parallel.md").write_text("\n".join(lines))
+    (results / "expert_parallel.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

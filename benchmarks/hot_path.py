@@ -1,6 +1,7 @@
 """Host syncs and library collectives per optimizer step, per layout, beside Lightning's own DDPStrategy.
 
     python benchmarks/hot_path.py            # writes benchmarks/results/hot_path.{json,md}
+    python benchmarks/hot_path.py --smoke --results /tmp/smoke   # the 2-block jobs only
 
 Runs the jobs of :mod:`tests.hot_path` (4 CPU processes on gloo, the recipe GPT with 2 and 8 blocks, a pipeline with
 4 and 16 micro-batches; gradient clipping, the non-finite guard and the ScalingMonitor on) and counts, per optimizer
@@ -17,6 +18,7 @@ The committed JSON is the budget ``tests/distributed/test_hot_path.py`` holds ev
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -54,16 +56,28 @@ def markdown(rows: dict[str, dict[str, dict[str, int]]], commit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def write_results(results: dict[str, dict], folder: Path) -> dict[str, dict[str, dict[str, int]]]:
+    """The table of the jobs' ``results`` (by job name) into ``folder``/hot_path.{json,md}; the table."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT).stdout.strip()
-    with tempfile.TemporaryDirectory() as scratch:
-        results = run_distributed_jobs(hot_path.specs(), Path(scratch), timeout=1800)
     rows = hot_path.table(results)
-    for layout, row in rows.items():
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hot_path.json").write_text(json.dumps({"commit": commit, "layouts": rows}, indent=2) + "\n")
+    (folder / "hot_path.md").write_text(markdown(rows, commit))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="the 2-block jobs only (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for hot_path.{json,md}")
+    args = parser.parse_args(argv)
+    specs = hot_path.specs()
+    if args.smoke:
+        specs = {name: spec for name, spec in specs.items() if spec.n_layer == min(hot_path.DEPTHS)}
+    with tempfile.TemporaryDirectory() as scratch:
+        results = run_distributed_jobs(specs, Path(scratch), timeout=1800)
+    for layout, row in write_results(results, args.results).items():
         print(layout, row)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "hot_path.json").write_text(json.dumps({"commit": commit, "layouts": rows}, indent=2) + "\n")
-    (RESULTS / "hot_path.md").write_text(markdown(rows, commit))
 
 
 if __name__ == "__main__":

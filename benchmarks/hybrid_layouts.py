@@ -39,6 +39,10 @@ from benchmarks.common import (
 )
 
 MODEL = {"vocab_size": 128, "block_size": 32, "n_layer": 8, "n_head": 8, "n_embd": 704}
+#: ``--smoke``: two blocks 32 wide, and only layouts of at most 2 processes (the 4- and 8-rank ones are the test
+#: suite's shared launches, tests/distributed/test_hybrid_parallel.py).
+SMOKE_MODEL = {**MODEL, "n_layer": 2, "n_head": 2, "n_embd": 32}
+SMOKE_LAYOUTS = ("single (Lightning)", "dp=2 DDPStrategy (Lightning)", "dp=2 shard + act. ckpt", "tp=2", "pp=2 (1f1b, m=4)")
 GLOBAL_BATCH = 8
 #: name -> (processes, HybridParallelStrategy arguments, or a Lightning strategy name)
 LAYOUTS: dict[str, tuple[int, dict | str]] = {
@@ -62,7 +66,7 @@ def _rss_kib() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
 
 
-def worker(name: str, steps: int, warmup: int, out: Path) -> None:
+def worker(name: str, steps: int, warmup: int, out: Path, smoke: bool = False) -> None:
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -98,26 +102,33 @@ def worker(name: str, steps: int, warmup: int, out: Path) -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[Memory(), timer],
     )
-    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // dp, max_chars=400_000)
-    trainer.fit(GPTLightningModule(**MODEL), datamodule=data)
+    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=GLOBAL_BATCH // dp, max_chars=20_000 if smoke else 400_000)
+    trainer.fit(GPTLightningModule(**(SMOKE_MODEL if smoke else MODEL)), datamodule=data)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="a 2×32 GPT, layouts of ≤ 2 processes, 1 timed step (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for hybrid_layouts.{md,json}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.out)
+        worker(args.worker, args.steps, args.warmup, args.out, args.smoke)
         return
+    if args.smoke:
+        args.steps, args.warmup = 1, 1
+    results, model = args.results, SMOKE_MODEL if args.smoke else MODEL
 
     rows = []
-    with scratch_dir() as scratch:
-        for name in LAYOUTS:
+    with scratch_dir(results) as scratch:
+        for name in SMOKE_LAYOUTS if args.smoke else LAYOUTS:
             worker_args = ["--worker", name, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{time.monotonic_ns()}.json"])
+            worker_args += ["--smoke"] if args.smoke else []
+            outs = [scratch / f"{time.monotonic_ns()}.json"]
+            (result,) = run_worker_copies(Path(__file__), worker_args, outs, ranks=LAYOUTS[name][0])
             per_rank = result["per_rank"]
             row = {
                 "layout": name,
@@ -137,19 +148,19 @@ def main() -> None:
     summary = {
         "command": f"python benchmarks/hybrid_layouts.py --steps {args.steps} --warmup {args.warmup}",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "model": {**MODEL, "parameters": params},
+        "model": {**model, "parameters": params},
         "global_batch": GLOBAL_BATCH,
         "runs": rows,
     }
-    (RESULTS / "hybrid_layouts.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "hybrid_layouts.json").write_text(json.dumps(summary, indent=2) + "\n")
     mib = 2**20
     lines = [
         "# Layouts side by side: per-rank memory and step time (recipe GPT, 48M parameters)",
         "",
         f"Command: `{summary['command']}` · {summary['machine']}",
         "",
-        f"Recipe GPT {MODEL['n_layer']} blocks × {MODEL['n_embd']} ({params / 1e6:.1f}M parameters, tied embedding), "
-        f"float32, AdamW, global batch {GLOBAL_BATCH} × {MODEL['block_size']} tokens; one thread per process "
+        f"Recipe GPT {model['n_layer']} blocks × {model['n_embd']} ({params / 1e6:.1f}M parameters, tied embedding), "
+        f"float32, AdamW, global batch {GLOBAL_BATCH} × {model['block_size']} tokens; one thread per process "
         f"(2 cores: 4- and 8-rank layouts oversubscribe them). State = parameters + gradients + AdamW moments held "
         f"by the largest rank (local shards). Peak RSS growth = largest rank's peak resident memory during fit minus "
         f"before (activations, buffers, and the whole model each rank builds before it is cut). Median of "
@@ -166,7 +177,7 @@ def main() -> None:
             f"{r['peak_rss_growth_max_rank'] / mib:.0f} | {r['step_s']:.2f} | {r['step_time_ratio']:.2f} |"
         )
     lines += ["", READING, ""]
-    (RESULTS / "hybrid_layouts.md").write_text("\n".join(lines))
+    (results / "hybrid_layouts.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
@@ -175,7 +186,7 @@ READING = (
     "(the small embeddings, norms and row-wise biases stay whole), pp=2 halves the blocks (the tied embedding "
     "lives on both stages), shard divides everything by dp, and they multiply (0.25 for dp=2 × tp=2 shard and "
     "for tp=2 × pp=2). Peak RSS falls less than the state: every rank first builds the whole model before it "
-    "is split (no meta-device initialisation yet), and FSDP2 keeps gathered parameters and communication "
+    "is split (built eagerly here; setup_memory.md measures building on the meta device), and FSDP2 keeps gathered parameters and communication "
     "buffers. Activation checkpointing does not show here: at 4 × 32 tokens per rank the activations are a few "
     "MiB against 730 MiB of state (tests/unit/test_activation_checkpointing.py measures the saved bytes "
     "directly: < 35% of the plain model's). Step times on 2 CPU cores show overheads, not scaling: gloo moves "

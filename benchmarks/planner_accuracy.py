@@ -123,13 +123,13 @@ def row_for(name: str, devices: int, rounds: list[dict[str, Any]], single: dict[
     return row
 
 
-def write_report(rows: list[dict[str, Any]], overhead: dict[str, Any], plot: Path, rounds: int) -> None:
+def write_report(rows: list[dict[str, Any]], overhead: dict[str, Any], plot: Path, rounds: int, results: Path = RESULTS) -> None:
     lines = [
         "# Planner accuracy: predicted vs measured (recipe GPT, hardware=cpu_local)",
         "",
         (
             f"`python benchmarks/planner_accuracy.py` · {platform.processor() or platform.machine()}, {os.cpu_count()} cores · "
-            f"{STEPS} steps per run, means after the warm-up step · {rounds} interleaved rounds, each layout's median round "
+            f"{overhead.get('steps', STEPS)} steps per run, means after the warm-up step · {rounds} interleaved rounds, each layout's median round "
             "shown · float32 · 32 sequences × 64 tokens per replica"
         ),
         "",
@@ -172,28 +172,38 @@ def write_report(rows: list[dict[str, Any]], overhead: dict[str, Any], plot: Pat
         "",
         f"![scaling]({plot.name})",
     ]
-    (RESULTS / "planner_accuracy.md").write_text("\n".join(lines) + "\n")
+    (results / "planner_accuracy.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
+#: ``--smoke``: these layouts, one round of this many steps, the monitor's overhead from one run each way.
+SMOKE_LAYOUTS, SMOKE_STEPS = ("single", "dp=2"), 3
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="layout names to run and print, leaving the committed results (default: all, written)")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"runs per layout, interleaved (default: {ROUNDS})")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"single and dp=2, 1 round of {SMOKE_STEPS} steps, overhead 1 run each way (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for planner_accuracy.{md,json,png}")
+    args = parser.parse_args(argv)
+    steps, repeats, overhead_steps, results = STEPS, 3, 60, args.results
+    if args.smoke:
+        args.only, args.rounds, steps, repeats, overhead_steps = None, 1, SMOKE_STEPS, 1, SMOKE_STEPS
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
     from lightning_parallel.observe.plots import render_scaling
 
-    names = args.only or list(LAYOUTS)
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    with scratch_dir() as scratch:
+    names = args.only or list(SMOKE_LAYOUTS if args.smoke else LAYOUTS)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    with scratch_dir(results) as scratch:
         for round_index in range(args.rounds):
             for index, name in enumerate(names):
                 devices, overrides = LAYOUTS[name]
-                results[name].append(run_recipe(devices, overrides, scratch / f"run{round_index}-{index}")["scaling"])
-                print(f"round {round_index + 1}: {name:24s} measured {results[name][-1]['measured']['step_s']:.3f} s/step", flush=True)
-        single = median_round(results["single"]) if "single" in results else None
-        rows = [row_for(name, LAYOUTS[name][0], results[name], single) for name in names]
+                runs[name].append(run_recipe(devices, overrides, scratch / f"run{round_index}-{index}", steps)["scaling"])
+                print(f"round {round_index + 1}: {name:24s} measured {runs[name][-1]['measured']['step_s']:.3f} s/step", flush=True)
+        single = median_round(runs["single"]) if "single" in runs else None
+        rows = [row_for(name, LAYOUTS[name][0], runs[name], single) for name in names]
         if args.only:  # a look at a few layouts: printed, the committed results (every layout) left as they are
             for row in rows:
                 print(f"{row['layout']:24s} step {row['predicted_step_s']:.3f} / {row['measured_step_s']:.3f} s = "
@@ -201,21 +211,22 @@ def main() -> None:
                       f"{row['measured_comm_s']:.3f} s; bubble {row['predicted_bubble_s']:.3f} / {row['measured_bubble_s']:.3f} s")
             return
         overhead_runs: dict[bool, list[float]] = {False: [], True: []}
-        for repeat in range(3):
+        for repeat in range(repeats):
             for monitor in (False, True):
-                run = run_recipe(2, ["strategy=data"], scratch / f"overhead{repeat}{monitor}", steps=60, monitor=monitor)
+                run = run_recipe(2, ["strategy=data"], scratch / f"overhead{repeat}{monitor}", steps=overhead_steps, monitor=monitor)
                 overhead_runs[monitor].append(run["summary_seconds"])
     off, on = statistics.median(overhead_runs[False]), statistics.median(overhead_runs[True])
-    overhead = {"layout": "dp=2, 60 steps", "repeats": 3, "off_s": off, "on_s": on, "overhead": on / off - 1}
+    overhead = {"layout": f"dp=2, {overhead_steps} steps", "repeats": repeats, "off_s": off, "on_s": on, "overhead": on / off - 1,
+                "steps": steps}
     by_name = {r["layout"]: r for r in rows}
     measured_points = {s: [(LAYOUTS[n][0], by_name[n]["measured_efficiency"]) for n in ns if n in by_name and "measured_efficiency" in by_name[n]]
                        for s, ns in SERIES.items()}
     predicted_points = {s: [(LAYOUTS[n][0], by_name[n]["predicted_efficiency"]) for n in ns if n in by_name] for s, ns in SERIES.items()}
-    plot = render_scaling(measured_points, predicted_points, RESULTS / "planner_accuracy.png",
+    plot = render_scaling(measured_points, predicted_points, results / "planner_accuracy.png",
                           "recipe GPT on cpu_local: efficiency = throughput / (devices × single device)")
-    (RESULTS / "planner_accuracy.json").write_text(json.dumps({"rows": rows, "overhead": overhead}, indent=2))
-    write_report(rows, overhead, plot, args.rounds)
-    print((RESULTS / "planner_accuracy.md").read_text())
+    (results / "planner_accuracy.json").write_text(json.dumps({"rows": rows, "overhead": overhead}, indent=2))
+    write_report(rows, overhead, plot, args.rounds, results)
+    print((results / "planner_accuracy.md").read_text())
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from benchmarks.common import (
 )
 
 MODEL = {"vocab_size": 128, "block_size": 64, "n_layer": 8, "n_head": 4, "n_embd": 128}
+#: ``--smoke``: four blocks 32 wide (two per virtual stage of an interleaved schedule).
+SMOKE_MODEL = {**MODEL, "n_layer": 4, "n_embd": 32}
 BATCH = 32
 STAGES = 2
 SCHEDULES = {  # name -> virtual stages per rank
@@ -88,7 +90,7 @@ def median_accumulated_step(batch_times: list[float], m: int, warmup: int) -> fl
     return statistics.median(steps)
 
 
-def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path) -> None:
+def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path, smoke: bool = False) -> None:
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -125,31 +127,38 @@ def worker(variant: str, microbatches: int, steps: int, warmup: int, out: Path) 
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[ParameterBytes(), timer],
     )
-    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=batch, max_chars=400_000)
-    trainer.fit(GPTLightningModule(**MODEL), datamodule=data)
+    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=batch, max_chars=20_000 if smoke else 400_000)
+    trainer.fit(GPTLightningModule(**(SMOKE_MODEL if smoke else MODEL)), datamodule=data)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
     parser.add_argument("--microbatches", default=",".join(map(str, MICROBATCHES)))
+    parser.add_argument("--smoke", action="store_true",
+                        help="a 4×32 GPT, 1f1b and interleaved_1f1b at m=2, 1 timed step (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for pp_efficiency.{md,json}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--m", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.m, args.steps, args.warmup, args.out)
+        worker(args.worker, args.m, args.steps, args.warmup, args.out, args.smoke)
         return
-
+    if args.smoke:
+        args.steps, args.warmup, args.schedules, args.microbatches = 1, 1, "1f1b,interleaved_1f1b", "2"
+    results = args.results
 
     def run(variant: str, m: int, required: bool = False) -> dict | str:
         worker_args = ["--worker", variant, "--m", str(m), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        worker_args += ["--smoke"] if args.smoke else []
+        ranks = 1 if variant == "single" else STAGES
         try:
-            (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{variant}-{time.monotonic_ns()}.json"])
+            (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{variant}-{time.monotonic_ns()}.json"], ranks)
         except RuntimeError as error:
-            if required:
+            if required or args.smoke:  # a smoke run checks that every schedule it asks for runs
                 raise
             return str(error).strip().splitlines()[-1]  # a schedule that cannot run this m: reported, not fatal
         return result
@@ -157,7 +166,7 @@ def main() -> None:
     schedules = args.schedules.split(",")
     counts = [int(m) for m in args.microbatches.split(",")]
     rows = []
-    with scratch_dir() as scratch:
+    with scratch_dir(results) as scratch:
         single = run("single", 1, required=True)
         t_single = median_step(single)
         whole_bytes = single["param_bytes_per_rank"][0]
@@ -188,19 +197,19 @@ def main() -> None:
     summary = {
         "command": f"python benchmarks/pp_efficiency.py --steps {args.steps} --warmup {args.warmup}",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "setup": SETUP,
+        "setup": f"smoke: recipe GPT {SMOKE_MODEL}" if args.smoke else SETUP,
         "single_device_step_s": t_single,
         "single_device_microbatched_step_s": t_micro,
         "runs": rows,
         "max_param_share_per_rank": max(max(r["param_share_per_rank"]) for r in measured) if measured else None,
     }
-    (RESULTS / "pp_efficiency.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "pp_efficiency.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [
         "# Pipeline efficiency on 2 ranks: PipelineParallelStrategy vs single device",
         "",
         f"Command: `{summary['command']}` · {summary['machine']}",
         "",
-        f"Setup: {SETUP}. Median step time after {args.warmup} warm-up steps. Single device, whole batch: "
+        f"Setup: {summary['setup']}. Median step time after {args.warmup} warm-up steps. Single device, whole batch: "
         f"{t_single * 1e3:.1f} ms per step; the same m micro-batches one after another: "
         + ", ".join(f"m={m}: {t * 1e3:.0f} ms" for m, t in t_micro.items())
         + ". Speedup = single whole batch / pipeline. Efficiency = single with the same micro-batches / (2 × pipeline); "
@@ -230,7 +239,7 @@ def main() -> None:
             ),
         ]
     lines += ["", READING, ""]
-    (RESULTS / "pp_efficiency.md").write_text("\n".join(lines))
+    (results / "pp_efficiency.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

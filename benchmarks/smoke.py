@@ -17,6 +17,7 @@ import argparse
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,7 @@ def run_smokes(out: Path, names: list[str]) -> dict[str, str | None]:
     finally:
         common.set_worker_pool(None)
         pool.close()
+        shutil.rmtree(pool.folder, ignore_errors=True)
     return failures
 
 

@@ -38,11 +38,13 @@ from benchmarks.common import (
 
 VARIANTS = ("ours", "lightning", "ours_sp")
 MODEL = {"vocab_size": 128, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128}
+#: ``--smoke``: two blocks 32 wide (4 heads: 2 per rank).
+SMOKE_MODEL = {**MODEL, "n_layer": 2, "n_embd": 32}
 BATCH = 16
 SETUP = f"recipe GPT {MODEL['n_layer']}×{MODEL['n_embd']} (0.8M parameters), block {MODEL['block_size']}, batch {BATCH}, float32, TP=2 over 2 processes × 1 thread, gloo"
 
 
-def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
+def worker(variant: str, steps: int, warmup: int, out: Path, smoke: bool = False) -> None:
     import lightning as L
     import torch
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -73,11 +75,12 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
                 parallelize_module(block, tp_mesh, plan)
                 block.attn.n_head //= tp_mesh.size()
 
+    config = SMOKE_MODEL if smoke else MODEL
     L.seed_everything(0)
     if variant == "lightning":
-        model, strategy = HandWrittenTP(**MODEL), ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
+        model, strategy = HandWrittenTP(**config), ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     else:
-        model, strategy = GPTLightningModule(**MODEL), TensorParallelStrategy(sequence_parallel=variant == "ours_sp")
+        model, strategy = GPTLightningModule(**config), TensorParallelStrategy(sequence_parallel=variant == "ours_sp")
     counter = CommCounter(step=warmup)
 
     class Extras(L.Callback):
@@ -91,38 +94,44 @@ def worker(variant: str, steps: int, warmup: int, out: Path) -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         callbacks=[counter, Extras(), timer],
     )
-    data = CharCorpusDataModule(block_size=MODEL["block_size"], batch_size=BATCH, max_chars=400_000)
+    data = CharCorpusDataModule(block_size=config["block_size"], batch_size=BATCH, max_chars=20_000 if smoke else 400_000)
     trainer.fit(model, datamodule=data)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="a 2×32 GPT, 1 round, 1 timed step (use with --results)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder for tp_vs_model_parallel.{md,json}")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.out)
+        worker(args.worker, args.steps, args.warmup, args.out, args.smoke)
         return
+    if args.smoke:
+        args.rounds, args.steps, args.warmup = 1, 1, 1
+    config, results = SMOKE_MODEL if args.smoke else MODEL, args.results
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    with scratch_dir() as scratch:
+    with scratch_dir(results) as scratch:
         for round_index in range(args.rounds):
             for variant in VARIANTS:
                 worker_args = ["--worker", variant, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                worker_args += ["--smoke"] if args.smoke else []
                 (result,) = run_worker_copies(Path(__file__), worker_args, [scratch / f"{variant}-{time.monotonic_ns()}.json"])
                 runs[variant].append(result)
                 print(f"round {round_index + 1}/{args.rounds} {variant:9s} median step {median_step(result) * 1e3:7.1f} ms", flush=True)
 
     medians = {v: [median_step(r) for r in runs[v]] for v in VARIANTS}
     ratios = [o / lt for o, lt in zip(medians["ours"], medians["lightning"], strict=True)]
-    n_layer, activation_bytes = MODEL["n_layer"], BATCH * MODEL["block_size"] * MODEL["n_embd"] * 4
+    n_layer, activation_bytes = config["n_layer"], BATCH * config["block_size"] * config["n_embd"] * 4
     summary = {
         "command": f"python benchmarks/tp_vs_model_parallel.py --rounds {args.rounds} --steps {args.steps}",
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-        "setup": SETUP,
+        "setup": f"smoke: recipe GPT {config}" if args.smoke else SETUP,
         "median_step_s": medians,
         "ratio_ours_over_lightning": {"per_round": ratios, "median": statistics.median(ratios)},
         "param_bytes_per_rank": {v: runs[v][0]["param_bytes_per_rank"] for v in VARIANTS},
@@ -133,13 +142,13 @@ def main() -> None:
             "bytes_per_collective": activation_bytes,
         },
     }
-    (RESULTS / "tp_vs_model_parallel.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (results / "tp_vs_model_parallel.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [
         "# TensorParallelStrategy(plan=auto) vs Lightning ModelParallelStrategy (hand-written plan)",
         "",
         f"Command: `{summary['command']}` · {summary['machine']}",
         "",
-        f"Setup: {SETUP}. Each cell is one run's median step time after {args.warmup} warm-up steps; variants alternate.",
+        f"Setup: {summary['setup']}. Each cell is one run's median step time after {args.warmup} warm-up steps; variants alternate.",
         "",
         "| round | Lightning ModelParallel (ms) | ours, plan=auto (ms) | ours + sequence parallel (ms) | ratio ours/Lightning |",
         "|---|---|---|---|---|",
@@ -163,7 +172,7 @@ def main() -> None:
         f"({activation_bytes:,} bytes at this batch). Raw figures: tp_vs_model_parallel.json.",
         "",
     ]
-    (RESULTS / "tp_vs_model_parallel.md").write_text("\n".join(lines))
+    (results / "tp_vs_model_parallel.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -86,13 +86,15 @@ def per_optimizer_step(result: dict[str, Any]) -> list[dict[str, int]]:
 
 
 def table(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per layout: each depth's (and micro-batch count's) worst counted optimizer step."""
+    """Per layout: each depth's (and micro-batch count's) worst counted optimizer step, of the jobs in ``results``
+    (``benchmarks/hot_path.py --smoke`` runs the 2-block ones only)."""
     rows: dict[str, dict[str, Any]] = {}
     for layout in LAYOUTS:
         row: dict[str, Any] = {}
         for depth in DEPTHS:
-            row[f"{depth}_blocks"] = _worst(per_optimizer_step(results[job_name(layout, depth)]))
-        if layout in MORE_MICROBATCHES:
+            if job_name(layout, depth) in results:
+                row[f"{depth}_blocks"] = _worst(per_optimizer_step(results[job_name(layout, depth)]))
+        if layout in MORE_MICROBATCHES and job_name(layout, DEPTHS[0], MORE_MICROBATCHES[layout]) in results:
             m = MORE_MICROBATCHES[layout]
             row[f"{DEPTHS[0]}_blocks_{m}_microbatches"] = _worst(per_optimizer_step(results[job_name(layout, DEPTHS[0], m)]))
         rows[layout] = row
