@@ -444,7 +444,7 @@ def make_data(spec: JobSpec) -> L.LightningDataModule:
 
         if is_image_family(spec.model.removeprefix("hf_").partition(":")[0]):  # hf_vit, hf_resnet
             return SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
-    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral", "reduced_kv_attention", "list_moe", "old_mixtral", "packed_documents", "padded_window") or spec.model.startswith("hf_"):
+    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral", "reduced_kv_attention", "list_moe", "old_mixtral", "packed_documents", "padded_window", "packed_long_first") or spec.model.startswith("hf_"):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -501,10 +501,10 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         from tests.hf_models import RouterLossLM
 
         return RouterLossLM()
-    if spec.model in ("packed_documents", "padded_window"):  # documents / padding under a sliding window (cp masks)
+    if spec.model in ("packed_documents", "padded_window", "packed_long_first"):  # documents / padding (cp masks)
         from tests.hf_models import PackedDocumentsLM
 
-        return PackedDocumentsLM(padding=spec.model == "padded_window")
+        return PackedDocumentsLM(padding=spec.model == "padded_window", long_first=spec.model == "packed_long_first")
     if spec.model == "litgpt":
         from tests.hf_models import LitGPTLM
 

@@ -90,14 +90,16 @@ class PackedDocumentsLM(HFCausalLM):
     documents itself and builds the block-diagonal, windowed causal mask. With ``padding=True`` it passes
     ``attention_mask`` zeros instead (tokens divisible by 7; transformers then looks for no documents) and the loss
     ignores the padded targets: padding under the same window. The loss is summed over the kept targets and divided
-    by all of them, so that accumulated micro-batches add up to the whole batch's loss."""
+    by all of them, so that accumulated micro-batches add up to the whole batch's loss. With ``long_first=True`` every
+    block holds a document of 6 tokens and one of 2: context parallelism then lays the chunks out by their attention
+    work instead of head-tail (lightning_parallel.parallelize.context.balance: 4 chunks of 1 token per rank at cp2)."""
 
-    def __init__(self, padding: bool = False, lr: float = 0.1) -> None:
+    def __init__(self, padding: bool = False, lr: float = 0.1, long_first: bool = False) -> None:
         L.LightningModule.__init__(self)
         import transformers
 
-        self.save_hyperparameters({"padding": padding, "lr": lr})
-        self.padding = padding
+        self.save_hyperparameters({"padding": padding, "lr": lr, "long_first": long_first})
+        self.padding, self.long_first = padding, long_first
         config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
                                             max_position_embeddings=16, attention_dropout=0.0)
@@ -108,7 +110,7 @@ class PackedDocumentsLM(HFCausalLM):
         if self.padding:
             return {"input_ids": x, "attention_mask": (x % 7 != 0).long()}
         index = torch.arange(x.size(1), device=x.device).expand_as(x)
-        starts = (x % 5 == 0) | (index == 0)
+        starts = (index == 6 if self.long_first else x % 5 == 0) | (index == 0)
         first = torch.where(starts, index, torch.zeros_like(index)).cummax(1).values  # each document's first token
         return {"input_ids": x, "position_ids": index - first, "use_cache": False}
 

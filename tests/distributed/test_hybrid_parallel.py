@@ -89,7 +89,9 @@ def eight_rank_specs() -> dict[str, JobSpec]:
     """The 8-rank layouts: dp2 × tp2 × pp2 with replicas, with the replicas sharding each stage, and cp2 × tp2 × pp2
     (run in the suite's one 8-rank launch, ``conftest.eight_rank_launch``)."""
     return {"replicate": eight_rank_job(), "shard": eight_rank_job(data_parallel_mode="shard"),
-            "context": eight_rank_job(data_parallel_size=1, context_parallel_size=2, microbatches=4)}
+            "context": eight_rank_job(data_parallel_size=1, context_parallel_size=2, microbatches=4),
+            "hybrid_shard": eight_rank_job(data_parallel_size=4, tensor_parallel_size=1, data_parallel_mode="hybrid_shard",
+                                           data_parallel_shard_size=2)}
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +137,14 @@ def test_cp2_tp2_pp2_matches_single_device(eight_rank_results):
     over tp, each head's ring over cp, 4 micro-batches over 2 stages, built on the meta device, clipping,
     accumulation 2, a full-format round trip."""
     assert_eight_rank_job_matches(eight_rank_results, "context", tp=2)
+
+
+def test_hybrid_shard_2x2_pp2_matches_single_device(eight_rank_results):
+    """HSDP inside a pipeline (docs/hybrid-and-context.md): each stage's state sharded over 2 ranks, 2 replicas of
+    those shards (all-reduce between them), built on the meta device, clipping, accumulation 2, a round trip."""
+    _, result = assert_eight_rank_job_matches(eight_rank_results, "hybrid_shard", dp_shards=2)
+    assert result["layout"] == "dp=4 × tp=1 × pp=2 · 1f1b m=2 · hybrid_shard(2)"
+    assert result["comm"]["rounds"] == STEPS
 
 
 PAIRS = {
