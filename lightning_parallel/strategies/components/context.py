@@ -35,14 +35,20 @@ class ContextParallelComponent(Component):
         engine = self.engine
         refused = []
         if engine.compile.config.enabled:
-            refused.append(("compile=True", "compile=False"))
+            refused.append(("compile=True", "compile=False",
+                            "a compiled block would trace the ring's per-mask plan (host reads of the mask, a Python "
+                            "loop over ring steps and chunk layouts that change with the documents) into its graph"))
         if engine.data_parallel.sync.is_periodic:
-            refused.append((f"sync={engine.data_parallel.sync.method!r}", "sync='every_step'"))
+            refused.append((f"sync={engine.data_parallel.sync.method!r}", "sync='every_step'",
+                            "context-parallel peers compute one sequence together and must hold the same weights "
+                            "every step, while periodic sync lets each rank's weights drift until the next sync"))
         if refused:
-            found = ", ".join(name for name, _ in refused)
-            fixes = ", ".join(fix for _, fix in refused)
+            found = ", ".join(name for name, _, _ in refused)
+            fixes = ", ".join(fix for _, fix, _ in refused)
+            why = "; ".join(f"{name}: {reason}" for name, _, reason in refused)
             raise ValueError(
-                f"context_parallel_size={cp} does not combine with {found} yet. Set {fixes}, or context_parallel_size=1."
+                f"context_parallel_size={cp} does not combine with {found} yet ({why}). Set {fixes}, or "
+                "context_parallel_size=1."
             )
 
     def apply(self, trainer: Trainer, fitting: bool) -> None:
