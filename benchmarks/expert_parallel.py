@@ -17,8 +17,8 @@ arithmetic everywhere: the default ``grouped_mm`` has no CPU kernel for every dt
 - ``ddp``: Lightning's ``DDPStrategy``: every rank holds every expert (what a Lightning user has without EP).
 
 Reported side by side: median step time, the ratios against transformers and DDP, and per-rank parameter bytes.
-No collective counts: torch's ``CommDebugMode`` (what the other benchmarks count with) stops in its module tracker
-(``IndexError`` in ``_fw_set_module_hook``) when the experts' call is hooked, as expert parallelism's dispatch is.
+No collective counts (``benchmarks.common.CommCounter`` could add them: it counts at dispatch, without torch's
+``CommDebugMode`` module tracker, which stopped when the experts' call was hooked).
 """
 
 from __future__ import annotations

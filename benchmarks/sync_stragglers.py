@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     from lightning_parallel.observe.plots import render_lines
 
     results, runs = args.results, []
+    steps, straggler_s, link_delay_s = (SMOKE_STEPS, SMOKE_DELAY_S, SMOKE_DELAY_S) if args.smoke else (STEPS, STRAGGLER_S, LINK_DELAY_S)
     plan = SMOKE_RUNS if args.smoke else [(setting, method) for setting in SETTINGS for method in METHODS]
     with scratch_dir(results) as scratch:
         for setting, method in plan:
@@ -124,8 +125,9 @@ def main(argv: list[str] | None = None) -> None:
         "# Synchronous vs local SGD vs DiLoCo with a straggler and a slow link (2 CPU ranks)",
         "",
         (
-            f"`python benchmarks/sync_stragglers.py` · recipe GPT 2×64, AdamW lr 3e-3, 16×64 tokens per replica, {STEPS} steps · "
-            f"straggler: rank 1 sleeps {STRAGGLER_S} s per step · slow link: {LINK_DELAY_S} s before every all-reduce · "
+            f"`python benchmarks/sync_stragglers.py{' --smoke' if args.smoke else ''}` · recipe GPT 2×64, AdamW lr 3e-3, "
+            f"16×64 tokens per replica, {steps} steps · straggler: rank 1 sleeps {straggler_s} s per step · slow link: "
+            f"{link_delay_s} s before every all-reduce · "
             f"target: rank 0's training loss ≤ {TARGET_LOSS} (mean of 10 steps)"
         ),
         "",

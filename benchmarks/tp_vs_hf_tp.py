@@ -12,7 +12,7 @@ TP=2, float32, inside a Lightning Trainer:
   Lightning's ``ModelParallelStrategy`` (how a Lightning user would use transformers' TP).
 
 Reported side by side: median step time and the ratio ours / transformers, per-rank parameter bytes (local
-shards), and the collectives of one training step (torch's ``CommDebugMode``: DTensor and c10d collectives).
+shards), and the collectives of one training step (by op name at dispatch, ``benchmarks.common.collective_count_mode``: DTensor's and c10d's collectives).
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
         f"| **median** | | | **{statistics.median(ratios):.3f}** |",
         "",
-        "| variant | parameter bytes per rank (of the whole model) | collectives in one training step (CommDebugMode) |",
+        "| variant | parameter bytes per rank (of the whole model) | collectives in one training step (by op name, counted at dispatch) |",
         "|---|---|---|",
         *[
             f"| {v} | {summary['param_bytes_per_rank'][v]:,} ({summary['param_bytes_per_rank'][v] / (parameters * 4):.3f}) | "

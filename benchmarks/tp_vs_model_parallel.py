@@ -8,8 +8,8 @@ strategy infers); ours needs nothing in the module. Reported side by side:
 
 - median step time (variants alternate within each round) and the ratio ours / Lightning;
 - per-rank bytes of parameters (local shards) — gradients and AdamW's two moments follow the same split;
-- communication of one training step, counted with torch's ``CommDebugMode`` (DTensor collectives,
-  forward and backward), against the Megatron minimum: per block one all-reduce after attention and one
+- communication of one training step, counted by op name at dispatch (``benchmarks.common.collective_count_mode``:
+  DTensor's and c10d's collectives, forward and backward), against the Megatron minimum: per block one all-reduce after attention and one
   after the MLP in forward, and the same two in backward (4 × n_layer all-reduces of B×T×d activations);
   with sequence parallelism each becomes an all-gather + reduce-scatter pair.
 """
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         ],
         f"| **median** | | | | **{statistics.median(ratios):.3f}** |",
         "",
-        "| variant | parameter bytes per rank | collectives in one training step (CommDebugMode) |",
+        "| variant | parameter bytes per rank | collectives in one training step (by op name, counted at dispatch) |",
         "|---|---|---|",
         *[
             f"| {v} | {summary['param_bytes_per_rank'][v]:,} | "
