@@ -250,6 +250,7 @@ class CheckpointState:
                 optimizer = unwrap_optimizer(optimizer)
                 target = optimizer_state_to_original(module, get_optimizer_state_dict(module, optimizer))
                 check_optimizer_fits(source, stored.key, target, type(optimizer).__name__)
+                _drop_unsaved_group_options(source, stored.key, target)
                 load_states({stored.key: target}, source, **self._trust())
                 target = optimizer_state_to_rank_major(module, target)
                 if self._staged or engine.expert_parallel.list_group is not None:
@@ -308,3 +309,17 @@ class CheckpointState:
     def teardown(self) -> None:
         self.set_up = False
         self._deferred_model_state = None
+
+
+def _drop_unsaved_group_options(source: Any, key: str, target: dict[str, Any]) -> None:
+    """Leave out of ``target``'s param_groups the options the checkpoint does not hold, as torch's
+    ``Optimizer.load_state_dict`` does (the saved groups replace the live ones): an option added after the save, such
+    as the ``initial_lr`` of a scheduler made since (Lightning's LR finder saves, attaches its scheduler, then
+    restores), would otherwise be a key DCP cannot find."""
+    stored = stored_keys(source)
+    prefix = f"{key}.param_groups."
+    if not any(name.startswith(prefix) for name in stored):
+        return
+    for index, group in enumerate(target.get("param_groups", [])):
+        for option in [k for k in group if k != "params" and f"{prefix}{index}.{k}" not in stored]:
+            del group[option]

@@ -457,7 +457,7 @@ class ParallelEngineStrategy(MeshStrategy):
     @override
     def teardown(self) -> None:
         grad_norms.detach(self)
-        lightning_callbacks.detach(getattr(self.lightning_module, "_trainer", None))
+        lightning_callbacks.detach(self)
         self.checkpoint_state.teardown()
         self.checkpoint_files.teardown()
         for component in reversed(self.components):

@@ -2,22 +2,28 @@
 
 * ``BaseFinetuning`` (``BackboneFinetuning``...) decides which parameters to add to the optimizer when it unfreezes by
   comparing them by value with every parameter already there (``torch.equal``): a DTensor against a plain tensor
-  stops (*"aten.equal.default got mixed torch.Tensor and DTensor"*). Each such callback gets :func:`filter_on_optimizer`
-  for the run: the same comparison on whole values.
+  stops (*"aten.equal.default got mixed torch.Tensor and DTensor"*). While an engine is set up, that static method is
+  :func:`filter_on_optimizer` (``unfreeze_and_add_param_group`` calls it through the class): the same comparison on
+  whole values, Lightning's own result on plain tensors.
 * ``ThroughputMonitor`` multiplies one device's samples by the world size: under tensor or pipeline parallelism ranks
   share their samples, and the global figures were ``tp x pp`` times too high. Its meters count the data-parallel
   replicas instead (:class:`ReplicaThroughput`); FLOPs still divide over every device.
   Under DDP replicas (``data_parallel_mode='replicate'``) such a callback is refused: DDP averages only the gradients
   of the parameters that required one when it wrapped the model, before the callback unfreezes them.
+* ``BatchSizeFinder`` / ``Tuner.scale_batch_size``: Lightning refuses distributed strategies (*"The Batch size finder
+  is not supported with distributed strategies"*); refused here first, naming what to do instead.
 * ``StochasticWeightAveraging`` keeps a deep copy of the whole, unsplit module and pairs its tensors with the module's
   by position (shards, or one stage's): refused with the fix, ``WeightAveraging``, which the engine keeps sharded.
 * ``ModelPruning`` re-parametrises each weight (``weight_orig`` x ``weight_mask``) and ranks magnitudes over what the
   rank holds: under FSDP2 or tensor parallelism that breaks the sharded parameters, under pipeline parallelism it ranks
-  one stage's weights only (not what one device prunes). Refused with the fix.
+  one stage's weights only (not what one device prunes). Under DDP replicas the sweep measured training diverging from
+  one device after the first pruning (3e-3 in the loss a step later; cause not found). Refused under every layout
+  with the fix: prune on one device, or before fit with the pruning made permanent.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +31,7 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import (
     BaseFinetuning,
+    BatchSizeFinder,
     ModelPruning,
     StochasticWeightAveraging,
     ThroughputMonitor,
@@ -35,6 +42,10 @@ if TYPE_CHECKING:
     from lightning.pytorch import Trainer
 
     from lightning_parallel.strategies.host import EngineHost
+
+#: Engines set up in this process, and Lightning's own ``BaseFinetuning.filter_on_optimizer`` while they are.
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+_LIGHTNING_FILTER: list[Any] = []
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,25 +87,35 @@ def check(engine: EngineHost, trainer: Trainer | None) -> None:
     """Before the callbacks' setup: refuse the callbacks that cannot see a split model, naming the fix."""
     if trainer is None:
         return
+    for callback in trainer.callbacks:
+        if isinstance(callback, BatchSizeFinder) and engine.world_size > 1:
+            raise ValueError(
+                "BatchSizeFinder (and Tuner.scale_batch_size) runs on one device only: Lightning refuses every "
+                "distributed strategy in its setup. Find the batch size that fits one rank's share with the planner "
+                "(python -m lightning_parallel.plan: memory per rank for each layout), or run the finder on one device "
+                "with the model that rank holds, and set the data module's batch_size (per data-parallel replica)."
+            )
     split = engine.parameters_are_dtensors or engine.pipeline_parallel.enabled
     if not split and engine.layout.data_parallel_size > 1:
         _check_replicas(trainer)
-    if not split:
-        return
     how = "pipeline stages" if engine.pipeline_parallel.enabled else "DTensor shards (sharded data parallelism, tensor or expert parallelism)"
     for callback in trainer.callbacks:
-        if isinstance(callback, StochasticWeightAveraging):
-            raise ValueError(  # noqa: TRY004 - a callback that this layout cannot run: a configuration error
+        if isinstance(callback, StochasticWeightAveraging) and split:
+            raise ValueError(
                 f"StochasticWeightAveraging keeps a deep copy of the whole, unsplit module and cannot average its "
                 f"{how}. Use lightning.pytorch.callbacks.WeightAveraging() (equal averages, as SWA's; kept sharded like "
                 f"the model) and, for SWA's learning rate, torch.optim.swa_utils.SWALR in configure_optimizers."
             )
-        if isinstance(callback, ModelPruning):
-            raise ValueError(  # noqa: TRY004 - a callback that this layout cannot run: a configuration error
-                f"ModelPruning re-parametrises weights and ranks their magnitudes over what one rank holds: with {how} "
-                f"that is not what one device prunes. Prune under data_parallel_mode='replicate' (DDP) or on one device "
-                f"and load the pruned weights (weights_from=...), or apply torch.nn.utils.prune to the model before fit "
-                f"and make the pruning permanent (prune.remove) so the strategy splits plain weights."
+        if isinstance(callback, ModelPruning) and (split or engine.layout.data_parallel_size > 1):
+            why = (
+                f"it re-parametrises weights and ranks their magnitudes over what one rank holds: with {how} that is not "
+                f"what one device prunes" if split else
+                "under DDP replicas training was measured diverging from one device after its first pruning"
+            )
+            raise ValueError(
+                f"ModelPruning is not supported by this layout: {why}. Prune on one device and load the pruned weights (weights_from=...), "
+                f"or apply torch.nn.utils.prune to the model before fit and make the pruning permanent (prune.remove) so "
+                f"the strategy trains plain weights."
             )
 
 
@@ -104,7 +125,7 @@ def _check_replicas(trainer: Trainer) -> None:
     replica's own, and the replicas drift apart."""
     for callback in trainer.callbacks:
         if isinstance(callback, BaseFinetuning):
-            raise ValueError(  # noqa: TRY004 - a callback that this layout cannot run: a configuration error
+            raise ValueError(  # noqa: TRY004 - a callback this layout cannot run: a configuration error
                 f"{type(callback).__name__} unfreezes parameters during training, but DDP (data_parallel_mode="
                 f"'replicate') averages only the gradients of parameters that required one when it wrapped the model: "
                 f"the unfrozen ones would differ between replicas. Use data_parallel_mode='shard' (FSDP2 averages every "
@@ -116,10 +137,11 @@ def attach(engine: EngineHost, trainer: Trainer | None) -> None:
     """After setup: the finetuning callbacks compare whole values, throughput counts replicas."""
     if trainer is None:
         return
-    split = engine.parameters_are_dtensors or engine.pipeline_parallel.enabled
+    _ENGINES.add(engine)
+    if not _LIGHTNING_FILTER:
+        _LIGHTNING_FILTER.append(BaseFinetuning.__dict__["filter_on_optimizer"])
+        BaseFinetuning.filter_on_optimizer = staticmethod(filter_on_optimizer)
     for callback in trainer.callbacks:
-        if isinstance(callback, BaseFinetuning) and split:
-            callback.filter_on_optimizer = filter_on_optimizer  # an instance attribute: this callback, this run
         if isinstance(callback, ThroughputMonitor):
             replicas = engine.layout.data_parallel_size
             # The callback made its meters in its setup (before this one) with world_size=trainer.world_size.
@@ -130,8 +152,8 @@ def attach(engine: EngineHost, trainer: Trainer | None) -> None:
                     )
 
 
-def detach(trainer: Trainer | None) -> None:
-    """At teardown: the callbacks' own methods again."""
-    for callback in getattr(trainer, "callbacks", None) or []:
-        if isinstance(callback, BaseFinetuning):
-            callback.__dict__.pop("filter_on_optimizer", None)
+def detach(engine: EngineHost) -> None:
+    """At teardown: once no engine is set up, BaseFinetuning's own comparison again."""
+    _ENGINES.discard(engine)
+    if not _ENGINES and _LIGHTNING_FILTER:
+        BaseFinetuning.filter_on_optimizer = _LIGHTNING_FILTER.pop()

@@ -276,6 +276,15 @@ def _samples_per_batch(ctx: Context) -> dict[str, Any]:
     return {"samples_per_batch": out} if out else {}
 
 
+def _rate_by_parameter(trainer: L.Trainer, module: SweepGPT) -> dict[str, float]:
+    """The learning rate of each parameter this rank's optimizer holds, by name (frozen ones: absent)."""
+    rates = {}
+    for group in trainer.optimizers[0].param_groups:
+        held = {id(p) for p in group["params"]}
+        rates.update({name: group["lr"] for name, p in module.named_parameters() if id(p) in held})
+    return rates
+
+
 def _ema(**kwargs: Any) -> Callable[[Context], list[Any]]:
     return lambda ctx: [cb.EMAWeightAveraging(**kwargs)]
 
@@ -325,8 +334,8 @@ CASES: dict[str, Case] = {
         "`BackboneFinetuning(unfreeze_backbone_at_epoch=1)` (BaseFinetuning's freeze, then unfreeze into a new group)",
         callbacks=lambda ctx: [cb.BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
         trainer=EPOCHS_2, train_size=2 * GLOBAL_BATCH,
-        # The groups' rates (the unfrozen group joins at a tenth); what each holds is a stage's part under pp.
-        observe=lambda t, m, d, ctx: {"groups_lr": [g["lr"] for g in t.optimizers[0].param_groups]},
+        # Each parameter's rate (the unfrozen backbone joins at a tenth), over the ranks that hold it (a stage's under pp).
+        observe=lambda t, m, d, ctx: {"rows": _rate_by_parameter(t, m)},
     ),
     "gradient_accumulation_scheduler": Case(
         "`GradientAccumulationScheduler({1: 2})`: accumulation 1 in epoch 0, then 2",

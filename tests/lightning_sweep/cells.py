@@ -121,7 +121,7 @@ def judge(expected: dict[str, Any], outcomes: list[dict[str, Any]], training: di
     merged_rows: dict[str, float] = {}
     for rank, outcome in enumerate(outcomes):
         observed = dict(outcome["observed"])
-        if "rows" in expected["observed"]:  # each replica predicts its own rows: the union is compared
+        if "rows" in expected["observed"]:  # each rank's own rows (predictions, a stage's parameters): the union
             for index, value in observed.pop("rows", {}).items():
                 if index in merged_rows and abs(merged_rows[index] - value) > TOL:
                     differences.append(f"rank {rank}: row {index} differs from another rank's")

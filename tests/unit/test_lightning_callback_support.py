@@ -6,9 +6,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.fabric.utilities.throughput import Throughput
-from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BackboneFinetuning,
+    BaseFinetuning,
+    BatchSizeFinder,
+    ModelPruning,
+    StochasticWeightAveraging,
+)
 
-from lightning_parallel.strategies.lightning_callbacks import ReplicaThroughput, check, filter_on_optimizer
+from lightning_parallel.strategies.lightning_callbacks import (
+    ReplicaThroughput,
+    check,
+    filter_on_optimizer,
+)
 
 
 def test_filter_on_optimizer_is_lightnings_on_plain_tensors():
@@ -41,7 +51,13 @@ def test_replica_throughput_counts_replicas_not_devices():
 
 def engine(dtensors: bool = False, pipeline: bool = False, dp: int = 1) -> SimpleNamespace:
     return SimpleNamespace(parameters_are_dtensors=dtensors, pipeline_parallel=SimpleNamespace(enabled=pipeline),
-                           layout=SimpleNamespace(data_parallel_size=dp))
+                           layout=SimpleNamespace(data_parallel_size=dp), world_size=max(dp, 2 if dtensors or pipeline else 1))
+
+
+def test_batch_size_finder_is_refused_on_several_ranks_with_the_planner_named():
+    with pytest.raises(ValueError, match="lightning_parallel.plan"):
+        check(engine(dp=2), SimpleNamespace(callbacks=[BatchSizeFinder()]))
+    check(engine(), SimpleNamespace(callbacks=[BatchSizeFinder()]))  # one rank: Lightning's own
 
 
 @pytest.mark.parametrize(("callback", "fix"), [
@@ -53,7 +69,13 @@ def test_callbacks_that_cannot_see_a_split_model_are_refused_with_the_fix(callba
     with pytest.raises(ValueError, match=type(callback).__name__) as error:
         check(engine(**layout), SimpleNamespace(callbacks=[callback]))
     assert fix in str(error.value)
-    check(engine(dp=2), SimpleNamespace(callbacks=[callback]))  # DDP replicas: every rank holds the whole model
+    check(engine(), SimpleNamespace(callbacks=[callback]))  # one rank: Lightning's own
+
+
+def test_ddp_replicas_run_swa_and_refuse_pruning():
+    check(engine(dp=2), SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=0.1)]))  # whole model on each rank
+    with pytest.raises(ValueError, match="DDP replicas"):
+        check(engine(dp=2), SimpleNamespace(callbacks=[ModelPruning("l1_unstructured", amount=0.5)]))
 
 
 def test_finetuning_under_ddp_replicas_is_refused_and_allowed_elsewhere():
