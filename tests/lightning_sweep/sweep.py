@@ -108,6 +108,7 @@ def sweep(cases: list[str], layouts: list[str], results_path: Path | None = RESU
     """Run ``cases`` x ``layouts`` (``only``: just these (case, layout) cells); merged into ``results_path``
     (``None``: not written) and returned."""
     quiet()
+    commit = git_commit()  # what runs (a later commit by someone else must not be named)
     workdir = workdir or Path(tempfile.mkdtemp(prefix="lightning-sweep-"))
     results = load(results_path) if results_path is not None else {"cases": {}}
     records: dict[str, dict[str, Any]] = {}
@@ -130,7 +131,7 @@ def sweep(cases: list[str], layouts: list[str], results_path: Path | None = RESU
     results["cases"] = {case: results["cases"][case] for case in CASES if case in results["cases"]}
     import lightning
 
-    results["commit"] = git_commit()
+    results["commit"] = commit
     results["versions"] = {"lightning": lightning.__version__, "torch": torch.__version__.split("+")[0]}
     if results_path is not None:
         results_path.write_text(json.dumps(_plain(results), indent=1) + "\n")
