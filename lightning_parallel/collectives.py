@@ -28,6 +28,7 @@ __all__ = [
     "all_gather",
     "all_gather_into_tensor",
     "all_to_all_single",
+    "reduce_scatter_tensor",
     "broadcast",
     "broadcast_coalesced",
     "sync_module_states",
@@ -128,6 +129,15 @@ def all_to_all_single(
     """``torch.distributed.all_to_all_single`` on the group's device; ``output`` is written in place and returned."""
     with _placed([output, tensor], group, [True, False]) as (placed_output, placed):
         dist.all_to_all_single(placed_output, placed, output_split_sizes, input_split_sizes, group=group)
+    return output
+
+
+def reduce_scatter_tensor(
+    output: Tensor, tensor: Tensor, op: dist.ReduceOp = SUM, group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """``tensor`` reduced over ``group``, this rank's slice (along dim 0) written into ``output``; returns ``output``."""
+    with _placed([output, tensor], group, [True, False]) as (placed_output, placed):
+        dist.reduce_scatter_tensor(placed_output, placed, op=op, group=group)
     return output
 
 

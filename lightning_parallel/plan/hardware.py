@@ -49,7 +49,9 @@ class HardwareProfile:
         measured_peak: MFU divides by this run's own matmul benchmark (a CPU) instead of ``peak_tflops``.
         measured: The figures are this machine's (:mod:`lightning_parallel.measure.hardware`): compute peaks,
             collective bandwidth and latency, memory (the host's RAM over ``devices_per_node``), measured once and
-            cached; keys the profile gives itself win.
+            cached; keys the profile gives itself win. In a profile's file, ``measured: auto`` (``hardware=auto``)
+            stands for whatever this machine is (:mod:`lightning_parallel.plan.auto_hardware`): ``cpu_local`` on a
+            CPU, the GPUs and NCCL measured on a GPU node.
         dtensor_op_us: Host time one DTensor operator costs beyond its kernel (sharding propagation, wrapping),
             microseconds: added per operator a tensor-parallel step dispatches. Measured on CPUs (``measured: true``);
             0 where not measured (a GPU's host work overlaps its kernels).
@@ -157,11 +159,16 @@ class HardwareProfile:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> HardwareProfile:
         """Build from a mapping (a Hydra node); unknown keys are refused by name."""
+        auto = config.get("measured") == "auto"
+        if auto:
+            from lightning_parallel.plan.auto_hardware import resolve
+
+            config = resolve(config)  # this machine's whole profile: cpu_local's on a CPU, measured GPUs on a GPU node
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known - {"_target_"})
         if unknown:
             raise ValueError(f"hardware profile has unknown key(s) {unknown}; known keys: {sorted(known)}.")
-        if config.get("measured"):
+        if config.get("measured") and not auto:
             from lightning_parallel.measure.hardware import measured_profile_fields
 
             config = {**measured_profile_fields(int(config.get("devices_per_node", 1))), **config}
