@@ -27,6 +27,7 @@ from lightning_parallel.strategies import (
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
+from lightning_parallel.strategies.adapters import save_adapters
 from lightning_parallel.strategies.grad_norms import grad_norm
 from lightning_parallel.strategies.launch import training_job
 
@@ -55,5 +56,6 @@ __all__ = [
     "TrainingSummary",
     "grad_norm",
     "latest_checkpoint",
+    "save_adapters",
     "training_job",
 ]

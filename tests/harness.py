@@ -105,6 +105,8 @@ class JobSpec:
     # Train with Lightning's EMAWeightAveraging(decay=ema): the averaged parameters land in the result's "ema_params".
     ema: float | None = None
     val_check_interval: int | None = None  # validate every this many training batches during fit
+    # After fit: lightning_parallel.save_adapters writes the peft model's adapters to <job dir>/adapters (lora_* models).
+    save_adapters: bool = False
 
 
 class FailingStep(RuntimeError):
@@ -444,7 +446,7 @@ def make_data(spec: JobSpec) -> L.LightningDataModule:
 
         if is_image_family(spec.model.removeprefix("hf_").partition(":")[0]):  # hf_vit, hf_resnet
             return SyntheticImagesDataModule(num_train=256, num_val=64, image_size=8, batch_size=spec.batch_size, shuffle=False)
-    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral", "reduced_kv_attention", "list_moe", "old_mixtral", "packed_documents", "padded_window", "packed_long_first") or spec.model.startswith("hf_"):
+    if spec.model in ("gpt", "gpt_moe", "demo_transformer", "view_attention", "rotary_attention", "hand_norm_attention", "litgpt", "llama_reference", "router_loss_mixtral", "reduced_kv_attention", "list_moe", "old_mixtral", "packed_documents", "padded_window", "packed_long_first") or spec.model.startswith(("hf_", "lora_")):
         return CharCorpusDataModule(
             block_size=8, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, max_chars=20_000, shuffle=False
         )
@@ -509,6 +511,10 @@ def make_model(spec: JobSpec) -> L.LightningModule:
         from tests.hf_models import LitGPTLM
 
         return LitGPTLM()
+    if spec.model.startswith("lora_"):  # a transformers LM wrapped by peft's get_peft_model (adapters train)
+        from tests.lora_models import LoraCausalLM
+
+        return LoraCausalLM(spec.model.removeprefix("lora_"))
     if spec.model.startswith("hf_"):
         from tests.hf_models import make_hf_model
 
@@ -603,6 +609,8 @@ def run_job(spec: JobSpec, save_path: Path | None = None) -> dict[str, Any]:
     model, data, trainer, recorder = build(spec, save_path)
     trainer.fit(model, datamodule=data)
     result = dict(recorder.result)
+    if spec.save_adapters:
+        lightning_parallel.save_adapters(trainer, job_dir(save_path) / "adapters")
     ckpt_path = None
     if spec.checkpoint_round_trip:
         ckpt_path = job_dir(save_path) / "final.ckpt"

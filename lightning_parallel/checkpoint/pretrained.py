@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,6 +61,8 @@ def load_pretrained(
     whole_shapes: Mapping[str, tuple[int, ...]],
     aliases: Mapping[str, str] | None = None,
     trust_pickle: bool = False,
+    unwrapped_names: Mapping[str, str] | None = None,
+    adapters: Collection[str] = (),
 ) -> list[str]:
     """Copy the weights stored at ``path`` into ``targets`` (this rank's tensors by full name).
 
@@ -71,6 +73,10 @@ def load_pretrained(
         whole_shapes: Name -> shape of every tensor of the whole module: what the source must hold.
         aliases: Tied names -> the name they share a tensor with (a source may store only one of them).
         trust_pickle: Unpickle a checkpoint file in full, running any code it names (only for files you trust).
+        unwrapped_names: Names of tensors of projections wrapped with adapters (peft's LoRA layers) -> their names in
+            the model before wrapping (``q_proj.base_layer.weight`` -> ``q_proj.weight``). A source that stores none
+            of the wrapped names holds the base model: it is read by the unwrapped names, and ``adapters`` (the
+            adapters' tensor names) keep the values they have (peft's initialisation).
 
     Returns:
         The target names written.
@@ -97,6 +103,9 @@ def load_pretrained(
             converted = PerExpertSource.for_directory(path, source)
             if converted is not None:
                 source, found = converted, converted.shapes()
+    if unwrapped_names and _holds_base_model(found, whole_shapes, unwrapped_names):
+        whole_shapes, targets, fused = (_unwrapped(m, unwrapped_names, adapters) for m in (whole_shapes, targets, fused))
+        aliases = {unwrapped_names.get(k, k): unwrapped_names.get(v, v) for k, v in aliases.items() if k not in adapters}
     prefix = _prefix(found, whole_shapes)
     expected = {k[len(prefix):]: v for k, v in whole_shapes.items() if k.startswith(prefix)}
     stored_alias = {k[len(prefix):]: v[len(prefix):] for k, v in aliases.items() if k.startswith(prefix) and v.startswith(prefix)}
@@ -128,6 +137,21 @@ def load_pretrained(
 #: keep them) and one built as fused 3-D parameters (``...experts.gate_up_proj``, as transformers 5 builds them).
 _EXPERT_PER_MODULE = re.compile(r"\.experts\.\d+\.")
 _FUSED_EXPERTS = re.compile(r"\.experts\.[A-Za-z_]+$")
+
+
+def _holds_base_model(found: Mapping[str, tuple[int, ...]], whole: Mapping[str, tuple[int, ...]],
+                      unwrapped_names: Mapping[str, str]) -> bool:
+    """The source stores the model as it was before its projections were wrapped with adapters (none of the wrapped
+    names, some of the unwrapped ones)."""
+    prefix = _prefix(found, whole)
+    if any(name[len(prefix):] in found for name in unwrapped_names if name.startswith(prefix)):
+        return False
+    prefix = _prefix(found, {unwrapped_names.get(k, k): v for k, v in whole.items()})
+    return any(name[len(prefix):] in found for name in unwrapped_names.values() if name.startswith(prefix))
+
+
+def _unwrapped(mapping: Mapping[str, Any], unwrapped_names: Mapping[str, str], adapters: Collection[str]) -> dict[str, Any]:
+    return {unwrapped_names.get(k, k): v for k, v in mapping.items() if k not in adapters}
 
 
 def _fix_for(expected: Mapping[str, tuple[int, ...]], present: Mapping[str, tuple[int, ...]]) -> str:

@@ -21,10 +21,10 @@ Launch = tuple[dict[str, dict[str, Any]], dict[str, JobSpec], Path]
 
 def shared_specs(ranks: int) -> dict[str, JobSpec]:
     """Every module's jobs of ``ranks`` ranks, by name (names are unique across modules)."""
-    from tests.distributed import test_hot_path, test_hybrid_parallel, test_lightning_callbacks, test_transformers
+    from tests.distributed import test_hot_path, test_hybrid_parallel, test_lightning_callbacks, test_lora, test_transformers
 
     specs: dict[str, JobSpec] = {}
-    for module in (test_hybrid_parallel, test_transformers, test_hot_path, test_lightning_callbacks):
+    for module in (test_hybrid_parallel, test_transformers, test_hot_path, test_lightning_callbacks, test_lora):
         name = {4: "four_rank_specs", 8: "eight_rank_specs"}[ranks]
         if not hasattr(module, name):
             continue

@@ -9,6 +9,7 @@ The memory each rank adds during setup is measured in fresh processes (``benchma
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cache
 from pathlib import Path
 
@@ -46,6 +47,10 @@ def saved_weights(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.save({"state_dict": mixtral.state_dict()}, folder / "mixtral.ckpt")
     mixtral.net.save_pretrained(folder / "mixtral_hf")
     assert (folder / "llama_hf_sharded" / "model.safetensors.index.json").is_file()
+    if importlib.util.find_spec("peft") is not None:  # LoRA jobs (test_lora): the wrapped model starting from llama's
+        from tests.distributed.test_lora import save_lora_start
+
+        save_lora_start(llama.state_dict(), folder / "lora_llama.ckpt")
     return {p.name.removesuffix(".ckpt"): p for p in folder.iterdir()}
 
 
@@ -123,12 +128,20 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
             {"model": "hf_llama", "val_batch_size": 8},
         ),
     }
+    if "lora_llama" in w:  # peft installed: LoRA under dp2, dp2 shard, tp2, pp2 (tests/distributed/test_lora.py)
+        from tests.distributed.test_lora import lora_jobs
+
+        jobs.update(lora_jobs(w))
     results = run_distributed_jobs({name: job for name, (job, _) in jobs.items()}, tmp_path, timeout=600)
     for name, (job, reference_arguments) in jobs.items():
         try:
             assert_same_training(reference(**reference_arguments), results[name], steps=STEPS)
         except AssertionError as error:
             raise AssertionError(f"{name}: {error}") from None
+    if "lora_llama" in w:
+        from tests.distributed.test_lora import assert_lora_results
+
+        assert_lora_results(results, tmp_path)
     validated, expected = results["llama_pp2_first_batch_a_validation_one"], reference(model="hf_llama", val_batch_size=8)
     assert validated["pipeline_training_rows"] == 4
     for key in ("val/loss", "val/accuracy"):

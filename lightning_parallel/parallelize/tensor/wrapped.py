@@ -126,6 +126,22 @@ def _adapters_of(wrapper: nn.Module, base: nn.Module) -> WrappedProjection | str
     )
 
 
+def wrapped_names(module: nn.Module) -> tuple[dict[str, str], frozenset[str]]:
+    """Names of ``module``'s parameters and buffers as the model had them before its projections were wrapped
+    (``...q_proj.base_layer.weight`` -> ``...q_proj.weight``), and the names of the adapters' tensors (which the
+    unwrapped model has not)."""
+    renamed: dict[str, str] = {}
+    adapters: set[str] = set()
+    for fqn, found in find_wrapped(module).items():
+        wrapper = module.get_submodule(fqn)
+        for name, _ in wrapper.state_dict(keep_vars=True).items():
+            if name.startswith(f"{found.base}."):
+                renamed[f"{fqn}.{name}"] = f"{fqn}.{name[len(found.base) + 1:]}"
+            else:
+                adapters.add(f"{fqn}.{name}")
+    return renamed, frozenset(adapters)
+
+
 @contextlib.contextmanager
 def see_through(module: nn.Module, wrapped: Mapping[str, WrappedProjection]) -> Iterator[None]:
     """Within this, each wrapper in ``wrapped`` is replaced in its parent by its base layer (the tree peft wrapped);

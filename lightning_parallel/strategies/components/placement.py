@@ -30,6 +30,7 @@ from lightning_parallel.parallelize.placement.deferred_init import (
     tied_aliases,
 )
 from lightning_parallel.parallelize.tensor.fused import fused_layouts
+from lightning_parallel.parallelize.tensor.wrapped import wrapped_names
 from lightning_parallel.parallelize.pipeline.build import allocate_meta_in_place
 from lightning_parallel.strategies.components.base import Component
 
@@ -59,6 +60,8 @@ class ModelPlacement(Component):
         self.initial_values: InitialValues | None = None
         self._whole_shapes: dict[str, tuple[int, ...]] | None = None
         self._aliases: dict[str, str] = {}
+        self._unwrapped_names: dict[str, str] = {}
+        self._adapter_names: frozenset[str] = frozenset()
         self._construction_stream: Tensor | None = None  # the generator state to initialise from, if not the current one
         self._placed = False
 
@@ -74,6 +77,9 @@ class ModelPlacement(Component):
         # Recorded before any split: the whole module's names and shapes, and eager construction's order.
         self._whole_shapes = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
         self._aliases = tied_aliases(module)
+        # Projections wrapped with adapters (peft): a source saved before wrapping names their base weights without
+        # ``base_layer``, and holds no adapters (they keep their initial values, as peft leaves them on a base model).
+        self._unwrapped_names, self._adapter_names = wrapped_names(module)
         if has_meta_tensors(module):
             self.initial_values = InitialValues.of(module)
             if self.engine.pipeline_parallel.enabled:
@@ -136,6 +142,7 @@ class ModelPlacement(Component):
         if self.weights_from is not None:
             loaded = load_pretrained(
                 self.weights_from, targets, fused, whole_shapes=self._whole_shapes or {}, aliases=self._aliases,
+                unwrapped_names=self._unwrapped_names, adapters=self._adapter_names,
                 trust_pickle=self.trust_pickle,
             )
             rank_zero_info(f"lightning_parallel: read {len(loaded)} tensors of this rank's part from {self.weights_from!r}.")
