@@ -47,6 +47,9 @@ JOBS: dict[str, tuple[int, str, int, int, dict]] = {
     "packed-window-cp2-accumulate2": (2, "packed_documents", 1, 2, {"context_parallel_size": 2}),
     "padded-window-cp2-accumulate2": (2, "padded_window", 1, 2, {"context_parallel_size": 2}),
     "packed-window-cp4": (4, "packed_documents", 1, 1, {"context_parallel_size": 4}),
+    # A document of 6 tokens and one of 2 in every block: head-tail would leave rank 1 with 4x rank 0's attention
+    # work, so the chunks are laid out by their work (4 chunks of 1 token per rank, balance.py).
+    "packed-balanced-cp2-accumulate2": (2, "packed_long_first", 1, 2, {"context_parallel_size": 2}),
     # An untied head split over the vocabulary (loss_parallel): its logits gathered over the sequence as DTensors.
     "gpt-tp2+sp×cp2": (4, "gpt", 1, 1, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
     "gpt-tp2×cp2-loss-parallel-accumulate2": (4, "gpt", 1, 2, {"context_parallel_size": 2, "tensor_parallel_size": 2,
@@ -56,6 +59,8 @@ JOBS: dict[str, tuple[int, str, int, int, dict]] = {
 
 #: The job whose ScalingMonitor's context-parallel traffic is checked byte for byte.
 MONITORED = "gpt-cp4"
+#: The job whose ScalingMonitor reports the balanced layout of packed documents.
+BALANCED = "packed-balanced-cp2-accumulate2"
 
 
 def job(name: str) -> JobSpec:
@@ -64,7 +69,7 @@ def job(name: str) -> JobSpec:
         options = {**options, "data_parallel_size": dp}
     return JobSpec(
         model=model, strategy="hybrid", devices=devices, batch_size=BATCH, val_batch_size=VAL_BATCH, accumulate=accumulate,
-        steps=STEPS, validate=True, strategy_kwargs={"timeout": 120, **options}, monitor=name == MONITORED,
+        steps=STEPS, validate=True, strategy_kwargs={"timeout": 120, **options}, monitor=name in (MONITORED, BALANCED),
         # Saved sharded (FSDP2 over dp_shard × cp), weights wiped, validated from the checkpoint.
         checkpoint_round_trip=name.endswith("round-trip"), tie_weights=_tied(name),
     )
@@ -123,3 +128,15 @@ def test_monitor_counts_the_ring_and_the_output_gather_as_context_parallel_traff
         assert step["cp_bytes"] == expected
         assert step["tp_bytes"] == 0
         assert 0 < step["cp_s"] < step["step_s"]
+        # Ring attention's work on rank 0 (chunks 0 and 7 of 8, one token each): under the causal mask it computes
+        # 8 blocks (its diagonal ones count half) and skips 7 of its 16, per layer, batch row and head.
+        assert step["cp_scores_computed"] == layers * 8 * BATCH * heads
+        assert step["cp_scores_skipped"] == layers * 7 * BATCH * heads
+        assert step["cp_imbalance"] == 0.0  # no packed documents: head-tail, nothing to report
+
+
+def test_monitor_reports_the_balanced_layout_of_packed_documents(tmp_root: str) -> None:
+    result = launched(JOBS[BALANCED][0], tmp_root)[BALANCED]
+    for step in result["scaling_steps"]:
+        assert step["cp_imbalance"] == 1.0  # both ranks expect 10 blocks (head-tail: 2 and 8)
+        assert step["cp_scores_skipped"] > 0 and step["cp_scores_computed"] > 0
