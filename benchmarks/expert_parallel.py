@@ -17,8 +17,8 @@ arithmetic everywhere: the default ``grouped_mm`` has no CPU kernel for every dt
 - ``ddp``: Lightning's ``DDPStrategy``: every rank holds every expert (what a Lightning user has without EP).
 
 Reported side by side: median step time, the ratios against transformers and DDP, and per-rank parameter bytes.
-No collective counts (``benchmarks.common.CommCounter`` could add them: it counts at dispatch, without torch's
-``CommDebugMode`` module tracker, which stopped when the experts' call was hooked).
+And the collectives of one training step, by op name (``benchmarks.common.CommCounter``: counted at dispatch,
+without torch's ``CommDebugMode`` module tracker, which stopped when the experts' call was hooked).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, StepTimer, median_step, run_worker_copies, scratch_dir
+from benchmarks.common import RESULTS, CommCounter, StepTimer, median_step, run_worker_copies, scratch_dir
 
 VARIANTS = ("ours", "ours_shard", "transformers", "ddp")
 CONFIG = {
@@ -108,7 +108,7 @@ def worker(variant: str, path: Path, steps: int, warmup: int, out: Path) -> None
     class Extras(L.Callback):
         def on_train_end(self, trainer, pl_module):
             local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in pl_module.parameters())
-            timer.extra.update({"variant": variant, "param_bytes_per_rank": local})
+            timer.extra.update({"variant": variant, "param_bytes_per_rank": local, "comm_counts": counter.counts})
 
     L.seed_everything(0)
     if variant == "transformers":
@@ -119,11 +119,11 @@ def worker(variant: str, path: Path, steps: int, warmup: int, out: Path) -> None
         mode = "shard" if variant == "ours_shard" else "replicate"
         model = CausalLM(load_in_configure_model=False)
         strategy = HybridParallelStrategy(data_parallel_size=2, expert_parallel_size=2, data_parallel_mode=mode)
-    timer = StepTimer(out, warmup)
+    timer, counter = StepTimer(out, warmup), CommCounter(step=warmup)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=steps + warmup, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        callbacks=[Extras(), timer],
+        callbacks=[counter, Extras(), timer],
     )
     trainer.fit(model, datamodule=CharCorpusDataModule(block_size=BLOCK, batch_size=BATCH, max_chars=200_000))
 
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         "ratio_over_transformers": {v: ratios(v, "transformers") for v in variants if "transformers" in variants},
         "ratio_over_ddp": {v: ratios(v, "ddp") for v in variants if "ddp" in variants},
         "param_bytes_per_rank": {v: runs[v][0]["param_bytes_per_rank"] for v in variants},
+        "comm_counts_per_step": {v: runs[v][0]["comm_counts"] for v in variants},
         "whole_model_bytes": whole,
     }
     (results / "expert_parallel.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -191,11 +192,13 @@ def main(argv: list[str] | None = None) -> None:
         f"Step times are medians of each run after {args.warmup} warm-up steps, then the median over {args.rounds} "
         "rounds; variants alternate within a round.",
         "",
-        "| variant | step (ms) | / transformers EP | / DDP | parameter bytes per rank (of the whole) |",
-        "|---|---|---|---|---|",
+        "| variant | step (ms) | / transformers EP | / DDP | parameter bytes per rank (of the whole) | collectives in one training step (by op name, counted at dispatch) |",
+        "|---|---|---|---|---|---|",
         *[
             f"| {v} | {step(v):.1f} | {over('ratio_over_transformers', v)} | {over('ratio_over_ddp', v)} | "
-            f"{summary['param_bytes_per_rank'][v]:,} ({summary['param_bytes_per_rank'][v] / whole:.3f}) |"
+            f"{summary['param_bytes_per_rank'][v]:,} ({summary['param_bytes_per_rank'][v] / whole:.3f}) | "
+            + ", ".join(f"{op} × {n}" for op, n in sorted(summary["comm_counts_per_step"][v].items()))
+            + " |"
             for v in variants
         ],
         "",
