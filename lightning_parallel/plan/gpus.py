@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from lightning_parallel.plan.hardware import DTYPES
+from lightning_parallel.plan.dtypes import DTYPES
 
 
 class UnknownGPUError(ValueError):

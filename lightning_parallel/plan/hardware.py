@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields, replace
 from itertools import pairwise
 from typing import Any
 
+from lightning_parallel.plan.dtypes import DTYPES as DTYPES  # re-exported: callers import it from here
+
 GIB = 2**30
 #: How ranks meet a collective inside a node -> the profile field with its fixed cost (see HardwareProfile.link).
 _MEETINGS = {"arriving": "intra_node_latency_us", "lockstep": "lockstep_latency_us", "send": "send_latency_us"}
@@ -353,6 +355,3 @@ def _interpolate(points: Sequence[tuple[float, float]], x: float | None) -> floa
             return v0 + (v1 - v0) * (x - x0) / (x1 - x0)
     raise AssertionError("unreachable: x is inside the points")
 
-
-#: Dtype names a peak is given for.
-DTYPES = ("bf16", "fp16", "fp32", "fp64")
