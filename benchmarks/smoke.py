@@ -79,7 +79,7 @@ class WorkerPool:
         env = {k: v for k, v in os.environ.items() if k not in _LEFT_BY_TRAINING}
         env["OMP_NUM_THREADS"] = "1"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   str(Path(__file__)), "--serve", str(self.folder)]
+                   str(Path(__file__)), "--serve", str(self.folder), "--client", str(os.getpid())]
         with (self.folder / "pool.log").open("w") as log:
             self.proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -125,13 +125,22 @@ class WorkerPool:
         self.proc = None
 
 
-def serve(folder: Path) -> None:
-    """A rank of the :class:`WorkerPool`: run the runs in ``folder`` in order until ``stop`` appears."""
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def serve(folder: Path, client: int) -> None:
+    """A rank of the :class:`WorkerPool`: run the runs in ``folder`` in order until ``stop`` appears, or the client
+    process (pid ``client``) is gone (killed at a test's timeout: its ranks must not wait for runs forever)."""
     rank, count = int(os.environ["RANK"]), 0
     while True:
         job = folder / f"{count}.json"
         while not job.exists():
-            if (folder / "stop").exists():
+            if (folder / "stop").exists() or not _alive(client):
                 import torch.distributed as dist
 
                 if dist.is_initialized():  # close gloo's threads before the interpreter goes
@@ -175,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="where the smoke reports go (default: a temporary folder)")
     parser.add_argument("--only", nargs="+", choices=SCRIPTS, default=list(SCRIPTS))
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--client", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.client)
         return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="benchmark-smoke-"))
     failures = run_smokes(out, args.only)
