@@ -89,3 +89,21 @@ def test_a_wrapper_holding_more_than_adapter_pairs_is_left_whole_and_named():
     plain[0].lora_A, plain[0].lora_B = nn.ModuleDict({"a": nn.Linear(8, 2)}), nn.ModuleDict({"a": nn.Linear(2, 8)})
     (found,) = find_wrapped(plain).values()
     assert found.adapters == {"a": ("lora_A.a", "lora_B.a")}
+
+
+def test_adapter_dropout_beside_a_column_split_draws_one_mask_on_every_rank():
+    """Two ranks' copies (same shared seed, same module name) drop the same elements, call after call, scaled by
+    1/(1-p); another module's mask differs; evaluation passes the input through."""
+    from lightning_parallel.parallelize.tensor.wrapped import SameMaskDropout
+
+    x = torch.ones(64, 32, dtype=torch.float64)
+    rank0, rank1 = (SameMaskDropout(0.25, seed=11, name="layers.0.q_proj") for _ in range(2))
+    other = SameMaskDropout(0.25, seed=11, name="layers.0.k_proj")
+    for _ in range(2):
+        a, b = rank0(x), rank1(x)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert set(a.unique().tolist()) == {0.0, 1 / 0.75}
+        assert 0.15 < (a == 0).double().mean() < 0.35
+    assert not torch.equal(other(x), rank0(x))
+    rank0.eval()
+    assert rank0(x) is x
