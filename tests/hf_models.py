@@ -319,10 +319,24 @@ OTHER_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                                                       shared_expert_intermediate_size=32, num_attention_heads=4,
                                                       num_key_value_heads=2, num_hidden_layers=2, num_experts=4,
                                                       num_experts_per_tok=2, max_position_embeddings=16)),
+    # Mixture of experts in every layer, per-head q/k norms (trained under dp2 ep2 and exported: test_export_moe.py).
+    "qwen3_moe": ("causal_lm", "Qwen3MoeConfig", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=16)),
+    # Multi-head latent attention, a dense first layer, then sigmoid group routing (a float32 router with a
+    # correction-bias buffer) over 4 routed experts beside a shared one (trained under dp2 ep2 and exported).
+    "deepseek_v3": ("causal_lm", "DeepseekV3Config", dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                                                          num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+                                                          n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                                          n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+                                                          q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                                          v_head_dim=8, max_position_embeddings=16)),
 }
 #: Mixture-of-experts families among :data:`OTHER_FAMILIES`: built with transformers' ``eager`` experts (a loop over
 #: the experts a batch routes to; the default ``grouped_mm`` has no float64 CPU kernel).
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
+#: More of them, for the MoE export's tests only (not in the "Works with" matrix).
+EXPORT_MOE_FAMILIES = ("qwen3_moe", "deepseek_v3")
 
 
 def other_config(family: str, attention: str = "sdpa") -> Any:
@@ -334,7 +348,7 @@ def other_config(family: str, attention: str = "sdpa") -> Any:
     config = getattr(transformers, class_name)(**extra, **fields)
     if family != "resnet":  # no attention to choose
         config._attn_implementation = attention
-    if family in MOE_FAMILIES:
+    if family in (*MOE_FAMILIES, *EXPORT_MOE_FAMILIES):
         config._experts_implementation = "eager"
     return config
 

@@ -57,7 +57,7 @@ def plan(model: Any, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]])
     for name in tensors:
         try:
             outputs = _signature(to_hub_layout(model, {name: meta[name]}))
-        except Exception:  # the reverse needs this tensor's companions: convert everything together
+        except Exception:  # noqa: BLE001 - any op of the reverse may refuse one tensor alone: convert them together
             return [HubGroup(tuple(tensors), whole)]
         groups.append(HubGroup((name,), outputs))
     written = [out for group in groups for out in group.outputs]
