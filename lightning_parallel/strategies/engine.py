@@ -200,6 +200,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self.nonfinite = NonFiniteGuard(self, nonfinite)
         self.progress = ProgressReport(self)
         self.weight_averaging = WeightAveragingSupport(self)  # Lightning's WeightAveraging callbacks, shard for shard
+        lightning_callbacks.install_tuner_check()  # Tuner.scale_batch_size checks before any hook: our refusal first
 
     # ------------------------------------------------------------------ properties
 

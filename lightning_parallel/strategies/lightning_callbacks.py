@@ -11,7 +11,9 @@
   Under DDP replicas (``data_parallel_mode='replicate'``) such a callback is refused: DDP averages only the gradients
   of the parameters that required one when it wrapped the model, before the callback unfreezes them.
 * ``BatchSizeFinder`` / ``Tuner.scale_batch_size``: Lightning refuses distributed strategies (*"The Batch size finder
-  is not supported with distributed strategies"*); refused here first, naming what to do instead.
+  is not supported with distributed strategies"*, *"Tuning the batch size is currently not supported with distributed
+  strategies"*); refused here first, naming what to do instead (the tuner's check is wrapped when a strategy is made:
+  :func:`install_tuner_check`).
 * ``StochasticWeightAveraging`` keeps a deep copy of the whole, unsplit module and pairs its tensors with the module's
   by position (shards, or one stage's): refused with the fix, ``WeightAveraging``, which the engine keeps sharded.
 * ``ModelPruning`` re-parametrises each weight (``weight_orig`` x ``weight_mask``) and ranks magnitudes over what the
@@ -52,6 +54,33 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+BATCH_SIZE_FINDER = (
+    "BatchSizeFinder (and Tuner.scale_batch_size) runs on one device only: Lightning refuses every distributed strategy. "
+    "Find the batch size that fits one rank's share with the planner (python -m lightning_parallel.plan: memory per "
+    "rank for each layout), or run the finder on one device with the model that rank holds, and set the data module's "
+    "batch_size (per data-parallel replica)."
+)
+
+
+def install_tuner_check() -> None:
+    """``Tuner.scale_batch_size`` refuses distributed strategies before any hook of the strategy runs (Lightning's
+    ``_check_scale_batch_size_configuration``): for this library's strategies, refuse with :data:`BATCH_SIZE_FINDER`
+    (what to do instead) first. Idempotent; other strategies get Lightning's check unchanged."""
+    from lightning.pytorch.tuner import tuning
+
+    original = tuning._check_scale_batch_size_configuration
+    if getattr(original, "_lightning_parallel", False):
+        return
+
+    def check_configuration(trainer: Trainer) -> None:
+        if type(trainer.strategy).__module__.startswith("lightning_parallel.") and trainer.world_size > 1:
+            raise ValueError(BATCH_SIZE_FINDER)
+        original(trainer)
+
+    check_configuration._lightning_parallel = True  # type: ignore[attr-defined]
+    tuning._check_scale_batch_size_configuration = check_configuration
+
+
 def filter_on_optimizer(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """``BaseFinetuning.filter_on_optimizer`` on whole values: the parameters of ``params`` equal to none in
     ``optimizer`` (Lightning compares values, as here; DTensors are gathered, so every rank of their mesh calls it)."""
@@ -89,12 +118,7 @@ def check(engine: EngineHost, trainer: Trainer | None) -> None:
         return
     for callback in trainer.callbacks:
         if isinstance(callback, BatchSizeFinder) and engine.world_size > 1:
-            raise ValueError(
-                "BatchSizeFinder (and Tuner.scale_batch_size) runs on one device only: Lightning refuses every "
-                "distributed strategy in its setup. Find the batch size that fits one rank's share with the planner "
-                "(python -m lightning_parallel.plan: memory per rank for each layout), or run the finder on one device "
-                "with the model that rank holds, and set the data module's batch_size (per data-parallel replica)."
-            )
+            raise ValueError(BATCH_SIZE_FINDER)
     split = engine.parameters_are_dtensors or engine.pipeline_parallel.enabled
     if not split and engine.layout.data_parallel_size > 1:
         _check_replicas(trainer)

@@ -32,6 +32,10 @@ def render(results: dict[str, Any]) -> str:
         "| what you write | " + " | ".join(layouts) + " |",
         "|---" * (len(layouts) + 1) + "|",
     ]
+    later = {name: r["commit"] for name, r in results["cases"].items() if r.get("commit", results.get("commit")) != results.get("commit")}
+    if later:
+        lines[0] = lines[0].replace("Swept at commit", "Swept at commit").rstrip(".") + "; re-swept later: " + ", ".join(
+            f"`{name}` at `{commit}`" for name, commit in later.items()) + "."
     counts: dict[str, int] = {}
     for name, case in CASES.items():
         record = results["cases"].get(name)

@@ -124,6 +124,7 @@ def sweep(cases: list[str], layouts: list[str], results_path: Path | None = RESU
             records[verdict.pop("case")].setdefault("cells", {})[verdict.pop("layout")] = verdict
     for case, record in records.items():
         record.pop("reference", None)
+        record["commit"] = commit
         old = results["cases"].get(case, {}).get("cells", {})
         merged = {**old, **record.get("cells", {})}
         record["cells"] = {layout: merged[layout] for layout in LAYOUTS if layout in merged}
