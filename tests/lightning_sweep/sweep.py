@@ -132,7 +132,9 @@ def sweep(cases: list[str], layouts: list[str], results_path: Path | None = RESU
     results["cases"] = {case: results["cases"][case] for case in CASES if case in results["cases"]}
     import lightning
 
-    results["commit"] = commit
+    # The commit most cases were swept at (a partial re-sweep names its own per case, docs/lightning-callbacks.md).
+    swept = [record.get("commit", commit) for record in results["cases"].values()]
+    results["commit"] = max(set(swept), key=swept.count)
     results["versions"] = {"lightning": lightning.__version__, "torch": torch.__version__.split("+")[0]}
     if results_path is not None:
         results_path.write_text(json.dumps(_plain(results), indent=1) + "\n")
