@@ -36,22 +36,46 @@ def encode_ascii(text: str, vocab_size: int = 128) -> torch.Tensor:
     return torch.tensor([c if c < vocab_size else unknown for c in map(ord, text)], dtype=torch.long)
 
 
-class BlockDataset(Dataset):
-    """Non-overlapping blocks of ``block_size`` tokens; the target is the block shifted by one."""
+NEWLINE = ord("\n")
 
-    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+
+def document_starts(tokens: torch.Tensor) -> torch.Tensor:
+    """Where a document starts: the first token, and every token after a blank line (in Python source, each
+    top-level function, class or paragraph of statements is one document, of tens to thousands of characters)."""
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[0] = True
+    starts[2:] = (tokens[:-2] == NEWLINE) & (tokens[1:-1] == NEWLINE)
+    return starts
+
+
+class BlockDataset(Dataset):
+    """Non-overlapping blocks of ``block_size`` tokens; the target is the block shifted by one.
+
+    With ``pack_documents`` each sample also holds position ids that restart at every document in the block (and at
+    the block's first token, as when documents are packed into sequences: Llama 3's intra-document masking); a model
+    that takes them attends within each document only.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, pack_documents: bool = False) -> None:
         if len(tokens) < block_size + 1:
             raise ValueError(f"{len(tokens)} tokens cannot fill one block of block_size={block_size} (+1 target).")
         self.tokens = tokens
         self.block_size = block_size
+        self.starts = document_starts(tokens) if pack_documents else None
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.block_size
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
         start = index * self.block_size
         chunk = self.tokens[start : start + self.block_size + 1]
-        return chunk[:-1], chunk[1:]
+        if self.starts is None:
+            return chunk[:-1], chunk[1:]
+        starts = self.starts[start : start + self.block_size].clone()
+        starts[0] = True
+        index_in_block = torch.arange(self.block_size)
+        first = torch.where(starts, index_in_block, torch.zeros_like(index_in_block)).cummax(0).values
+        return chunk[:-1], chunk[1:], index_in_block - first
 
 
 class CharCorpusDataModule(L.LightningDataModule):
@@ -63,6 +87,9 @@ class CharCorpusDataModule(L.LightningDataModule):
         max_chars: Corpus size; the last ``val_fraction`` of it is held out.
         shuffle: Shuffle training blocks each epoch (Lightning's DistributedSampler keeps replicas disjoint).
         val_batch_size: Samples per validation batch per rank (default: ``batch_size``).
+        pack_documents: Samples also hold ``position_ids`` restarting at each document (text between blank lines)
+            and at the block's start: the recipe GPT then attends within documents only; under context parallelism
+            the sequence's chunks are laid out by their attention work.
     """
 
     def __init__(
@@ -75,6 +102,7 @@ class CharCorpusDataModule(L.LightningDataModule):
         shuffle: bool = True,
         num_workers: int = 0,
         val_batch_size: int | None = None,
+        pack_documents: bool = False,
     ) -> None:
         super().__init__()
         if not 0.0 < val_fraction < 1.0:
@@ -88,8 +116,9 @@ class CharCorpusDataModule(L.LightningDataModule):
             return
         tokens = encode_ascii(read_stdlib_corpus(self.hparams.max_chars), self.hparams.vocab_size)
         split = int(len(tokens) * (1 - self.hparams.val_fraction))
-        self.train_set = BlockDataset(tokens[:split], self.hparams.block_size)
-        self.val_set = BlockDataset(tokens[split:], self.hparams.block_size)
+        packed = self.hparams.pack_documents
+        self.train_set = BlockDataset(tokens[:split], self.hparams.block_size, packed)
+        self.val_set = BlockDataset(tokens[split:], self.hparams.block_size, packed)
 
     def train_dataloader(self) -> DataLoader:
         return StatefulDataLoader(

@@ -30,7 +30,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: ``[batch, 1, seq, seq]`` booleans (``True`` attends), or ``None`` for the causal mask."""
         batch, seq, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,8 @@ class CausalSelfAttention(nn.Module):
             return t.view(batch, seq, self.n_head, -1).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
+                                           is_causal=mask is None)
         y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.out_proj(y))
 
@@ -99,8 +101,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd)
         self.mlp = MoE(n_embd, n_experts, experts_per_token, dropout) if n_experts else MLP(n_embd, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -138,14 +140,22 @@ class GPT(nn.Module):
             nn.init.normal_(module.up_proj, mean=0.0, std=0.02)
             nn.init.normal_(module.down_proj, mean=0.0, std=self.residual_std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx`` (``[batch, seq]``). ``position_ids`` that restart per document (packed documents):
+        positions within each document, and attention within each document only (causal)."""
         seq = idx.size(1)
         if seq > self.block_size:
             raise ValueError(f"Sequence length {seq} exceeds block_size={self.block_size}.")
         positions = torch.arange(seq, device=idx.device)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
+        mask = None
+        if position_ids is not None:
+            # Two tokens share a document when their documents start at the same index (index − position).
+            start = positions - position_ids
+            mask = (start.unsqueeze(-1) == start.unsqueeze(-2)) & (positions.unsqueeze(-1) >= positions.unsqueeze(0))
+            mask = mask.unsqueeze(1)  # [batch, 1, seq, seq]
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(positions if position_ids is None else position_ids))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return self.lm_head(self.ln_f(x))
 
 
@@ -161,9 +171,9 @@ class NextTokenLightningModule(L.LightningModule):
     def _track_accuracy(self) -> None:
         self.val_accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=self.hparams.vocab_size, average="micro")
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        idx, targets = batch
-        logits = self(idx)
+    def _loss(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        idx, targets, *packed = batch  # (tokens, targets[, position_ids of packed documents])
+        logits = self(idx, position_ids=packed[0]) if packed else self(idx)
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
         return loss, logits, targets
 
@@ -212,5 +222,5 @@ class GPTLightningModule(NextTokenLightningModule):
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights, n_experts, experts_per_token)
         self._track_accuracy()
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(idx) if position_ids is None else self.model(idx, position_ids)

@@ -175,3 +175,52 @@ def test_packed_documents_train_exactly_on_the_balanced_layout(rows, per_rank, m
     x, y = _tokens(2)
     _compare(_llama(), {"input_ids": x, "position_ids": position_ids, "use_cache": False}, y, 2, monkeypatch)
     assert assignment in seen  # the model calls ran on the balanced layout
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_recipe_gpt_on_packed_documents_is_exact_on_the_balanced_layout(size, monkeypatch):
+    """The recipe's data with pack_documents=true (position_ids restarting after blank lines) and the recipe GPT's
+    document mask built in its forward from them: split over simulated cp ranks on the chosen layout, its logits
+    and averaged gradients equal one device's (two steps' worth of backward, float64)."""
+    import copy
+
+    from recipes.data.chars import BlockDataset, encode_ascii
+    from recipes.models.gpt import GPT
+
+    text = "def a():\n    return 1\n\n\nclass B:\n    x = 2\n\nprint(a())\n\n" * 4
+    data = BlockDataset(encode_ascii(text), 32, pack_documents=True)
+    x, y, position_ids = (torch.stack(parts) for parts in zip(data[0], data[1]))
+    assert int((position_ids == 0).sum()) > 2  # documents start inside the blocks
+    chosen = assignment_for(position_ids, size)
+    assert chosen is not None and chosen[0] != head_tail(size)  # the documents move the chunks off head-tail
+    torch.manual_seed(0)
+    model = GPT(128, 32, n_layer=2, n_head=2, n_embd=16, dropout=0.0, tie_weights=True).double()
+    whole = copy.deepcopy(model)
+    expected = []
+    for _ in range(2):
+        logits = whole(x, position_ids=position_ids)
+        F.cross_entropy(logits.reshape(-1, 128), y.reshape(-1)).backward()
+        expected.append(logits.detach())
+
+    def work(rank, group):
+        from lightning_parallel.parallelize.context.splitter import SequenceSplitter
+
+        replica = copy.deepcopy(model)
+        splitter = SequenceSplitter(replica, group, rank, size)
+        try:
+            seen = []
+            for _ in range(2):
+                logits = replica(x, position_ids=position_ids)
+                F.cross_entropy(logits.reshape(-1, 128), y.reshape(-1)).backward()
+                seen.append(logits.detach())
+            return seen, {n: p.grad for n, p in replica.named_parameters()}
+        finally:
+            splitter.remove()
+
+    results = run_ranks(size, work, monkeypatch)
+    for seen, _ in results:
+        for got, want in zip(seen, expected):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    for name, parameter in whole.named_parameters():
+        averaged = torch.stack([grads[name] for _, grads in results]).mean(0)
+        torch.testing.assert_close(averaged, parameter.grad, rtol=1e-8, atol=1e-10, msg=name)
