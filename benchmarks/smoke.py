@@ -1,6 +1,8 @@
 """Every benchmark ``make benchmark`` runs, in its smoke mode (tiny model, one round), in one go.
 
-    python benchmarks/smoke.py [--out DIR] [--only NAME ...]   # ~1-2 min on 2 cores; writes only under DIR
+    python benchmarks/smoke.py [--out DIR] [--only NAME ...]   # writes only under DIR (default: a temporary one)
+
+About 1.5 min on 2 busy cores without ``planner_accuracy`` (six fresh recipe processes: minutes on its own).
 
 Each script's ``--smoke`` runs what the full run runs (its workers, its summary, its report) on a tiny model for
 one round, the report going to ``--results DIR`` (the committed results are never touched). What makes a smoke run
@@ -32,7 +34,8 @@ from benchmarks import common
 
 REPO_ROOT = common.REPO_ROOT
 #: The scripts ``make benchmark`` runs whose smoke mode runs here (``hot_path.py``'s jobs are the suite's shared
-#: 4-rank launch: its smoke is ``tests/distributed/test_hot_path.py`` writing the report from that launch).
+#: 4-rank launch: ``tests/distributed/test_benchmarks_smoke.py`` writes its report from that launch, and
+#: ``python benchmarks/hot_path.py --smoke`` runs its 2-block jobs by hand).
 SCRIPTS = (
     "dp_vs_ddp", "tp_vs_model_parallel", "tp_vs_hf_tp", "expert_parallel", "pp_efficiency", "hybrid_layouts",
     "checkpoint_io", "planner_accuracy", "sync_stragglers", "context_parallel",
