@@ -34,7 +34,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: make `benchmarks.*` importable
 
-from benchmarks.common import RESULTS, CommCounter, StepTimer, median_step, run_worker_copies, scratch_dir
+from benchmarks.common import (
+    RESULTS,
+    CommCounter,
+    StepTimer,
+    median_step,
+    run_worker_copies,
+    scratch_dir,
+)
 
 VARIANTS = ("ours", "ours_shard", "transformers", "ddp")
 CONFIG = {
