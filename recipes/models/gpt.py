@@ -190,8 +190,10 @@ class NextTokenLightningModule(L.LightningModule):
         self.log("val/accuracy", self.val_accuracy)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        # Frozen parameters (a LoRA model's base) stay out of the optimizer: no state is kept for them.
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        decay = [p for p in trainable if p.dim() >= 2]
+        no_decay = [p for p in trainable if p.dim() < 2]
         groups = [
             {"params": decay, "weight_decay": self.hparams.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},

@@ -5,7 +5,11 @@
 ``model_type`` is any key of transformers' causal-LM auto mapping (``llama``, ``qwen3``, ``mixtral``, ...); ``config``
 overrides the config class's defaults (widths, layers, heads); the vocabulary and context follow the data. The model
 is built by ``AutoModelForCausalLM.from_config`` with transformers' default attention (SDPA), unmodified: the
-strategies find its layout on their own.
+strategies find its layout on their own. ``lora`` (a peft ``LoraConfig``'s fields) wraps it with
+``peft.get_peft_model``: the base frozen, only the adapters train (and reach the optimizer)::
+
+    python recipes/train.py model=llama +model.lora='{r: 16, target_modules: [q_proj, k_proj, v_proj, o_proj]}' \
+        strategy=tensor trainer.devices=2
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class TransformersCausalLM(NextTokenLightningModule):
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -40,6 +45,10 @@ class TransformersCausalLM(NextTokenLightningModule):
         except ValueError as error:
             raise ValueError(f"model.model_type={model_type!r} is not a transformers model type: {error}") from None
         self.model = transformers.AutoModelForCausalLM.from_config(model_config)
+        if lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(**dict(lora)))
         self._track_accuracy()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
