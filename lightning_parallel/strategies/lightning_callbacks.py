@@ -14,6 +14,10 @@
   is not supported with distributed strategies"*, *"Tuning the batch size is currently not supported with distributed
   strategies"*); refused here first, naming what to do instead (the tuner's check is wrapped when a strategy is made:
   :func:`install_tuner_check`).
+* The LR finder (``LearningRateFinder``, ``Tuner.lr_find``) records each step's ``outputs["loss"]``: under data
+  parallelism one replica's part of the batch, so its losses and suggestion were not one device's. While an engine is
+  set up, its callback's hook gets the mean over the data-parallel replicas (the global batch's loss; one all-reduce
+  per step while the finder runs).
 * ``StochasticWeightAveraging`` keeps a deep copy of the whole, unsplit module and pairs its tensors with the module's
   by position (shards, or one stage's): refused with the fix, ``WeightAveraging``, which the engine keeps sharded.
 * ``ModelPruning`` re-parametrises each weight (``weight_orig`` x ``weight_mask``) and ranks magnitudes over what the
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
 #: Engines set up in this process, and Lightning's own ``BaseFinetuning.filter_on_optimizer`` while they are.
 _ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
 _LIGHTNING_FILTER: list[Any] = []
+#: Lightning's own LR finder ``_LRCallback.on_train_batch_end`` while they are.
+_LIGHTNING_LR_BATCH_END: list[Any] = []
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,6 +118,20 @@ class ReplicaThroughput(Throughput):
         return metrics
 
 
+def _lr_finder_batch_end(self: Any, trainer: Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    """The LR finder's ``on_train_batch_end`` given the global batch's loss: the mean over the data-parallel replicas
+    when an engine with several trains (every replica runs it at every batch: the all-reduce is matched)."""
+    engine = trainer.strategy
+    replicas = engine.layout.data_parallel_size if engine in _ENGINES else 1
+    loss = outputs if isinstance(outputs, torch.Tensor) else (outputs or {}).get("loss")
+    if replicas > 1 and isinstance(loss, torch.Tensor):
+        from lightning_parallel import collectives
+
+        mean = collectives.all_reduce(loss.detach().clone(), group=engine.data_parallel_group) / replicas
+        outputs = mean if isinstance(outputs, torch.Tensor) else {**outputs, "loss": mean}
+    _LIGHTNING_LR_BATCH_END[0](self, trainer, pl_module, outputs, batch, batch_idx)
+
+
 def check(engine: EngineHost, trainer: Trainer | None) -> None:
     """Before the callbacks' setup: refuse the callbacks that cannot see a split model, naming the fix."""
     if trainer is None:
@@ -158,13 +178,20 @@ def _check_replicas(trainer: Trainer) -> None:
 
 
 def attach(engine: EngineHost, trainer: Trainer | None) -> None:
-    """After setup: the finetuning callbacks compare whole values, throughput counts replicas."""
+    """After setup: the finetuning callbacks compare whole values, throughput counts replicas, the LR finder reads the
+    global batch's loss."""
     if trainer is None:
         return
     _ENGINES.add(engine)
     if not _LIGHTNING_FILTER:
         _LIGHTNING_FILTER.append(BaseFinetuning.__dict__["filter_on_optimizer"])
         BaseFinetuning.filter_on_optimizer = staticmethod(filter_on_optimizer)
+    if not _LIGHTNING_LR_BATCH_END:
+        # Lightning's private callback that the LR finder adds once fit has started (checked against Lightning 2.6).
+        from lightning.pytorch.tuner.lr_finder import _LRCallback
+
+        _LIGHTNING_LR_BATCH_END.append(_LRCallback.on_train_batch_end)
+        _LRCallback.on_train_batch_end = _lr_finder_batch_end
     for callback in trainer.callbacks:
         if isinstance(callback, ThroughputMonitor):
             replicas = engine.layout.data_parallel_size
@@ -181,3 +208,7 @@ def detach(engine: EngineHost) -> None:
     _ENGINES.discard(engine)
     if not _ENGINES and _LIGHTNING_FILTER:
         BaseFinetuning.filter_on_optimizer = _LIGHTNING_FILTER.pop()
+    if not _ENGINES and _LIGHTNING_LR_BATCH_END:
+        from lightning.pytorch.tuner.lr_finder import _LRCallback
+
+        _LRCallback.on_train_batch_end = _LIGHTNING_LR_BATCH_END.pop()
