@@ -441,6 +441,9 @@ def _whole_across_stages(trainer: L.Trainer, named: dict[str, torch.Tensor]) -> 
 
 def make_data(spec: JobSpec) -> L.LightningDataModule:
     """The job's data module (no shuffling)."""
+    if spec.model == "gpt_packed":  # the recipe's data with pack_documents=true: documents between blank lines
+        return CharCorpusDataModule(block_size=16, batch_size=spec.batch_size, val_batch_size=spec.val_batch_size,
+                                    max_chars=20_000, shuffle=False, pack_documents=True)
     if spec.model.startswith("hf_"):
         from tests.hf_models import is_image_family
 
@@ -459,9 +462,9 @@ def make_data(spec: JobSpec) -> L.LightningDataModule:
 
 def make_model(spec: JobSpec) -> L.LightningModule:
     """The job's LightningModule (as built before Lightning converts it to the job's precision)."""
-    if spec.model in ("gpt", "gpt_moe"):
+    if spec.model in ("gpt", "gpt_moe", "gpt_packed"):
         return RecordingGPT(
-            vocab_size=128, block_size=8, n_layer=spec.n_layer, n_head=2, n_embd=spec.n_embd, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
+            vocab_size=128, block_size=16 if spec.model == "gpt_packed" else 8, n_layer=spec.n_layer, n_head=2, n_embd=spec.n_embd, dropout=0.0, lr=1e-2, tie_weights=spec.tie_weights,
             n_experts=4 if spec.model == "gpt_moe" else 0,
             fail_rank=spec.fail_rank, fail_step=spec.fail_step, nan_rank=spec.nan_rank, nan_step=spec.nan_step,
             stall_rank=spec.stall_rank, stall_step=spec.stall_step, stall_seconds=spec.stall_seconds,

@@ -50,6 +50,9 @@ JOBS: dict[str, tuple[int, str, int, int, dict]] = {
     # A document of 6 tokens and one of 2 in every block: head-tail would leave rank 1 with 4x rank 0's attention
     # work, so the chunks are laid out by their work (4 chunks of 1 token per rank, balance.py).
     "packed-balanced-cp2-accumulate2": (2, "packed_long_first", 1, 2, {"context_parallel_size": 2}),
+    # The recipe's data with pack_documents=true (documents between blank lines, position_ids restarting) and the
+    # recipe GPT's document mask built in its forward from them, in blocks of 16.
+    "recipe-packed-documents-cp2": (2, "gpt_packed", 1, 1, {"context_parallel_size": 2}),
     # An untied head split over the vocabulary (loss_parallel): its logits gathered over the sequence as DTensors.
     "gpt-tp2+sp×cp2": (4, "gpt", 1, 1, {"context_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}),
     "gpt-tp2×cp2-loss-parallel-accumulate2": (4, "gpt", 1, 2, {"context_parallel_size": 2, "tensor_parallel_size": 2,
