@@ -117,6 +117,10 @@ class ParallelEngineStrategy(MeshStrategy):
             file holding objects other than tensors, plain containers and the few types our own checkpoints hold
             is refused (nothing of it runs); turn it on only for files you trust. Resuming follows Lightning's
             ``weights_only`` (``trainer.fit(..., weights_only=False)`` trusts the checkpoint).
+        init_values: For a module built on the meta device: ``"eager"`` gives it the values eager construction on
+            the host gives (bit for bit; each module materialised whole on the host in turn); ``"draw_into_shards"``
+            draws the same distribution straight into each rank's shards on its device (no whole module anywhere,
+            at the device's speed; not the same bits). See docs/gpu.md.
         checkpoint_io: Defaults to :class:`~lightning_parallel.checkpoint.io.ParallelCheckpointIO` (atomic files).
 
     A module built under ``with trainer.init_module(empty_init=True):`` has its parameters on the meta device
@@ -159,6 +163,7 @@ class ParallelEngineStrategy(MeshStrategy):
         async_save: bool = False,
         weights_from: str | None = None,
         trust_pickle: bool = False,
+        init_values: str = "eager",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -193,7 +198,7 @@ class ParallelEngineStrategy(MeshStrategy):
         self.activation_checkpointing = ActivationCheckpointingComponent(self, activation_checkpointing)
         self.compile = CompileComponent(self, compilation or CompileConfig())
         self.context_parallel = ContextParallelComponent(self)
-        self.placement = ModelPlacement(self, None if weights_from is None else str(weights_from), trust_pickle)
+        self.placement = ModelPlacement(self, None if weights_from is None else str(weights_from), trust_pickle, init_values)
         self.data_parallel = DataParallelComponent(
             self, data_parallel or DataParallelConfig(), periodic_sync or SyncConfig(), sync_batchnorm
         )

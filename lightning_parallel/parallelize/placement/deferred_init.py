@@ -28,6 +28,7 @@ from lightning_parallel.checkpoint.state import copy_part_into, copy_whole_into,
 from lightning_parallel.parallelize.placement.deferred_record import CONSTRUCTION, RECIPES, Node, Recipe, construction_of, recipes_of
 from lightning_parallel.parallelize.placement.deferred_record import parameters_on_meta as parameters_on_meta  # the strategies' entry point
 from lightning_parallel.parallelize.placement.deferred_replay import ReplayError, constant, reason_not_replayable, replay
+from lightning_parallel.parallelize.placement.shard_draws import StepRecorder, draw_into, part_of, part_seed
 from lightning_parallel.parallelize.tensor.fused import FusedLayout
 
 #: A target tensor by full name: a parameter or buffer this rank holds (whole, a DTensor shard, a stage's).
@@ -305,6 +306,75 @@ class InitialValues:
                     initialize(unit)
                 written += _copy_out(names[id(unit)], unit, targets, fused, self.elsewhere.get(id(unit), set()))
         torch.set_rng_state(end)
+        return written
+
+
+    @torch.no_grad()
+    def draw_into_shards(self, targets: Targets, seed: int, fused: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Initialise every parameter in ``targets`` with the distribution eager construction gives it, drawn
+        straight into this rank's part on its device (:mod:`~lightning_parallel.parallelize.placement.shard_draws`):
+        nothing is materialised whole, and the values are not eager construction's bits.
+
+        Args:
+            targets: This rank's parameters by full name (aliases of tied weights included).
+            seed: The same on every rank (rank 0's draw).
+            fused: Names of fused projections trained rank-major (a step on a part of one is refused: its rows
+                are reordered).
+
+        Returns:
+            The names written.
+
+        Raises:
+            TypeError: A parameter's initialisation cannot be replayed on a part (named, with the operator).
+        """
+        if _SKIP_STARTING_VALUES:
+            return []
+        names = {id(u): n for n, u in self.units}
+        units = {id(u): u for _, u in self.units}
+        recorder = StepRecorder(dict(self.skeleton.named_parameters()))
+        written: list[str] = []
+        with recorder.recording():
+            for unit_id, nodes in self.replayed.items():
+                if unit_id in self.constants or unit_id not in units:
+                    continue  # constants are filled as they are; discarded modules hold nothing of the model
+                if _reset_method(units[unit_id]) is None:
+                    for local in nodes:  # made by an expression in __init__: only an initialisation after it counts
+                        full = f"{names[unit_id]}.{local}" if names[unit_id] else local
+                        recorder.refuse(full, "made by an expression in __init__ with no reset_parameters()")
+            for kind, unit, owner in self.steps:
+                try:
+                    if kind == "reset":
+                        if id(unit) not in self.constants:
+                            _reset(unit)
+                    else:
+                        owner._init_weights(unit)  # type: ignore[union-attr]
+                except Exception as error:  # noqa: BLE001 - any failure on the meta skeleton: say which module, how to fix
+                    raise TypeError(
+                        f"{type(unit).__name__}'s initialisation could not run on the meta device to be replayed on "
+                        f"this rank's shards ({type(error).__name__}: {error}). Use init_values='eager'."
+                    ) from error
+        for unit_id, values in self.constants.items():
+            written += _fill_constants(names[unit_id], values, targets)
+        aliases = tied_aliases(self.skeleton)
+        done: set[int] = set()
+        for name, target in targets.items():
+            first = aliases.get(name, name)
+            if first not in recorder.recorded or id(target) in done or first in written:
+                continue
+            recorded = recorder.recorded[first]
+            if first in fused and any(step.view is not None for step in recorded.steps):
+                recorded = type(recorded)([], "a part of a fused projection trained rank-major")
+            if recorded.refused is not None or not recorded.steps:
+                why = recorded.refused or "nothing initialised it"
+                raise TypeError(
+                    f"{first} cannot be drawn into this rank's shard: {why}. Use init_values='eager' (the values eager "
+                    f"construction gives, built one module at a time on the host), or give its module a "
+                    f"reset_parameters() made of elementwise draws."
+                )
+            local, offset = part_of(target, recorder.shapes[first])
+            draw_into(local, offset, recorder.shapes[first], recorded.steps, part_seed(seed, first, offset, tuple(local.shape)))
+            done.add(id(target))
+            written.append(name)
         return written
 
 

@@ -40,6 +40,10 @@ if TYPE_CHECKING:
     from lightning_parallel.strategies.host import EngineHost
 
 
+#: The ways a meta-built model gets its starting values (see ModelPlacement).
+INIT_VALUES = ("eager", "draw_into_shards")
+
+
 class ModelPlacement(Component):
     """Allocates and initialises this rank's part of the model; loads ``weights_from`` into it.
 
@@ -49,12 +53,22 @@ class ModelPlacement(Component):
             file, a sharded checkpoint directory of this library, or a Hugging Face model directory
             (``*.safetensors``, one file or sharded with ``model.safetensors.index.json``).
         trust_pickle: Unpickle a ``weights_from`` checkpoint in full (runs any code the file names).
+        init_values: How a model built on the meta device gets its starting values: ``"eager"`` (the bits eager
+            construction on the host gives, each module materialised whole on the host in turn) or
+            ``"draw_into_shards"`` (the same distribution drawn straight into this rank's shards on its device,
+            nothing whole anywhere: ``parallelize/placement/shard_draws.py``).
     """
 
-    def __init__(self, engine: EngineHost, weights_from: str | None = None, trust_pickle: bool = False) -> None:
+    def __init__(
+        self, engine: EngineHost, weights_from: str | None = None, trust_pickle: bool = False, init_values: str = "eager"
+    ) -> None:
         super().__init__(engine)
         if not isinstance(trust_pickle, bool):
             raise TypeError(f"trust_pickle must be True or False, got {trust_pickle!r}.")
+        if init_values not in INIT_VALUES:
+            raise ValueError(f"init_values={init_values!r} is not one of {list(INIT_VALUES)}: 'eager' for eager "
+                             f"construction's values, 'draw_into_shards' to draw them on each rank's shards.")
+        self.init_values = init_values
         self.weights_from = weights_from
         self.trust_pickle = trust_pickle
         self.initial_values: InitialValues | None = None
@@ -82,7 +96,7 @@ class ModelPlacement(Component):
         self._unwrapped_names, self._adapter_names = wrapped_names(module)
         if has_meta_tensors(module):
             self.initial_values = InitialValues.of(module)
-            if self.engine.pipeline_parallel.enabled:
+            if self.engine.pipeline_parallel.enabled and self.init_values == "eager":
                 # Stages are placed on the first batch, after Lightning and the data loaders have drawn random
                 # numbers: keep the generator state eager construction started from, and leave it where
                 # construction would have (a first pass that draws the same numbers and copies nothing).
@@ -135,7 +149,12 @@ class ModelPlacement(Component):
 
     def fill(self, targets: Mapping[str, Tensor], fused: Mapping[str, object] | None = None) -> None:
         """Give this rank's tensors (by full name) their starting values: eager init, then ``weights_from``."""
-        if self.deferred:
+        if self.deferred and self.init_values == "draw_into_shards":
+            with rank_zero_random_stream():
+                seed = int(torch.randint(0, 2**62, (1,)).item())  # the host generator's: the same on every rank
+            written = self.initial_values.draw_into_shards(targets, seed, set(fused or {}))  # type: ignore[union-attr]
+            rank_zero_info(f"lightning_parallel: drew {len(set(written))} tensors into this rank's shards on its device.")
+        elif self.deferred:
             with rank_zero_random_stream(), _drawing_from(self._construction_stream):
                 written = self.initial_values.write(targets, fused)  # type: ignore[union-attr,arg-type]
             rank_zero_info(f"lightning_parallel: initialised {len(set(written))} tensors of this rank's part of the model on its device.")
