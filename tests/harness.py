@@ -107,6 +107,9 @@ class JobSpec:
     val_check_interval: int | None = None  # validate every this many training batches during fit
     # After fit: lightning_parallel.save_adapters writes the peft model's adapters to <job dir>/adapters (lora_* models).
     save_adapters: bool = False
+    # The library must refuse this job (tests.jobs_worker records the error as the job's result instead of failing
+    # the launch; the test checks the message). A refusal that turns into training fails that test.
+    expect_refusal: bool = False
 
 
 class FailingStep(RuntimeError):
@@ -347,12 +350,6 @@ class Recorder(Callback):
         # Mean over replicas of each micro-batch loss = the loss of the global micro-batch.
         gathered = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local.unsqueeze(0)
         per_micro = gathered.mean(dim=0)
-        if _divides_expert_lists(trainer):  # ranks hold different experts: compare the whole models
-            whole = _whole_across_stages(trainer, {n: full(p).detach() for n, p in pl_module.named_parameters()})
-            flat = torch.cat([whole[n].reshape(-1) for n in sorted(whole)])
-        else:
-            flat = torch.cat([full(p).detach().reshape(-1) for p in pl_module.parameters()])
-        replicas = trainer.strategy.all_gather(flat) if trainer.world_size > 1 else flat.unsqueeze(0)
         comm = getattr(trainer.strategy, "comm_stats", None)
         checksums = [self.first_batch_checksum]
         if torch.distributed.is_initialized():
@@ -367,10 +364,12 @@ class Recorder(Callback):
             "states": self.states,
             "grads": self.grads,
             "synced_logs": self.synced_logs,
-            "replica_spread": float((replicas - replicas[0]).abs().max()),
+            "replica_spread": replica_spread(_by_rank(_shard_slots(pl_module)) or [{}]),
             "comm": comm.as_dict() if comm is not None else None,
             "param_bytes": sum(p.numel() * p.element_size() for p in pl_module.parameters()),
             "local_numel": {n: local_shard(p).numel() for n, p in pl_module.named_parameters()},
+            # Every rank's (by global rank): memory shares are the largest rank's, not rank 0's.
+            "local_numel_by_rank": _by_rank({n: local_shard(p).numel() for n, p in pl_module.named_parameters()}),
             "first_batch_checksums": checksums,
             "step_counts": step_counts,  # by global rank, per step after the first: {what: calls} (count_host_syncs)
             "reduce_scatters": _REDUCE_SCATTERS[0] - self._reduce_scatters_at_start,
@@ -389,6 +388,42 @@ class Recorder(Callback):
         # Saved from inside the rank-0 process: with start_method="spawn" that is not the launching process.
         if self.save_path is not None and trainer.is_global_zero:
             torch.save(self.result, self.save_path)
+
+
+def _shard_slots(module: torch.nn.Module) -> dict[tuple[Any, ...], torch.Tensor]:
+    """This rank's local tensor of every parameter, keyed by which part of it the rank holds: its name and, for a
+    DTensor, its coordinate along every mesh dimension that splits it (ranks differing only along replicated
+    dimensions hold copies). A plain tensor's key is its name: every rank holding it holds all of it."""
+    slots = {}
+    for name, param in module.named_parameters():
+        where: tuple[Any, ...] = ()
+        if isinstance(param, DTensor):
+            coordinate = param.device_mesh.get_coordinate() or []
+            names = param.device_mesh.mesh_dim_names or tuple(range(param.device_mesh.ndim))
+            where = tuple((names[i], coordinate[i]) for i, placement in enumerate(param.placements) if not placement.is_replicate())
+        slots[(name, where)] = local_shard(param).detach().to("cpu", torch.float64).clone()
+    return slots
+
+
+def replica_spread(slots_by_rank: list[dict[tuple[Any, ...], torch.Tensor]]) -> float:
+    """The largest difference between two ranks' copies of the same part of a parameter (every rank's
+    :func:`_shard_slots`, by global rank): the local shards themselves, not ``full_tensor()``, whose all-gather
+    hands every rank the same values and so is always 0 under tensor parallelism and FSDP. A shape mismatch
+    between copies is infinite."""
+    first: dict[tuple[Any, ...], torch.Tensor] = {}
+    spread = 0.0
+    for slots in slots_by_rank:
+        for key, tensor in slots.items():
+            if key not in first:
+                first[key] = tensor
+            elif tensor.shape != first[key].shape:
+                return float("inf")
+            elif tensor.numel():
+                differs = (tensor - first[key]).abs()
+                # NaN in one copy only is a difference (max() would pass over it); NaN in both is the same value.
+                differs = torch.where(torch.isnan(tensor) & torch.isnan(first[key]), 0.0, differs.nan_to_num(nan=float("inf")))
+                spread = max(spread, float(differs.max()))
+    return spread
 
 
 def _by_rank(value: Any) -> list[Any] | None:

@@ -1,7 +1,10 @@
-"""The README's "Works with" table, rendered from the transformers test matrix so that it cannot drift.
+"""The README's "Works with" tables, rendered from the transformers test matrix so that they cannot drift.
 
-``python -m tests.works_with`` rewrites the table in README.md; ``tests/unit/test_works_with.py`` fails
-when the README's table is not what the matrix renders.
+Every cell is a job of ``tests/distributed/test_transformers.py`` that runs: trained and compared with one device
+(:data:`~tests.distributed.test_transformers.MATRIX`), or refused by the library with the error the test checks
+(:data:`~tests.distributed.test_transformers.REFUSED`). The README holds two small tables, dense models and
+mixture-of-experts models, each with only the layouts its rows run; docs/coverage.md the whole matrix.
+``python -m tests.works_with`` rewrites both; ``tests/unit/test_works_with.py`` fails when either is stale.
 """
 
 from __future__ import annotations
@@ -17,16 +20,28 @@ from tests.distributed.test_transformers import (
     LIST_MOE,
     MATRIX,
     MOE,
-    ROUND_TRIP,
-    UNSUPPORTED,
     REF,
+    REFUSED,
+    ROUND_TRIP,
+    SHARES,
     ROUTER_LOSS,
     VIEW,
 )
 from tests.hf_models import FAMILIES
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "coverage.md"
 BEGIN, END = "<!-- works-with:begin -->", "<!-- works-with:end -->"
+PAGE_BEGIN, PAGE_END = "<!-- works-with-matrix:begin -->", "<!-- works-with-matrix:end -->"
+
+#: The README's two tables' rows.
+DENSE = (*FAMILIES, DEMO, VIEW, REF)
+EXPERTS = (*MOE, ROUTER_LOSS, *LIST_MOE)
+LEGEND = ("✓: trained and compared with one device (float64); +acc: also with 2 accumulated micro-batches; +ckpt: "
+          "also saved, wiped and validated from the checkpoint; share: the largest rank's part of the parameters where it "
+          "is above 0.6; refused: the library stops with an error saying why "
+          "(checked by the test); ·: not tested.")
 
 #: What each row is, in words.
 DESCRIPTIONS = {
@@ -47,37 +62,64 @@ DESCRIPTIONS = {
 }
 
 
-def render() -> str:
-    layouts = list(LAYOUTS)
-    lines = [
-        "| model | " + " | ".join(layouts) + " |",
-        "|---|" + "---|" * len(layouts),
-    ]
-    for family in (*FAMILIES, DEMO, VIEW, REF, *MOE, ROUTER_LOSS, *LIST_MOE):
-        cells = []
-        for layout in layouts:
-            if family in MATRIX[layout]:
-                extras = [word for word, cases in (("accumulate", ACCUMULATE), ("checkpoint", ROUND_TRIP)) if (family, layout) in cases]
-                cells.append("tested" + (f" (+{', '.join(extras)})" if extras else ""))
-            elif "ep" in layout and family not in (*MOE, ROUTER_LOSS, *LIST_MOE):
-                cells.append("— (no experts)")
-            elif (family, layout) in UNSUPPORTED:
-                cells.append(f"refused: {UNSUPPORTED[family, layout]}")
-            else:
-                cells.append("not tested")
-        lines.append(f"| {DESCRIPTIONS[family]} | " + " | ".join(cells) + " |")
+def cell(family: str, layout: str, short: bool = False) -> str:
+    """What the test matrix runs for ``family`` under ``layout``, in the table's words."""
+    if family in MATRIX[layout]:
+        extras = [word for word, cases in (("accumulate", ACCUMULATE), ("checkpoint", ROUND_TRIP)) if (family, layout) in cases]
+        share = [f"share {SHARES[family, layout]:.2f}"] if (family, layout) in SHARES else []
+        if short:
+            return " ".join(["✓", *(f"+{word[:3] if word == 'accumulate' else 'ckpt'}" for word in extras), *share])
+        return "tested" + (f" (+{', '.join([*extras, *share])})" if extras or share else "")
+    if (family, layout) in REFUSED:
+        return f"refused: {REFUSED[family, layout][0]}"
+    if "ep" in layout and family not in EXPERTS:
+        return "·" if short else "— (no experts)"
+    return "·" if short else "not tested"
+
+
+def runs(family: str, layout: str) -> bool:
+    return family in MATRIX[layout] or (family, layout) in REFUSED
+
+
+def table(families: tuple[str, ...], layouts: list[str], short: bool) -> str:
+    lines = ["| model | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts)]
+    for family in families:
+        lines.append(f"| {DESCRIPTIONS[family]} | " + " | ".join(cell(family, layout, short) for layout in layouts) + " |")
     return "\n".join(lines)
 
 
+def render() -> str:
+    """The README's block: a dense table and a mixture-of-experts table, each with the layouts its rows run."""
+    blocks = []
+    for title, families in (("Dense models", DENSE), ("Mixture-of-experts models", EXPERTS)):
+        layouts = [layout for layout in LAYOUTS if any(runs(family, layout) for family in families)]
+        blocks.append(f"**{title}**\n\n" + table(families, layouts, short=True))
+    return "\n\n".join([*blocks, LEGEND])
+
+
+def render_matrix() -> str:
+    """docs/coverage.md's block: every row under every layout."""
+    return table((*DENSE, *EXPERTS), list(LAYOUTS), short=False)
+
+
+def block(text: str, begin: str = BEGIN, end: str = END) -> str:
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    return text[start:stop].strip()
+
+
 def readme_table(text: str) -> str:
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    return text[start:end].strip()
+    return block(text, BEGIN, END)
+
+
+def _write(path: Path, begin: str, end: str, content: str) -> None:
+    text = path.read_text()
+    start, stop = text.index(begin) + len(begin), text.index(end)
+    path.write_text(text[:start] + "\n" + content + "\n" + text[stop:])
 
 
 def main() -> int:
-    text = README.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    README.write_text(text[:start] + "\n" + render() + "\n" + text[end:])
+    _write(README, BEGIN, END, render())
+    _write(PAGE, PAGE_BEGIN, PAGE_END, render_matrix())
     return 0
 
 
