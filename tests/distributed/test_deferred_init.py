@@ -128,11 +128,19 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
             {"model": "hf_llama", "val_batch_size": 8},
         ),
     }
+    # Drawn into each rank's shards (init_values: draw_into_shards): eager's distribution, not its values, so it is
+    # checked against the reference's first loss below rather than step by step.
+    drawn = {"llama_tp2_draw_into_shards": JobSpec(model="hf_llama", strategy="tensor", devices=2, steps=STEPS, empty_init=True,
+                                                   strategy_kwargs={**replicate, "init_values": "draw_into_shards"})}
     if "lora_llama" in w:  # peft installed: LoRA under dp2, dp2 shard, tp2, pp2 (tests/distributed/test_lora.py)
         from tests.distributed.test_lora import lora_jobs
 
         jobs.update(lora_jobs(w))
-    results = run_distributed_jobs({name: job for name, (job, _) in jobs.items()}, tmp_path, timeout=600)
+    results = run_distributed_jobs({**{name: job for name, (job, _) in jobs.items()}, **drawn}, tmp_path, timeout=600)
+    first = reference(model="hf_llama")["step_losses"]
+    losses = results["llama_tp2_draw_into_shards"]["step_losses"]
+    assert torch.isfinite(losses).all() and not torch.equal(losses, first)
+    assert float(losses[0]) == pytest.approx(float(first[0]), rel=0.05)  # both a fresh model's loss: about ln(vocabulary)
     for name, (job, reference_arguments) in jobs.items():
         try:
             assert_same_training(reference(**reference_arguments), results[name], steps=STEPS)
