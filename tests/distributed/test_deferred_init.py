@@ -17,6 +17,7 @@ import lightning as L
 import pytest
 import torch
 
+from tests.distributed.moe_export import assert_exports, export_jobs
 from tests.distributed.test_data_parallel import assert_same_training
 from tests.harness import JobSpec, make_model, run_distributed_jobs, run_job
 
@@ -136,6 +137,7 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
         from tests.distributed.test_lora import lora_jobs
 
         jobs.update(lora_jobs(w))
+    jobs.update(export_jobs())  # MoE checkpoints saved under dp2 ep2 and tp2, exported below (moe_export.py)
     results = run_distributed_jobs({**{name: job for name, (job, _) in jobs.items()}, **drawn}, tmp_path, timeout=600)
     first = reference(model="hf_llama")["step_losses"]
     losses = results["llama_tp2_draw_into_shards"]["step_losses"]
@@ -150,6 +152,7 @@ def test_meta_init_and_weights_from_on_two_ranks(saved_weights, tmp_path):
         from tests.distributed.test_lora import assert_lora_results
 
         assert_lora_results(results, tmp_path)
+    assert_exports(results, tmp_path)
     validated, expected = results["llama_pp2_first_batch_a_validation_one"], reference(model="hf_llama", val_batch_size=8)
     assert validated["pipeline_training_rows"] == 4
     for key in ("val/loss", "val/accuracy"):
