@@ -3,6 +3,7 @@
     python benchmarks/memory_accuracy.py                 # recipe GPT, ~5 min on 2 cores
     python benchmarks/memory_accuracy.py --model llama   # transformers' Llama (model=llama), ~5 min
     python benchmarks/memory_accuracy.py --model qwen2_tied   # transformers' Qwen2, tied embeddings, ~5 min
+    python benchmarks/memory_accuracy.py --model llama_lora   # the Llama with peft LoRA adapters, base frozen, ~5 min
     # each writes its model's rows of benchmarks/results/memory_accuracy.{md,json}, keeping the other models'
 
 Each layout trains a model at a size where the training state dominates a process (the recipe GPT 8 blocks × 1024
@@ -37,19 +38,22 @@ from lightning_parallel.plan.measure import read_scaling, run_training
 
 STEPS = 3
 DATA = ["data.batch_size=4", "data.block_size=32"]
+MODELS_LLAMA = ["model=llama", "model.config.hidden_size=1024", "model.config.intermediate_size=2816",
+                "model.config.num_hidden_layers=6", "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", *DATA]
 #: model -> (what the report calls it, recipe overrides).
 MODELS: dict[str, tuple[str, list[str]]] = {
     "gpt": ("recipe GPT 8×1024 (~100M parameters)", ["model.n_layer=8", "model.n_embd=1024", "model.n_head=8", *DATA]),
-    "llama": ("transformers LlamaForCausalLM 6×1024, 8 heads / 4 key-value heads, MLP 2816 (~70M parameters)",
-              ["model=llama", "model.config.hidden_size=1024", "model.config.intermediate_size=2816",
-               "model.config.num_hidden_layers=6", "model.config.num_attention_heads=8",
-               "model.config.num_key_value_heads=4", *DATA]),
+    "llama": ("transformers LlamaForCausalLM 6×1024, 8 heads / 4 key-value heads, MLP 2816 (~70M parameters)", MODELS_LLAMA),
     # Tied input and output embeddings over a 32k vocabulary (the data's 128 characters use its first rows): one
     # 128 MiB matrix, held by both ends of the model, so by both stages of a pipeline.
     "qwen2_tied": ("transformers Qwen2ForCausalLM 4×1024, tied embeddings over a 32k vocabulary, 8 heads / 4 key-value heads, MLP 2816 (~80M parameters)",
                    ["model=llama", "model.model_type=qwen2", "data.vocab_size=32000", "+model.config.tie_word_embeddings=true",
                     "model.config.hidden_size=1024", "model.config.intermediate_size=2816", "model.config.num_hidden_layers=4",
                     "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4", *DATA]),
+    # LoRA fine-tuning (peft): the Llama above, base frozen, rank-16 adapters on every attention and MLP projection
+    # (~2.2M trainable of ~70M): no gradients and no optimizer state for the base (the planner counts it so).
+    "llama_lora": ("transformers LlamaForCausalLM 6×1024 (the Llama above) with peft LoRA r=16 on q/k/v/o/gate/up/down, base frozen",
+                   [*MODELS_LLAMA, "+model.lora={r: 16, lora_alpha: 32, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}"]),
 }
 #: name -> (processes, overrides).
 LAYOUTS: dict[str, tuple[int, list[str]]] = {
@@ -64,7 +68,8 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
 }
 #: model -> the layouts it runs (the Llama's: those that fit the ~15 minutes a busy 2-core machine gives it).
 MODEL_LAYOUTS = {"gpt": list(LAYOUTS), "llama": ["single", "dp=2", "dp=2 shard", "tp=2", "pp=2 (1f1b, m=4)", "dp=2 × tp=2"],
-                 "qwen2_tied": ["single", "tp=2", "pp=2 (1f1b, m=4)"]}
+                 "qwen2_tied": ["single", "tp=2", "pp=2 (1f1b, m=4)"],
+                 "llama_lora": ["single", "dp=2", "dp=2 shard", "tp=2", "pp=2 (1f1b, m=4)"]}
 
 
 def measure(devices: int, overrides: list[str], model: list[str], run_dir: Path) -> dict[str, Any]:
@@ -93,7 +98,7 @@ def write_report(results: dict[str, dict[str, Any]]) -> None:
     lines = [
         "# Peak memory per rank: predicted vs measured",
         "",
-        f"`python benchmarks/memory_accuracy.py [--model gpt|llama|qwen2_tied]` — float32, AdamW, 4 sequences of 32 tokens per "
+        f"`python benchmarks/memory_accuracy.py [--model gpt|llama|qwen2_tied|llama_lora]` — float32, AdamW, 4 sequences of 32 tokens per "
         f"replica, {STEPS} steps; CPU ({platform.machine()}, {os.cpu_count()} cores), gloo, the ScalingMonitor's "
         "per-rank peak from before setup (on a CPU the bytes glibc's allocator has handed out, its cache of freed "
         "blocks left out, sampled every 50 ms), with the C allocator as a user runs it. Resident peak: what the OS sees, that "

@@ -720,6 +720,10 @@ def _pp_crosses(layout: Layout, workload: Workload) -> bool:
     return layout.pp > 1 and layout.world_size > workload.devices_per_node
 
 
+#: torch's DistributedDataParallel.broadcast_bucket_size (torch 2.13): the flat buffer of its initial broadcast.
+_DDP_BROADCAST_BUCKET = 250 * 2**20
+
+
 def _setup_bytes(step: StepProfile, local_parameters: float, layout: Layout, workload: Workload) -> float:
     """Device bytes a rank holds while the model is set up: its part, or (a pipeline built eagerly) the whole model.
 
@@ -729,6 +733,11 @@ def _setup_bytes(step: StepProfile, local_parameters: float, layout: Layout, wor
     """
     if layout.pp > 1 and not workload.empty_init:
         return float(sum(step.parameter_bytes.values()))
+    if layout.uses_ddp:
+        # DDP's constructor broadcasts rank 0's parameters (frozen ones too) through flat buckets of up to 250 MiB:
+        # one bucket beside the parameters. Hidden under the training state when everything trains; the peak of a
+        # LoRA run, whose frozen base has no gradients or optimizer state.
+        return local_parameters + min(float(_DDP_BROADCAST_BUCKET), local_parameters)
     return local_parameters
 
 
