@@ -23,8 +23,8 @@ from tests.distributed.test_transformers import (
     REF,
     REFUSED,
     ROUND_TRIP,
-    SHARES,
     ROUTER_LOSS,
+    SHARES,
     VIEW,
 )
 from tests.hf_models import FAMILIES

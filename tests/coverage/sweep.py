@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from tests.coverage.cells import EXPERT_LAYOUTS, LAYOUTS, THREADS, describe_failure, reference
+from tests.coverage.cells import (
+    EXPERT_LAYOUTS,
+    LAYOUTS,
+    THREADS,
+    describe_failure,
+    reference,
+)
 from tests.coverage.configs import NOT_COMPARABLE, mapping
 from tests.coverage.provenance import fingerprint, summarise
 from tests.harness import launch_environment

@@ -218,9 +218,9 @@ def run_layout(layouts: tuple[str, ...], tmp_path) -> dict[tuple[str, str], dict
 def test_two_ranks_dp_tp_pp_cp(tmp_path):
     results = run_layout(("dp2", "tp2", "tp2 eager", "tp2+sp", "pp2", "cp2", "dp2 ep2", "dp2-shard ep2"), tmp_path)
     trained = {cell: result for cell, result in results.items() if assert_cell(*cell, result)}
-    for family, layout in trained:
+    for (family, layout), result in trained.items():
         if "ep" in layout:
-            assert_experts_divided(family, trained[(family, layout)], ranks=2, dense_sharded="shard" in layout or "tp" in layout)
+            assert_experts_divided(family, result, ranks=2, dense_sharded="shard" in layout or "tp" in layout)
     for family in MATRIX["tp2"]:
         share = largest_share(trained[(family, "tp2")]) / sum(t.numel() for t in reference(family, 1, 1)["grads"][0].values())
         if (family, "tp2") in SHARES:  # what the README says beside the cell

@@ -19,7 +19,13 @@ def test_coverage_page_matrix_matches_the_test_matrix():
 
 def test_every_refused_cell_runs_and_no_cell_is_written_by_hand():
     """A refused cell is a job of its layout's launch (expect_refusal, its error checked), never a dict of words alone."""
-    from tests.distributed.test_transformers import LAYOUTS, MATRIX, REFUSED, cells_of, job
+    from tests.distributed.test_transformers import (
+        LAYOUTS,
+        MATRIX,
+        REFUSED,
+        cells_of,
+        job,
+    )
 
     for family, layout in REFUSED:
         assert family not in MATRIX[layout], (family, layout)
