@@ -22,9 +22,10 @@
   by position (shards, or one stage's): refused with the fix, ``WeightAveraging``, which the engine keeps sharded.
 * ``ModelPruning`` re-parametrises each weight (``weight_orig`` x ``weight_mask``) and ranks magnitudes over what the
   rank holds: under FSDP2 or tensor parallelism that breaks the sharded parameters, under pipeline parallelism it ranks
-  one stage's weights only (not what one device prunes). Under DDP replicas the sweep measured training diverging from
-  one device after the first pruning (3e-3 in the loss a step later; cause not found). Refused under every layout
-  with the fix: prune on one device, or before fit with the pruning made permanent.
+  one stage's weights only (not what one device prunes): refused. Under DDP replicas its lottery-ticket reset (on by
+  default) assigns each pruned weight data copied before the precision conversion (one device under ``64-true`` ends
+  in float32) and training diverged from one device a step later (3e-3 in the loss): refused, naming
+  ``use_lottery_ticket_hypothesis=False``. The fix otherwise: prune on one device, or before fit made permanent.
 """
 
 from __future__ import annotations
@@ -150,16 +151,24 @@ def check(engine: EngineHost, trainer: Trainer | None) -> None:
                 f"{how}. Use lightning.pytorch.callbacks.WeightAveraging() (equal averages, as SWA's; kept sharded like "
                 f"the model) and, for SWA's learning rate, torch.optim.swa_utils.SWALR in configure_optimizers."
             )
-        if isinstance(callback, ModelPruning) and (split or engine.layout.data_parallel_size > 1):
-            why = (
-                f"it re-parametrises weights and ranks their magnitudes over what one rank holds: with {how} that is not "
-                f"what one device prunes" if split else
-                "under DDP replicas training was measured diverging from one device after its first pruning"
+        # Under DDP replicas only its lottery-ticket reset is refused: it assigns each pruned weight data copied before
+        # the precision conversion (one device under 64-true ends in float32), which DDP's gradient buckets do not follow.
+        resets = bool(getattr(callback, "_use_lottery_ticket_hypothesis", True))
+        if isinstance(callback, ModelPruning) and (split or (engine.layout.data_parallel_size > 1 and resets)):
+            elsewhere = (
+                "prune on one device and load the pruned weights (weights_from=...), or apply torch.nn.utils.prune to "
+                "the model before fit and make the pruning permanent (prune.remove) so the strategy trains plain weights"
             )
+            if split:
+                raise ValueError(
+                    f"ModelPruning is not supported with {how}: it re-parametrises weights and ranks their magnitudes "
+                    f"over what one rank holds, which is not what one device prunes. Instead, {elsewhere}."
+                )
             raise ValueError(
-                f"ModelPruning is not supported by this layout: {why}. Prune on one device and load the pruned weights (weights_from=...), "
-                f"or apply torch.nn.utils.prune to the model before fit and make the pruning permanent (prune.remove) so "
-                f"the strategy trains plain weights."
+                "ModelPruning's lottery-ticket reset (use_lottery_ticket_hypothesis, on by default) is not supported under "
+                "DDP replicas: it assigns the pruned weights data copied before the precision conversion (float32 under "
+                "64-true), and training was measured diverging from one device after it. Pass "
+                f"use_lottery_ticket_hypothesis=False, or {elsewhere}."
             )
 
 

@@ -361,6 +361,11 @@ CASES: dict[str, Case] = {
         callbacks=lambda ctx: [cb.ModelPruning("l1_unstructured", amount=0.5)],
         trainer=EPOCHS_2, train_size=2 * GLOBAL_BATCH, observe=lambda t, m, d, ctx: module_whole_state(t, m),
     ),
+    "model_pruning_no_reset": Case(
+        "the same with `use_lottery_ticket_hypothesis=False`",
+        callbacks=lambda ctx: [cb.ModelPruning("l1_unstructured", amount=0.5, use_lottery_ticket_hypothesis=False)],
+        trainer=EPOCHS_2, train_size=2 * GLOBAL_BATCH, observe=lambda t, m, d, ctx: module_whole_state(t, m),
+    ),
     "timer": Case(
         "`Timer(duration=\"00:00:05:00\")`", callbacks=lambda ctx: [cb.Timer(duration="00:00:05:00")],
         observe=lambda t, m, d, ctx: {"timed": ctx.callbacks[0].time_elapsed("train") > 0},

@@ -74,8 +74,9 @@ def test_callbacks_that_cannot_see_a_split_model_are_refused_with_the_fix(callba
 
 def test_ddp_replicas_run_swa_and_refuse_pruning():
     check(engine(dp=2), SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=0.1)]))  # whole model on each rank
-    with pytest.raises(ValueError, match="DDP replicas"):
+    with pytest.raises(ValueError, match="use_lottery_ticket_hypothesis=False"):
         check(engine(dp=2), SimpleNamespace(callbacks=[ModelPruning("l1_unstructured", amount=0.5)]))
+    check(engine(dp=2), SimpleNamespace(callbacks=[ModelPruning("l1_unstructured", amount=0.5, use_lottery_ticket_hypothesis=False)]))
 
 
 def test_finetuning_under_ddp_replicas_is_refused_and_allowed_elsewhere():
