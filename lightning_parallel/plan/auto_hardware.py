@@ -45,6 +45,8 @@ def resolve(config: Mapping[str, Any]) -> dict[str, Any]:
         ValueError: ``nodes`` is not a positive int, or the GPU is not in the catalogue (``UnknownGPUError``).
     """
     nodes = config.get("nodes", 1)
+    if isinstance(nodes, str) and nodes.startswith("${"):
+        nodes = 1  # the file read as it is, outside Hydra: no trainer.num_nodes to interpolate
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise ValueError(f"hardware.nodes={nodes!r} must be a positive int (the run's trainer.num_nodes).")
     own = {key: value for key, value in config.items() if key not in AUTO_KEYS}
