@@ -12,6 +12,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.test_recipe import run_recipe
 
@@ -74,12 +75,34 @@ def test_resumed_recipe_matches_uninterrupted_run(tmp_path, layout):
     run_recipe([*args, "trainer.max_steps=6", f"hydra.run.dir={stopped}"])
     resumed = run_recipe([*args, "trainer.max_steps=8", "ckpt_path=last", f"hydra.run.dir={stopped}"])
     assert f"resuming from {stopped / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
-    assert_same_losses(reference, train_losses(stopped), range(8), rel=1e-12)
+    assert_same_losses(reference, train_losses(stopped), range(8), rel=0.0)
 
     # From the uninterrupted run's step=2 checkpoint (mid-epoch), into a new run dir: crosses two epoch ends.
     checkpoint = whole / "checkpoints" / "step=2.ckpt"
     run_recipe([*args, "trainer.max_steps=8", f"ckpt_path='{checkpoint}'", f"hydra.run.dir={from_step}"])
-    assert_same_losses(reference, train_losses(from_step), range(2, 8), rel=1e-12)
+    assert_same_losses(reference, train_losses(from_step), range(2, 8), rel=0.0)
+
+    # Bitwise: after step 8 both resumed runs hold exactly the uninterrupted run's weights and optimizer state.
+    expected = final_state(whole)
+    for resumed_dir in (stopped, from_step):
+        found = final_state(resumed_dir)
+        assert found.keys() == expected.keys()
+        unequal = [name for name, value in expected.items() if not torch.equal(found[name], value)]
+        assert not unequal, f"{resumed_dir.name}: not bitwise equal to the uninterrupted run: {unequal}"
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a run's ``last.ckpt`` (weights, and the optimizer's moments by parameter), by name."""
+    from lightning_parallel import ParallelCheckpointIO
+
+    checkpoint = ParallelCheckpointIO().load_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 8
+    tensors = {f"weights/{name}": value for name, value in checkpoint["state_dict"].items() if isinstance(value, torch.Tensor)}
+    for index, optimizer in enumerate(checkpoint["optimizer_states"]):
+        for key, entry in optimizer["state"].items():
+            tensors.update({f"optimizer{index}/{key}/{k}": v for k, v in entry.items() if isinstance(v, torch.Tensor)})
+    assert len(tensors) > len(checkpoint["state_dict"])  # the optimizer's state is there too
+    return tensors
 
 
 # Without dropout: each layout has its own per-rank random streams.
@@ -110,8 +133,6 @@ def test_resume_onto_fewer_replicas_keeps_the_global_batch_or_refuses(tmp_path, 
     would average half the samples); × 8 goes on as the dp=2 run did."""
     import subprocess
     import sys
-
-    import torch
 
     from lightning_parallel import ParallelCheckpointIO
     from tests.harness import REPO_ROOT, launch_environment
