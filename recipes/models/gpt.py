@@ -225,4 +225,4 @@ class GPTLightningModule(NextTokenLightningModule):
         self._track_accuracy()
 
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(idx) if position_ids is None else self.model(idx, position_ids)
+        return self.model(idx) if position_ids is None else self.model(idx, position_ids=position_ids)

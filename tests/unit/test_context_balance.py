@@ -224,3 +224,14 @@ def test_the_recipe_gpt_on_packed_documents_is_exact_on_the_balanced_layout(size
     for name, parameter in whole.named_parameters():
         averaged = torch.stack([grads[name] for _, grads in results]).mean(0)
         torch.testing.assert_close(averaged, parameter.grad, rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_packed_documents_in_a_pipelined_model_call_are_refused_naming_the_fix():
+    from lightning_parallel.parallelize.context.traced import StageSequenceSplit
+
+    split = StageSequenceSplit(None, 0, 2)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="position_ids that restart.*Set pipeline_parallel_size=1"):
+        split.split((tokens,), {"position_ids": _positions([[3, 5], [8]])})
+    layout, _, kwargs = split.split((tokens,), {"position_ids": torch.arange(8).expand(2, 8)})  # one document: runs
+    assert kwargs["position_ids"].tolist() == [[0, 1, 6, 7]] * 2 and layout.local_length == 4

@@ -88,6 +88,7 @@ class StageSequenceSplit:
         first = tensors[0]
         layout = SequenceLayout(first.size(SEQUENCE_DIM), self.size, self.rank)
         batch = first.size(0)
+        _refuse_packed_documents(kwargs.get("position_ids"), layout)
 
         def split(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.length \
@@ -134,3 +135,22 @@ class StageSequenceSplit:
             return value
 
         return tree_map(gather, output)
+
+
+def _refuse_packed_documents(position_ids: Any, layout: Any) -> None:
+    """Packed documents (``position_ids`` that restart) under cp inside pipelines: refused, saying why (ValueError).
+
+    A traced stage builds its masks from this rank's part of the sequence, where only a causal or all-keeping mask
+    can run as the ring (the document mask would need the whole sequence's positions in the stage)."""
+    from lightning_parallel.parallelize.context.balance import document_ids
+
+    if not (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
+            and position_ids.size(1) == layout.length and document_ids(position_ids) is not None):
+        return
+    raise ValueError(
+        f"The pipelined model call got position_ids that restart inside its sequences of {layout.length} (packed "
+        f"documents) with context_parallel_size={layout.size} and pipeline_parallel_size > 1: inside pipeline stages "
+        "masks are built from each rank's part of the sequence, where context parallelism runs only a causal or "
+        "all-keeping mask, so attention within documents is not supported there yet. Set pipeline_parallel_size=1 "
+        "(context parallelism alone trains packed documents exactly) or context_parallel_size=1."
+    )
