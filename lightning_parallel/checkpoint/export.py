@@ -1,7 +1,7 @@
 """Export a checkpoint of this library as a Hugging Face model directory, in this one process.
 
     python -m lightning_parallel.checkpoint export last.ckpt hf-model/ --format hf [--config CONFIG]
-        [--prefix net.] [--max-shard-size 5GB] [--dtype bfloat16] [--overwrite]
+        [--prefix net.] [--max-shard-size 5GB] [--dtype bfloat16] [--overwrite] [--no-original-format]
 
 Either checkpoint format, written under any layout: both hold every tensor by the module's own names, whole
 (``full``) or as shards whose whole shapes DCP records (``sharded``), and fused projections in the module's
@@ -12,7 +12,9 @@ What is written: ``config.json`` (and ``generation_config.json`` for generative 
 ``model.safetensors`` or, past ``max_shard_size``, ``model-00001-of-0000N.safetensors`` with
 ``model.safetensors.index.json``. Names lose the LightningModule's prefix (``net.``: the attribute holding the
 Hugging Face model), and a tied weight is written once, under the name ``from_pretrained`` expects (a tied
-``lm_head.weight`` is left out, as ``save_pretrained`` does).
+``lm_head.weight`` is left out, as ``save_pretrained`` does). Families that transformers converts on load (Mixture of
+Experts: fused experts in memory, one module per expert on the Hub) are written in the Hub's layout by transformers'
+own reverse conversion, group by group (``hub_layout.py``), as ``save_pretrained`` writes them.
 
 The Hugging Face config is not part of a Lightning checkpoint unless the LightningModule saved it among its
 hyperparameters (a ``PretrainedConfig`` or its ``to_dict()``): otherwise pass ``config`` (a ``config.json``,

@@ -69,6 +69,8 @@ def plan(model: Any, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]])
 def to_hub_layout(model: Any, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``values`` (the model's names, whole tensors) under the Hub's names and layout, by transformers' own reverse
     conversion (views of ``values`` where it only splits them)."""
+    # The function save_pretrained calls (transformers.modeling_utils); a module-level function of
+    # transformers.core_model_loading, not in its top-level API: checked against transformers 5.25.0.
     from transformers.core_model_loading import revert_weight_conversion
 
     return dict(revert_weight_conversion(model, dict(values)))
