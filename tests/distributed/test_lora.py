@@ -66,8 +66,10 @@ def assert_only_adapters_train(name: str, result: dict) -> None:
         assert not frozen, f"{name}: step {step}: frozen weights got gradients: {frozen[:3]}"
     trainable = {n for n, numel in result["local_numel"].items() if "lora_" in n}
     local = sum(numel for n, numel in result["local_numel"].items() if n in trainable)
-    # SGD with momentum: one buffer per trainable tensor, none for the frozen ones (8 bytes per float64 element).
+    # SGD with momentum: one buffer per trainable tensor, none for the frozen ones (8 bytes per float64 element); the
+    # gradients held before the step are the adapters' alone (under FSDP2 their shards: what was reduce-scattered).
     assert result["state_bytes"]["optimizer"] == 8 * local, (name, result["state_bytes"], local)
+    assert result["state_bytes"]["gradients"] == 8 * local, (name, result["state_bytes"], local)
     if name == "lora_llama_dp2":
         assert result["comm"]["bytes"] == STEPS * 8 * LLAMA_ADAPTER_NUMEL, (name, result["comm"])
 
