@@ -110,13 +110,13 @@ def _adapters_of(wrapper: nn.Module, base: nn.Module) -> WrappedProjection | str
     if any(True for _ in wrapper.parameters(recurse=False)):
         return "parameters of its own"
     held = {id(p) for p in base.parameters()} | {
-        id(p) for key in downs for name in (downs[key], ups.get(key)) if name for p in wrapper.get_submodule(name).parameters()}
+        id(p) for key, down in downs.items() for name in (down, ups.get(key)) if name for p in wrapper.get_submodule(name).parameters()}
     if any(id(p) not in held for p in wrapper.parameters()):
         return "parameters outside its adapter pairs (DoRA magnitudes, embedding adapters)"
     if set(downs) != set(ups) or not downs:
         return "unpaired adapter projections"
-    for key in downs:
-        down, up = wrapper.get_submodule(downs[key]), wrapper.get_submodule(ups[key])
+    for key, down_name in downs.items():
+        down, up = wrapper.get_submodule(down_name), wrapper.get_submodule(ups[key])
         if features(down)[1] != features(up)[0]:
             return f"adapter {key!r} whose down projection writes {features(down)[1]} but whose up projection reads {features(up)[0]}"
     return WrappedProjection(
@@ -134,7 +134,7 @@ def wrapped_names(module: nn.Module) -> tuple[dict[str, str], frozenset[str]]:
     adapters: set[str] = set()
     for fqn, found in find_wrapped(module).items():
         wrapper = module.get_submodule(fqn)
-        for name, _ in wrapper.state_dict(keep_vars=True).items():
+        for name in wrapper.state_dict(keep_vars=True):
             if name.startswith(f"{found.base}."):
                 renamed[f"{fqn}.{name}"] = f"{fqn}.{name[len(found.base) + 1:]}"
             else:
@@ -192,7 +192,7 @@ def split_adapters(module: nn.Module, styles: Mapping[str, str], wrapped: Mappin
             if real != f"{fqn}.{wrapped[fqn].base}":
                 plan[real] = parallel_style(adapter_style)
         if _FOLLOWED[style][0] == "up":
-            for key, dropout_name in wrapped[fqn].dropouts.items():
+            for dropout_name in wrapped[fqn].dropouts.values():
                 dropout = module.get_submodule(f"{fqn}.{dropout_name}")
                 if isinstance(dropout, nn.Dropout) and dropout.p > 0:
                     seed = _shared_seed(tp_mesh) if seed is None else seed
