@@ -10,9 +10,9 @@ names unchanged where it maps nothing), with no per-family table of ours. ``expe
 reads the same mapping the other way (``weights_from`` a Hub directory).
 
 An export reads a few tensors at a time, so the conversion runs on groups: :func:`plan` runs it on the meta device,
-once on the whole state and once per tensor; where the per-tensor results add up to the whole one (every mapping
-transformers ships for MoE experts: each fused tensor becomes its experts' tensors on its own), each tensor is a
-group of its own. A mapping whose outputs need several tensors together (a reverse that joins them) is one group.
+once on the whole state and once per converted tensor; where the per-tensor results add up to the whole one (every
+mapping transformers ships for MoE experts: each fused tensor becomes its experts' tensors on its own), each tensor is
+a group of its own. A mapping whose outputs need several tensors together (a reverse that joins them) is one group.
 No Lightning here; transformers is imported only when a model is given.
 """
 
@@ -42,27 +42,38 @@ class HubGroup:
 def plan(model: Any, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[HubGroup]:
     """The groups in which ``tensors`` (the model's names, in the order to write them) convert to the Hub layout.
 
+    The conversion runs once on the whole state on the meta device. A tensor it hands back as the same object is
+    written on its own, under the name it got (kept or renamed); only the others (what converters made: split
+    experts, transposes, even of a square tensor) are converted once more each, alone, and form a group each where
+    those results add up to the whole run's; else they form one group.
+
     Args:
         model: The transformers model (on the meta device will do): its type's conversion mapping is used.
         tensors: Name -> (shape, dtype) of every tensor to write (tied copies left out, as ``save_pretrained`` does).
-
-    Raises:
-        ValueError: transformers' conversion writes two tensors under one Hub name.
     """
     meta = {name: torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in tensors.items()}
-    whole = _signature(to_hub_layout(model, meta))
-    if whole == _signature(meta):  # nothing renamed or converted (every dense family)
-        return [HubGroup((name,), {name: whole[name]}) for name in tensors]
+    whole = to_hub_layout(model, meta)
+    inputs = {id(tensor) for tensor in meta.values()}
+    passed = {id(tensor): out for out, tensor in whole.items() if id(tensor) in inputs}  # renamings hand the tensor on
+    sources = [name for name in tensors if id(meta[name]) not in passed]  # what the converters take
+    made = {out: sig for out, sig in _signature(whole).items() if id(whole[out]) not in inputs}
+    alone: dict[str, HubGroup] = {}
+    for name in sources:
+        try:
+            alone[name] = HubGroup((name,), _signature(to_hub_layout(model, {name: meta[name]})))
+        except Exception:  # noqa: BLE001 - any op of the reverse may refuse one tensor alone: convert them together
+            alone = {}
+            break
+    outputs = [out for group in alone.values() for out in group.outputs]
+    on_their_own = len(set(outputs)) == len(outputs) and {o: sig for g in alone.values() for o, sig in g.outputs.items()} == made
     groups = []
     for name in tensors:
-        try:
-            outputs = _signature(to_hub_layout(model, {name: meta[name]}))
-        except Exception:  # noqa: BLE001 - any op of the reverse may refuse one tensor alone: convert them together
-            return [HubGroup(tuple(tensors), whole)]
-        groups.append(HubGroup((name,), outputs))
-    written = [out for group in groups for out in group.outputs]
-    if len(set(written)) != len(written) or {out: sig for g in groups for out, sig in g.outputs.items()} != whole:
-        return [HubGroup(tuple(tensors), whole)]
+        if name not in alone and id(meta[name]) in passed:
+            groups.append(HubGroup((name,), {passed[id(meta[name])]: tensors[name]}))
+        elif on_their_own:
+            groups.append(alone[name])
+        elif name == sources[0]:  # all that converters take in one group, where the first of them is
+            groups.append(HubGroup(tuple(sources), made))
     return groups
 
 
