@@ -75,8 +75,11 @@ class StageSequenceSplit:
     def __init__(self, group: Any, rank: int, size: int) -> None:
         self.group, self.rank, self.size = group, rank, size
 
-    def split(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
-        """The sequence layout of a model call, and its inputs with every ``[batch, sequence, ...]`` tensor split."""
+    def split(self, args: tuple, kwargs: dict, forward: Any = None) -> tuple[Any, tuple, dict]:
+        """The sequence layout of a model call, and its inputs with every ``[batch, sequence, ...]`` tensor split.
+
+        ``forward`` (the called module's ``forward``) names positional arguments, so that ``position_ids`` passed by
+        position are seen as by keyword."""
         from torch.utils._pytree import tree_flatten, tree_map
 
         from lightning_parallel.parallelize.context.sequence import SEQUENCE_DIM, SequenceLayout, split_sequence
@@ -88,7 +91,7 @@ class StageSequenceSplit:
         first = tensors[0]
         layout = SequenceLayout(first.size(SEQUENCE_DIM), self.size, self.rank)
         batch = first.size(0)
-        _refuse_packed_documents(kwargs.get("position_ids"), layout)
+        _refuse_explicit_positions(_argument(forward, args, kwargs, "position_ids"), layout)
 
         def split(value: Any) -> Any:
             if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(SEQUENCE_DIM) == layout.length \
@@ -137,20 +140,34 @@ class StageSequenceSplit:
         return tree_map(gather, output)
 
 
-def _refuse_packed_documents(position_ids: Any, layout: Any) -> None:
-    """Packed documents (``position_ids`` that restart) under cp inside pipelines: refused, saying why (ValueError).
+def _argument(forward: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """The value of ``forward``'s parameter ``name`` in a call with ``args, kwargs`` (``None`` where not given)."""
+    if name in kwargs or forward is None:
+        return kwargs.get(name)
+    import inspect
 
-    A traced stage builds its masks from this rank's part of the sequence, where only a causal or all-keeping mask
-    can run as the ring (the document mask would need the whole sequence's positions in the stage)."""
-    from lightning_parallel.parallelize.context.balance import document_ids
+    try:
+        bound = inspect.signature(forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    return bound.arguments.get(name)
 
-    if not (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
-            and position_ids.size(1) == layout.length and document_ids(position_ids) is not None):
+
+def _refuse_explicit_positions(position_ids: Any, layout: Any) -> None:
+    """``position_ids`` given to a model call under cp inside pipelines: refused, saying why (ValueError).
+
+    A traced stage sees only this rank's part of the sequence: the masks and position tables a model builds from
+    positions it is given (packed documents restarting them, or plain positions used as indices) would be built
+    from the part, where context parallelism runs only a causal or all-keeping mask. Checked on every call whatever
+    the values (a first batch whose documents all span the block does not restart its positions, a later one does);
+    no host read."""
+    if not (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.size(1) == layout.length):
         return
     raise ValueError(
-        f"The pipelined model call got position_ids that restart inside its sequences of {layout.length} (packed "
-        f"documents) with context_parallel_size={layout.size} and pipeline_parallel_size > 1: inside pipeline stages "
-        "masks are built from each rank's part of the sequence, where context parallelism runs only a causal or "
-        "all-keeping mask, so attention within documents is not supported there yet. Set pipeline_parallel_size=1 "
-        "(context parallelism alone trains packed documents exactly) or context_parallel_size=1."
+        f"The pipelined model call got position_ids ([batch, {layout.length}]) with "
+        f"context_parallel_size={layout.size} and pipeline_parallel_size > 1: inside pipeline stages masks and "
+        "positions are built from each rank's part of the sequence, so positions given to the model (packed "
+        "documents restarting them, or explicit ones) are not supported there yet. Set pipeline_parallel_size=1 "
+        "(context parallelism alone trains packed documents exactly), context_parallel_size=1, or let the model "
+        "build its own positions."
     )

@@ -222,7 +222,8 @@ class PipelineRunner:
         """
         captured = self._capture(module, hook, args, kwargs)
         if self._sequence_split is not None:
-            self._layout, split_args, split_kwargs = self._sequence_split.split(captured.args, captured.kwargs)
+            forward = module.get_submodule(captured.name).forward
+            self._layout, split_args, split_kwargs = self._sequence_split.split(captured.args, captured.kwargs, forward)
             captured = CapturedModelCall(captured.name, split_args, split_kwargs)
         root = module.get_submodule(captured.name)
         root_name = type(root).__name__
