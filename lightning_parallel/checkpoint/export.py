@@ -379,7 +379,7 @@ def _find_prefix(found: Mapping[str, tuple[int, ...]], expected: Mapping[str, tu
 def _groups(model: Any, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], original_format: bool) -> list[hub_layout.HubGroup]:
     """The tensors to write, in groups converted together (one tensor each unless the Hub layout joins some)."""
     if not original_format:
-        return [hub_layout.HubGroup((name,), {name: value}) for name, value in tensors.items()]
+        return [hub_layout.HubGroup((name,), {name: value}, renamed=False) for name, value in tensors.items()]
     return hub_layout.plan(model, tensors)
 
 

@@ -32,11 +32,8 @@ class HubGroup:
 
     inputs: tuple[str, ...]
     outputs: dict[str, tuple[tuple[int, ...], torch.dtype]]  # Hub name -> (shape, dtype), in written order
-
-    @property
-    def renamed(self) -> bool:
-        """Whether the Hub layout differs from the model's for these tensors."""
-        return len(self.outputs) != 1 or self.inputs[0] not in self.outputs
+    #: Whether the Hub layout differs from the model's for these tensors (renamed, split, joined or transposed).
+    renamed: bool = True
 
 
 def plan(model: Any, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> list[HubGroup]:
@@ -69,7 +66,8 @@ def plan(model: Any, tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]])
     groups = []
     for name in tensors:
         if name not in alone and id(meta[name]) in passed:
-            groups.append(HubGroup((name,), {passed[id(meta[name])]: tensors[name]}))
+            out = passed[id(meta[name])]
+            groups.append(HubGroup((name,), {out: tensors[name]}, renamed=out != name))
         elif on_their_own:
             groups.append(alone[name])
         elif name == sources[0]:  # all that converters take in one group, where the first of them is

@@ -125,3 +125,35 @@ def test_sweep_results_and_docs_agree():
     docs = (REPO / "docs" / "checkpoints.md").read_text()
     line = next(line for line in docs.splitlines() if line.startswith("Exact (the sweep):"))
     assert sorted(name.strip(" `.") for name in line.split(":", 1)[1].split(",")) == exact
+
+
+def test_plan_square_transposes_and_joined_reverses():
+    """hub_layout.plan on conversions transformers ships for other families, attached to a tiny Llama: a transpose of
+    a square tensor (same name and shape: not the identity) converts on its own; a Hub tensor split into q, k, v on
+    load (its reverse joins three) converts as one group. Either way the result is save_pretrained's."""
+    from transformers.core_model_loading import Chunk, Transpose, WeightConverter
+
+    from lightning_parallel.checkpoint import hub_layout
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    state = model.state_dict()
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in state.items()}
+    model._weight_conversions = [WeightConverter("mlp.down_proj.weight", "mlp.down_proj.weight", operations=[Transpose(0, 1)])]
+    groups = hub_layout.plan(model, shapes)
+    (square,) = [g for g in groups if g.renamed]
+    assert square.inputs == ("model.layers.0.mlp.down_proj.weight",) and len(groups) == len(state)
+    written = hub_layout.converted(model, square, state)
+    assert torch.equal(written["model.layers.0.mlp.down_proj.weight"], state["model.layers.0.mlp.down_proj.weight"].T)
+    model._weight_conversions = [WeightConverter(
+        "self_attn.qkv_proj.weight", ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+        operations=[Chunk(dim=0)])]
+    groups = hub_layout.plan(model, shapes)
+    (joined,) = [g for g in groups if g.renamed]
+    assert set(joined.inputs) == {f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"}
+    assert list(joined.outputs) == ["model.layers.0.self_attn.qkv_proj.weight"]
+    expected = hub_layout.to_hub_layout(model, state)
+    assert torch.equal(hub_layout.converted(model, joined, state)["model.layers.0.self_attn.qkv_proj.weight"],
+                       expected["model.layers.0.self_attn.qkv_proj.weight"])
