@@ -9,7 +9,18 @@ pytest.importorskip("transformers")
 
 from tests.coverage.cells import LAYOUTS, MAX_TOLERANCE  # noqa: E402
 from tests.coverage.configs import TASKS  # noqa: E402
-from tests.coverage.report import BEGIN, END, PAGE, PAGE_BEGIN, PAGE_END, README, block, render, summary  # noqa: E402
+from tests.coverage.provenance import UNRECORDED, summarise  # noqa: E402
+from tests.coverage.report import (  # noqa: E402
+    BEGIN,
+    END,
+    PAGE,
+    PAGE_BEGIN,
+    PAGE_END,
+    README,
+    block,
+    render,
+    summary,
+)
 from tests.coverage.sweep import RESULTS  # noqa: E402
 
 STATUSES = {"exact", "refused", "wrong", "crash"}
@@ -23,6 +34,10 @@ def test_every_record_is_well_formed():
     data = results()
     assert set(data["versions"]) == {"transformers", "torch"}
     assert data["families"], "no families swept"
+    # What the cells were measured at, summarised first in the file (tests/coverage/provenance.py).
+    assert data["swept_at"] == summarise(data["families"]), "results.json's swept_at is stale: save it with tests.coverage.sweep.save"
+    for row in data["swept_at"]["cells_by_commit"]:
+        assert row["commit"] == UNRECORDED or (len(row["library_sha256"]) == 64 and row["commit"]), row
     for name, record in data["families"].items():
         assert name == f"{record['task']}/{record['model_type']}", name
         assert record["task"] in TASKS, name
@@ -123,10 +138,8 @@ def test_a_re_run_worse_than_the_committed_results_is_named():
 
     shared = copy.deepcopy(committed)
     shared["families"][name]["cells"]["tp2"].update(status="exact (share 0.71)", share=0.71)
-    assert regressions(committed, shared, [name]) == [
-        f"{name} tp2: committed exact (share {committed['families'][name]['cells']['tp2']['share']}); "
-        "now exact (share 0.71)"
-    ]
+    before = committed["families"][name]["cells"]["tp2"]["share"]
+    assert regressions(committed, shared, [name]) == [f"{name} tp2: committed exact (share {before}); now exact (share 0.71)"]
 
     # Improving is allowed: the committed copy says refused, the re-run exact.
     older = copy.deepcopy(committed)
