@@ -477,11 +477,15 @@ class HeadsAttention(nn.Module):
             self.sinks = nn.Parameter(torch.linspace(-1, 1, heads, dtype=torch.float64))
         if extra == "embed_dim":  # XGLM, MVP: the heads' output reshaped by the split width, kept as embed_dim
             self.embed_dim = dim
+        if extra == "bias_table":  # Swin: a relative-position table with the heads last, [positions, heads]
+            self.table = nn.Parameter(torch.randn(9, heads, dtype=torch.float64))
 
     def forward(self, x):
         B, L, _ = x.shape
         q, k, v = (p(x).view(B, L, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         scores = q @ k.transpose(-1, -2) / self.head_dim**0.5
+        if self.extra == "bias_table":  # every head's bias, added in place as Swin does
+            scores += self.table[: L * L % 9 or 1].mean(0).view(1, -1, 1, 1)
         if self.extra == "sinks":
             sinks = self.sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
             scores = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
@@ -520,10 +524,12 @@ def test_per_head_parameters_and_split_widths_follow_the_heads(simulated_ranks, 
 @pytest.mark.parametrize("extra, match", [
     ("chunk_heads", r"splits its 2 heads on this rank into groups"),
     ("input_width", r"failed on this rank's heads after the tensor-parallel split: shape"),
+    ("bias_table", r"failed on this rank's heads after the tensor-parallel split: output with shape \[2, 1, 5, 5\]"),
 ])
 def test_attention_computing_across_heads_or_with_its_input_width_is_refused(simulated_ranks, extra, match):
-    # DiffLlama's head pairing was silently wrong (5.9e-3); TrOCR's reshape crashed deep in torch.
-    module = HeadsAttention(extra)
+    # DiffLlama's head pairing was silently wrong (5.9e-3); TrOCR's reshape and Swin's in-place table bias (every
+    # head's, on this rank's heads) crashed deep in torch.
+    module = HeadsAttention(extra, heads=2 if extra == "bias_table" else 4)  # Swin's case: one head on a rank
     with pytest.raises(RuntimeError, match=match):
         split_and_run(module, simulated_ranks, torch.randn(2, 5, 32, dtype=torch.float64))
 

@@ -34,7 +34,8 @@ from lightning_parallel.parallelize.tensor.projections import KEY_VALUE_HEADS, Q
 
 #: Phrases of torch's shape errors (view/reshape, broadcasting, cat, expand, matmul).
 _SHAPE_ERRORS = ("is invalid for input of size", "must match the size of tensor", "Sizes of tensors must match",
-                 "must match the existing size", "cannot be multiplied", "size mismatch", "shape mismatch")
+                 "must match the existing size", "cannot be multiplied", "size mismatch", "shape mismatch",
+                 "doesn't match the broadcast shape")
 
 
 def explain_split_failures(modules: Mapping[str, nn.Module], split: list[str]) -> None:
