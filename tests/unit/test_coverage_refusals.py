@@ -1,8 +1,9 @@
 """The sweep's "refused" means an error the library raises on purpose; a torch error is a crash, wherever it surfaced.
 
 The library's torch function modes run every operator of a split module's first forward, so a torch error from the
-model often has the library's frame as its innermost one (Swin under tp2: ``output with shape [512, 1, 4, 4] doesn't
-match the broadcast shape``, raised in ``guards.py``). The rule is about the statement that raised it, not the file.
+model often has the library's frame as its innermost one (Swin under tp2 was counted refused that way: ``output with
+shape [512, 1, 4, 4] doesn't match the broadcast shape``, raised in ``guards.py``; the library now explains that
+shape error with its fix). The rule is about the statement that raised it, not the file.
 """
 
 from __future__ import annotations
@@ -54,9 +55,13 @@ def broadcast_in_place(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def invert(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.inv(x)  # a torch error that is no shape error on this rank's heads
+
+
 def test_a_torch_error_raised_through_a_library_frame_is_a_crash():
-    error = split_module_error(broadcast_in_place, torch.zeros(512, 2, 4, 4))
-    assert "doesn't match the broadcast shape" in str(error)
+    error = split_module_error(invert, torch.zeros(2, 2))
+    assert "singular" in str(error)
     # What made it "refused" before: a RuntimeError whose innermost frame is the library's torch function mode.
     assert isinstance(error, RuntimeError) and innermost_is_library(error)
     assert not raised_by_library(error)
@@ -86,11 +91,15 @@ def test_a_library_refusal_is_refused():
     assert describe_failure(error, trained_steps=1)["status"] == "crash"
 
 
-def test_a_torch_error_the_library_translates_with_its_fix_is_refused():
+@pytest.mark.parametrize(("forward", "x", "cause"), [
+    (lambda x: x.reshape(3, -1, 7), torch.zeros(4, 4), "is invalid for input of size"),
+    (broadcast_in_place, torch.zeros(512, 2, 4, 4), "doesn't match the broadcast shape"),  # Swin under tp2
+], ids=["reshape", "broadcast in place"])
+def test_a_torch_error_the_library_translates_with_its_fix_is_refused(forward, x, cause):
     """A shape error on this rank's heads, re-raised by the library naming the module and the fix (``from`` torch's)."""
-    error = split_module_error(lambda x: x.reshape(3, -1, 7), torch.zeros(4, 4))
+    error = split_module_error(forward, x)
     assert "failed on this rank's heads after the tensor-parallel split" in str(error)
-    assert "is invalid for input of size" in str(error.__cause__)
+    assert cause in str(error.__cause__)
     assert describe_failure(error, trained_steps=0)["status"] == "refused"
 
 
