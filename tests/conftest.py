@@ -6,7 +6,7 @@ inside its own timeout. A launch whose budget is longer than that timeout was cu
 of the test process) before its own budget could kill it and report the ranks' output. Here each test gets a timeout
 above the largest budget of the launches it may wait for, plus the time of its own work in this process:
 
-* tests that use the shared 4- and 8-rank launches (``tests/distributed/conftest.py``, budget 1800 s each);
+* tests that use the shared 4- and 8-rank launches (``tests/distributed/conftest.py``, budget 2700 s each);
 * other ``distributed`` tests (their launches' budgets are at most 900 s; ``tests/unit/test_timeouts.py`` reads every
   launch call's budget from the sources and fails if one grows past what these timeouts leave room for);
 * everything else keeps pyproject's 600 s. A ``@pytest.mark.timeout`` on a test wins.
@@ -18,8 +18,8 @@ import pytest
 
 #: Seconds a test may spend beyond its launch: its single-device references and checks in this process.
 OWN_WORK = 600
-#: The budget of each fixture that starts a launch (tests/distributed/conftest.py: ``timeout=1800``).
-FIXTURE_LAUNCH_BUDGETS = {"four_rank_launch": 1800, "eight_rank_launch": 1800}
+#: The budget of each fixture that starts a launch (tests/distributed/conftest.py: ``timeout=2700``).
+FIXTURE_LAUNCH_BUDGETS = {"four_rank_launch": 2700, "eight_rank_launch": 2700}
 #: The largest budget a distributed test gives a launch of its own (test_context_parallel, test_compile,
 #: test_transformers: 900 s).
 OWN_LAUNCH_BUDGET = 900

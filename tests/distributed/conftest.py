@@ -38,7 +38,7 @@ def shared_specs(ranks: int) -> dict[str, JobSpec]:
 def _launch(ranks: int, tmp_path_factory) -> Launch:
     specs = shared_specs(ranks)
     root = tmp_path_factory.mktemp(f"{ranks}_ranks")
-    return run_distributed_jobs(specs, root, timeout=1800), specs, root
+    return run_distributed_jobs(specs, root, timeout=2700), specs, root
 
 
 @pytest.fixture(scope="session")

@@ -55,8 +55,8 @@ def test_every_launch_budget_of_a_distributed_test_is_below_its_timeout():
 @pytest.mark.parametrize(
     ("fixtures", "distributed", "launch_budget"),
     [
-        (("four_rank_launch", "tmp_path"), True, 1800),
-        (("eight_rank_launch",), True, 1800),
+        (("four_rank_launch", "tmp_path"), True, 2700),
+        (("eight_rank_launch",), True, 2700),
         (("tmp_path",), True, OWN_LAUNCH_BUDGET),
     ],
 )
