@@ -21,11 +21,9 @@ the job's own process group (:func:`measure_in_world`) and writes the cache on e
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import statistics
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -39,7 +37,7 @@ import torch.multiprocessing as mp
 
 from lightning_parallel import collectives
 from lightning_parallel.measure.device_clock import DeviceClock
-from lightning_parallel.measure.hardware import REMEASURE_ENV
+from lightning_parallel.measure import measurement_cache
 
 #: Dtypes whose matmul peak is measured (``tf32``: float32 with TF32 tensor cores allowed).
 GPU_DTYPES = ("bf16", "fp16", "tf32", "fp32", "fp64")
@@ -120,46 +118,17 @@ def cache_path(key: str) -> Path:
 
 
 def cached_measurements(key: str, measure: Callable[[], GPUMeasurements], remeasure: bool | None = None) -> GPUMeasurements:
-    """The measurements cached under ``key``, or ``measure()``'s, written there (one process measures while the
-    others wait on a file lock: the ranks of a job starting together must not measure each other's contention).
-
-    Args:
-        key: :func:`cache_key`'s name.
-        measure: Measures now (:func:`measure_node`, or a test's stand-in).
-        remeasure: Measure even if cached (default: whether ``LIGHTNING_PARALLEL_MEASURE_HARDWARE=1``).
-    """
-    path = cache_path(key)
-    if remeasure is None:
-        remeasure = os.environ.get(REMEASURE_ENV, "") == "1"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = None if remeasure else read(path)
-        if cached is not None:
-            return cached
-        print(f"lightning_parallel: measuring this node's GPUs and NCCL once (about a minute; cached in {path})",
-              file=sys.stderr, flush=True)
-        measured = measure()
-        write(path, measured)
-    return measured
+    """The measurements cached under ``key``, or ``measure()``'s (:func:`measure_node`, or a test's stand-in),
+    written there by one process while the others wait (:mod:`~lightning_parallel.measure.measurement_cache`)."""
+    return measurement_cache.cached(cache_path(key), GPUMeasurements, measure, "this node's GPUs and NCCL (about a minute)", remeasure)
 
 
 def read(path: Path) -> GPUMeasurements | None:
     """The measurements in ``path``; ``None`` if absent or written by another version of this file."""
-    if not path.is_file():
-        return None
-    try:
-        return GPUMeasurements(**json.loads(path.read_text()))
-    except (ValueError, TypeError):
-        return None
+    return measurement_cache.read(path, GPUMeasurements)
 
 
-def write(path: Path, measured: GPUMeasurements) -> None:
-    """Write whole then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-        handle.write(json.dumps(asdict(measured), indent=2))
-    os.replace(handle.name, path)
+write = measurement_cache.write
 
 
 def matmul_tflops(device: torch.device, dtype: str, size: int, repeats: int) -> float:

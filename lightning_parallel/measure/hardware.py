@@ -22,15 +22,13 @@ keyed by host name, core count and torch version; ``LIGHTNING_PARALLEL_MEASURE_H
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_parallel import collectives
+from lightning_parallel.measure import measurement_cache
 from lightning_parallel.measure.dispatch import (
     dtensor_op_seconds,
     matmul_efficiency,
@@ -51,8 +50,6 @@ from lightning_parallel.measure.dispatch import (
 from lightning_parallel.measure.peak import TORCH_DTYPES, measured_matmul_tflops
 from lightning_parallel.measure.runtime_memory import runtime_bytes
 
-#: Set to 1 to measure again instead of reading the cache.
-REMEASURE_ENV = "LIGHTNING_PARALLEL_MEASURE_HARDWARE"
 #: Dtypes whose matmul peak is measured (the recipes train in fp32, the exactness tests in fp64).
 MEASURED_DTYPES = ("fp32", "fp64")
 SMALL_BYTES, LARGE_BYTES = 4 * 2**10, 8 * 2**20
@@ -144,39 +141,13 @@ def cache_path() -> Path:
 
 
 def local_measurements(remeasure: bool | None = None) -> LocalMeasurements:
-    """This machine's figures: from the cache, or measured now (about 10 s) and cached.
+    """This machine's figures: from the cache, or measured now (about 30 s) and cached.
 
     Args:
         remeasure: Measure even if cached (default: whether ``LIGHTNING_PARALLEL_MEASURE_HARDWARE=1``).
     """
-    path = cache_path()
-    if remeasure is None:
-        remeasure = os.environ.get(REMEASURE_ENV, "") == "1"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # One process measures while the others (the ranks of a job starting together) wait for its figures: measuring
-    # in several at once would measure the contention.
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cached = None if remeasure else _read(path)
-        if cached is not None:
-            return cached
-        print(f"lightning_parallel: measuring this machine's compute and {_BACKEND} once (about 30 s; cached in {path})",
-              file=sys.stderr, flush=True)
-        measured = measure_here()
-        # Written whole then renamed: a reader never sees half a file.
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-            handle.write(json.dumps(asdict(measured), indent=2))
-        os.replace(handle.name, path)
-    return measured
-
-
-def _read(path: Path) -> LocalMeasurements | None:
-    if not path.is_file():
-        return None
-    try:
-        return LocalMeasurements(**json.loads(path.read_text()))
-    except (ValueError, TypeError):
-        return None  # a cache written by another version of this file: measure again
+    what = f"this machine's compute and {_BACKEND} (about 30 s)"
+    return measurement_cache.cached(cache_path(), LocalMeasurements, measure_here, what, remeasure)
 
 
 def measure_here() -> LocalMeasurements:

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                       "as --config-dir (or run from the directory that holds its conf/).")
         return 2
     if args.measure_hardware:
-        from lightning_parallel.measure.hardware import REMEASURE_ENV
+        from lightning_parallel.measure.measurement_cache import REMEASURE_ENV
 
         os.environ[REMEASURE_ENV] = "1"  # also for the jobs --measure and --simulate start
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):

@@ -16,7 +16,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from lightning_parallel.conf import CONFIG_DIR
-from lightning_parallel.measure import gpu_hardware
+from lightning_parallel.measure import gpu_hardware, measurement_cache
 from lightning_parallel.plan import auto_hardware
 from lightning_parallel.plan.gpus import UnknownGPUError, gpu_spec
 from lightning_parallel.plan.hardware import HardwareProfile
@@ -56,7 +56,7 @@ def _stand_in_gpus(monkeypatch, name: str = "NVIDIA H100 80GB HBM3", count: int 
 
 def test_auto_on_a_gpu_node_measures_once_then_reads_the_cache(monkeypatch, tmp_path, measured_on_host):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(gpu_hardware.REMEASURE_ENV, raising=False)
+    monkeypatch.delenv(measurement_cache.REMEASURE_ENV, raising=False)
     _stand_in_gpus(monkeypatch)
     # The host measurement stands in for the GPUs' (8 of them: the all-reduce among the whole node is "8").
     node = {name: {"8": figures["2"]} for name, figures in measured_on_host.intra_node.items()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_parallel.measure import hardware
+from lightning_parallel.measure import hardware, measurement_cache
 from lightning_parallel.plan.hardware import HardwareProfile
 
 FIGURES = hardware.LocalMeasurements(
@@ -24,7 +24,7 @@ def measured(monkeypatch, tmp_path):
     """Measuring returns FIGURES and counts its calls; the cache lives under tmp_path."""
     calls = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(hardware.REMEASURE_ENV, raising=False)
+    monkeypatch.delenv(measurement_cache.REMEASURE_ENV, raising=False)
     monkeypatch.setattr(hardware, "measure_here", lambda: calls.append(1) or FIGURES)
     return calls
 
@@ -33,11 +33,11 @@ def test_measured_once_then_read_from_the_cache_until_asked_again(measured, monk
     assert hardware.local_measurements() == FIGURES and len(measured) == 1
     assert hardware.cache_path().is_relative_to(tmp_path) and hardware.cache_path().is_file()
     assert hardware.local_measurements() == FIGURES and len(measured) == 1
-    monkeypatch.setenv(hardware.REMEASURE_ENV, "1")
+    monkeypatch.setenv(measurement_cache.REMEASURE_ENV, "1")
     hardware.local_measurements()
     assert len(measured) == 2
     hardware.cache_path().write_text("{not json")  # a damaged cache is measured again, not trusted
-    monkeypatch.delenv(hardware.REMEASURE_ENV)
+    monkeypatch.delenv(measurement_cache.REMEASURE_ENV)
     hardware.local_measurements()
     assert len(measured) == 3
 
