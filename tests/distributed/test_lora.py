@@ -41,7 +41,7 @@ def lora_jobs(weights: dict[str, str]) -> dict[str, tuple[JobSpec, dict]]:
             JobSpec(model="lora_llama", strategy="tensor", devices=2, accumulate=2, steps=STEPS, empty_init=False, save_adapters=True,
                     strategy_kwargs={"data_parallel_mode": "replicate", "weights_from": base}), {**start, "accumulate": 2}),
         "lora_llama_pp2": (JobSpec(model="lora_llama", strategy="pipeline", devices=2, steps=STEPS, empty_init=False, save_adapters=True,
-                                   strategy_kwargs={"microbatches": 2, "weights_from": base}), start),
+                                   strategy_kwargs={"microbatches": 4, "weights_from": base}), start),  # 4 micro-batches on 2 stages
     }
 
 
@@ -95,7 +95,7 @@ def four_rank_specs() -> dict[str, JobSpec]:
     """tp2 x pp2 (run in the suite's one 4-rank launch): base and adapters split inside each stage."""
     return {"lora_qwen2_tp2xpp2_accumulate2": JobSpec(
         model="lora_qwen2", strategy="hybrid", devices=4, accumulate=2, steps=STEPS, empty_init=False,
-        strategy_kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 2, "timeout": 120})}
+        strategy_kwargs={"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4, "timeout": 120})}
 
 
 def test_four_ranks_tp2_pp2(four_rank_launch):
