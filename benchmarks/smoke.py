@@ -46,14 +46,19 @@ _LEFT_BY_TRAINING = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "
 
 
 def run_in_this_process(script: Path, argv: list[str]) -> None:
-    """``script``'s ``main(argv)`` here, leaving this process's threads and environment as they were."""
+    """``script``'s ``main(argv)`` here, leaving this process's threads, environment and process groups as they were."""
     import torch
+    import torch.distributed as dist
 
-    threads, environ = torch.get_num_threads(), dict(os.environ)
+    threads, environ, had_group = torch.get_num_threads(), dict(os.environ), dist.is_initialized()
     try:
         importlib.import_module(f"benchmarks.{script.stem}").main(argv)
     finally:
         torch.set_num_threads(threads)
+        # A one-device Trainer under a parallel strategy leaves its world of one (Lightning never destroys the
+        # process group it made): the next run here, or a test after this one, could not start its own.
+        if dist.is_initialized() and not had_group:
+            dist.destroy_process_group()
         for name in _LEFT_BY_TRAINING:
             if name in environ:
                 os.environ[name] = environ[name]

@@ -40,3 +40,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         seconds = timeout_for(getattr(item, "fixturenames", ()), item.get_closest_marker("distributed") is not None)
         if seconds is not None:
             item.add_marker(pytest.mark.timeout(seconds))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A test that leaves a process group in the pytest process fails here, and the group is destroyed.
+
+    Left alone, the next test that starts one fails with "trying to initialize the default process group twice" and
+    every in-process distributed test after it fails the same way, far from the test that caused it.
+    """
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if before or not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.destroy_process_group()
+    pytest.fail("this test left a process group initialised in the pytest process; destroy it (the group is now destroyed)")

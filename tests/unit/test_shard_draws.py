@@ -153,5 +153,7 @@ def test_no_rank_materialises_the_whole_parameter():
     found = json.loads(run.stdout.strip().splitlines()[-1])
     drawn, eager = found["draw_into_shards"], found["eager"]
     assert found["shard_mib"] == whole_mib / 4 and abs(drawn["std"] - 1) < 0.01  # N(0, 1): nn.Embedding's
-    assert eager["extra_mib"] >= whole_mib  # the eager path holds the whole table on the host: the check can fail
+    # The eager path holds the whole table on the host (the check can fail). Not exactly all of it: pages the
+    # allocator freed before the draw count in the baseline and are reused (CI measured 63.9 of 64 MiB).
+    assert eager["extra_mib"] >= 0.9 * whole_mib, found
     assert drawn["extra_mib"] < whole_mib / 4, found  # less than one shard on top of the shard itself
