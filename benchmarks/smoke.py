@@ -45,8 +45,12 @@ _LEFT_BY_TRAINING = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_RANK", "
                      "PL_SEED_WORKERS", "OMP_NUM_THREADS")
 
 
-def run_in_this_process(script: Path, argv: list[str]) -> None:
-    """``script``'s ``main(argv)`` here, leaving this process's threads, environment and process groups as they were."""
+def run_in_this_process(script: Path, argv: list[str], pool_rank: bool = False) -> None:
+    """``script``'s ``main(argv)`` here, leaving this process's threads and environment as they were.
+
+    In the smoke run's own process, a process group the run left is destroyed too; a ``pool_rank`` keeps its world
+    of 2 for its next run (torchrun's store would not let it join again).
+    """
     import torch
     import torch.distributed as dist
 
@@ -57,7 +61,7 @@ def run_in_this_process(script: Path, argv: list[str]) -> None:
         torch.set_num_threads(threads)
         # A one-device Trainer under a parallel strategy leaves its world of one (Lightning never destroys the
         # process group it made): the next run here, or a test after this one, could not start its own.
-        if dist.is_initialized() and not had_group:
+        if dist.is_initialized() and not had_group and not pool_rank:
             dist.destroy_process_group()
         for name in _LEFT_BY_TRAINING:
             if name in environ:
@@ -157,7 +161,7 @@ def serve(folder: Path, client: int) -> None:
             time.sleep(0.05)
         spec = json.loads(job.read_text())
         try:
-            run_in_this_process(Path(spec["script"]), spec["argv"])
+            run_in_this_process(Path(spec["script"]), spec["argv"], pool_rank=True)
         except BaseException:
             job.with_suffix(f".rank{rank}.err").write_text(traceback.format_exc())
             raise
