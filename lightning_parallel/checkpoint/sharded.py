@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -205,9 +205,16 @@ def reading(path: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, OSError, EOFError, ValueError, KeyError, pickle.UnpicklingError, CheckpointException) as error:
-        untrusted = _untrusted_cause(error)
+        untrusted = _cause(error, lambda e: isinstance(e, UntrustedPickleError))
         if untrusted is not None:
             raise untrusted from None
+        missing = _cause(error, lambda e: str(e).startswith(_DCP_MISSING_KEY))
+        if missing is not None:  # a whole checkpoint that lacks what this run asks for: not a damaged one
+            name = str(missing)[len(_DCP_MISSING_KEY):].strip().rstrip(".")
+            raise RuntimeError(
+                f"The checkpoint {str(path)!r} holds no {name!r}, which this run loads: it was saved from another "
+                f"model or configuration; nothing was loaded. {MISMATCH_HINT}"
+            ) from None
         if isinstance(error, FileNotFoundError) and not Path(path).exists():
             raise FileNotFoundError(f"No checkpoint at {str(path)!r}.") from error
         if str(error).startswith("The checkpoint ") or "weights_only" in str(error):  # already clear
@@ -220,17 +227,21 @@ def reading(path: str | os.PathLike) -> Iterator[None]:
         ) from error
 
 
-def _untrusted_cause(error: BaseException) -> UntrustedPickleError | None:
-    """The refusal to unpickle behind ``error`` (DCP wraps each rank's errors in a CheckpointException)."""
-    if isinstance(error, UntrustedPickleError):
+#: How DCP's load planner says the checkpoint lacks a key the state to fill has.
+_DCP_MISSING_KEY = "Missing key in checkpoint state_dict:"
+
+
+def _cause(error: BaseException, wanted: Callable[[BaseException], bool]) -> BaseException | None:
+    """The error behind ``error`` that is ``wanted`` (DCP wraps each rank's errors in a CheckpointException)."""
+    if wanted(error):
         return error
     if isinstance(error, CheckpointException):
         for failure, _trace in error.failures.values():
-            found = _untrusted_cause(failure)
+            found = _cause(failure, wanted) if isinstance(failure, BaseException) else None
             if found is not None:
                 return found
     cause = error.__cause__ or error.__context__
-    return _untrusted_cause(cause) if cause is not None and cause is not error else None
+    return _cause(cause, wanted) if cause is not None and cause is not error else None
 
 
 def _read_metadata(directory: str | os.PathLike) -> Metadata:

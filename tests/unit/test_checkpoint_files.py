@@ -146,3 +146,14 @@ def test_bad_checkpoint_options_fail_when_the_strategy_is_built(kwargs, error, p
 
     with pytest.raises(error, match=pattern):
         DataParallelStrategy(**kwargs)
+
+
+def test_a_checkpoint_without_a_key_the_run_loads_is_called_another_models_not_damaged(tmp_path):
+    """DCP's "Missing key" (a state the checkpoint never held) reads as a mismatch with the hint, not as corruption."""
+    from lightning_parallel.checkpoint.sharded import load_states
+
+    write_whole(lightning_like_checkpoint(1), tmp_path / "a.ckpt")
+    states = {"state_dict": {**lightning_like_checkpoint(1)["state_dict"], "extra.scale": torch.zeros(1, dtype=torch.float64)}}
+    with pytest.raises(RuntimeError, match=r"holds no 'state_dict\.extra\.scale'.*another model.*strict_loading") as caught:
+        load_states(states, tmp_path / "a.ckpt")
+    assert "corrupt" not in str(caught.value)
