@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,36 @@ class World:
         self.store.wait(keys, WAIT)
         return [json.loads(self.store.get(key)) for key in keys]
 
+    def serve(self, plan: dict[str, Any], run: Callable[[dict[str, Any]], tuple[dict[str, Any], Any]],
+              record: Callable[[dict[str, Any], list[dict[str, Any]], Any, float], dict[str, Any]], label: str,
+              name_key: str) -> None:
+        """Run every cell of ``plan`` here; rank 0 appends each one's record to ``plan["out"]`` (JSON lines).
+
+        ``run(cell)`` is this rank's side: a JSON summary with ``ok`` that every rank sees, and what stays on this
+        rank for ``record(cell, outcomes, kept, started)``, which builds rank 0's record (with ``status`` and
+        ``seconds``). After a cell in which any rank failed, every rank joins a fresh process group. Ends the world.
+        """
+        out, progress = Path(plan["out"]), Path(plan["progress"])
+        for index, cell in enumerate(plan["cells"]):
+            started = time.time()
+            if self.rank == 0:
+                progress.write_text(json.dumps({"index": index, "started": started}))
+            summary, kept = run(cell)
+            outcomes = self.exchange(index, summary)
+            if self.rank == 0:
+                entry = record(cell, outcomes, kept, started)
+                with out.open("a") as f:
+                    f.write(json.dumps(entry) + "\n")
+                print(f"[{label}] {cell[name_key]} {cell['layout']}: {entry['status']} ({entry['seconds']}s)", flush=True)
+            del kept  # the cell's model and trainer go before the next cell builds its own
+            gc.collect()
+            if any(not o["ok"] for o in outcomes):
+                self.renew()
+        if self.rank == 0:
+            progress.write_text(json.dumps({"index": len(plan["cells"]), "started": time.time()}))
+        dist.barrier()
+        dist.destroy_process_group()
+
 
 def run_cell(cell: dict[str, Any]) -> dict[str, Any]:
     """This rank's side of one cell: its findings, or its failure (with when it happened)."""
@@ -88,32 +119,17 @@ def verdict(cell: dict[str, Any], outcomes: list[dict[str, Any]], result: dict[s
 
 
 def main(plan_file: str) -> None:
-    plan = json.loads(Path(plan_file).read_text())
-    world = World()
-    out, progress = Path(plan["out"]), Path(plan["progress"])
-    for index, cell in enumerate(plan["cells"]):
-        started = time.time()
-        if world.rank == 0:
-            progress.write_text(json.dumps({"index": index, "started": started}))
+    def run(cell: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         outcome = run_cell(cell)
         result = outcome.pop("result", None)
-        summary = {**outcome, "local_bytes": result["local_bytes"] if result else 0}
-        outcomes = world.exchange(index, summary)
-        if world.rank == 0:
-            record = {"task": cell["task"], "model_type": cell["model_type"], "layout": cell["layout"],
-                      **verdict(cell, outcomes, result), "wall_seconds": round(time.time() - started, 2),
-                      **fingerprint()}  # what this rank imported: the cell's own record of the library it ran
-            with out.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            print(f"[coverage] {cell['model_type']} {cell['layout']}: {record['status']} ({record['seconds']}s)", flush=True)
-        del result, outcome
-        gc.collect()
-        if any(not o["ok"] for o in outcomes):
-            world.renew()
-    if world.rank == 0:
-        progress.write_text(json.dumps({"index": len(plan["cells"]), "started": time.time()}))
-    dist.barrier()
-    dist.destroy_process_group()
+        return {**outcome, "local_bytes": result["local_bytes"] if result else 0}, result
+
+    def record(cell: dict[str, Any], outcomes: list[dict[str, Any]], result: dict[str, Any] | None, started: float) -> dict[str, Any]:
+        return {"task": cell["task"], "model_type": cell["model_type"], "layout": cell["layout"],
+                **verdict(cell, outcomes, result), "wall_seconds": round(time.time() - started, 2),
+                **fingerprint()}  # what this rank imported: the cell's own record of the library it ran
+
+    World().serve(json.loads(Path(plan_file).read_text()), run, record, label="coverage", name_key="model_type")
 
 
 if __name__ == "__main__":

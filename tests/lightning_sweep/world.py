@@ -8,14 +8,12 @@ process group. The plan: ``{"cells": [{"case", "layout", "reference"}], "out": J
 
 from __future__ import annotations
 
-import gc
 import json
 import sys
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tests.coverage.world import World
 from tests.lightning_sweep.cells import judge, run_cell
@@ -23,30 +21,18 @@ from tests.lightning_sweep.cells import judge, run_cell
 
 def main(plan_file: str) -> None:
     plan = json.loads(Path(plan_file).read_text())
-    world = World()
-    out, progress, root = Path(plan["out"]), Path(plan["progress"]), Path(plan["root"])
-    for index, cell in enumerate(plan["cells"]):
-        started = time.time()
-        if world.rank == 0:
-            progress.write_text(json.dumps({"index": index, "started": started}))
-        directory = root / f"{cell['case']}-{cell['layout'].replace(' ', '_')}"
-        outcome = run_cell(cell["case"], cell["layout"], directory)
+    root = Path(plan["root"])
+
+    def run(cell: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        outcome = run_cell(cell["case"], cell["layout"], root / f"{cell['case']}-{cell['layout'].replace(' ', '_')}")
         training = outcome.pop("training", None)
-        outcomes = world.exchange(index, outcome)
-        if world.rank == 0:
-            expected = torch.load(cell["reference"], weights_only=False)
-            record = {"case": cell["case"], "layout": cell["layout"], **judge(expected, outcomes, training)}
-            with out.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            print(f"[lightning sweep] {cell['case']} {cell['layout']}: {record['status']} ({record['seconds']}s)", flush=True)
-        del training, outcome
-        gc.collect()
-        if any(not o["ok"] for o in outcomes):
-            world.renew()
-    if world.rank == 0:
-        progress.write_text(json.dumps({"index": len(plan["cells"]), "started": time.time()}))
-    dist.barrier()
-    dist.destroy_process_group()
+        return outcome, training
+
+    def record(cell: dict[str, Any], outcomes: list[dict[str, Any]], training: Any, started: float) -> dict[str, Any]:
+        expected = torch.load(cell["reference"], weights_only=False)
+        return {"case": cell["case"], "layout": cell["layout"], **judge(expected, outcomes, training)}
+
+    World().serve(plan, run, record, label="lightning sweep", name_key="case")
 
 
 if __name__ == "__main__":

@@ -480,6 +480,29 @@ def test_a_split_layer_whose_submodules_are_called_from_its_forward_traces():
     assert not any(hook for layer in model.layers for hook in layer._forward_pre_hooks.values())  # hooks removed
 
 
+class DirectForwardStack(nn.Module):
+    """Layers run as ``layer.forward(x)``, as SqueezeBERT's encoder runs them: forward hooks never fire."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()).double() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer.forward(x)
+        return x
+
+
+def test_a_split_layer_its_parent_calls_through_forward_still_begins_a_stage():
+    torch.manual_seed(0)
+    model, x = DirectForwardStack(), torch.randn(B, D, dtype=torch.float64)
+    pipe = _trace(model, (x,), {}, ["layers.1"], training=True)
+    assert pipe.num_stages == 2
+    stages = [pipe.get_stage_module(s) for s in range(2)]
+    torch.testing.assert_close(stages[1](stages[0](x)), model(x), rtol=0, atol=1e-12)
+    assert "forward" not in model.layers[1].__dict__  # the marker is gone: the class's forward runs again
+
+
 class NoGradRefinement(nn.Module):
     """A block that first refines its input without gradient (as HRM's cycles do), then once with it."""
 

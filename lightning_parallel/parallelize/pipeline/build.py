@@ -15,7 +15,9 @@ are ``None`` (their memory is freed). No Lightning here.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -28,11 +30,27 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.export.unflatten import InterpreterModule
 from torch.utils._pytree import tree_map
 
-from lightning_parallel.parallelize.pipeline.graph import bind_subgraphs, check_chain, check_stage_inputs, clean_graph, root_cause, where_trace_stopped
-from lightning_parallel.parallelize.pipeline.opaque_experts import mark_routed_experts, opaque_routed_experts
-from lightning_parallel.parallelize.pipeline.opaque_functions import opaque_autograd_functions
+from lightning_parallel.parallelize.pipeline.graph import (
+    bind_subgraphs,
+    check_chain,
+    check_stage_inputs,
+    clean_graph,
+    root_cause,
+    where_trace_stopped,
+)
+from lightning_parallel.parallelize.pipeline.opaque_blocks import restore_forward
+from lightning_parallel.parallelize.pipeline.opaque_experts import (
+    mark_routed_experts,
+    opaque_routed_experts,
+)
+from lightning_parallel.parallelize.pipeline.opaque_functions import (
+    opaque_autograd_functions,
+)
 from lightning_parallel.parallelize.pipeline.schedule import stages_on
-from lightning_parallel.parallelize.pipeline.stage_boundary import contiguous_boundaries, contiguous_module_boundaries
+from lightning_parallel.parallelize.pipeline.stage_boundary import (
+    contiguous_boundaries,
+    contiguous_module_boundaries,
+)
 from lightning_parallel.parallelize.pipeline.stage_tensor import StageTensorParallel
 
 
@@ -299,13 +317,20 @@ def _trace(
     # the unwrapped module, under paths relative to it: "attn", not "h.2.attn". Unflattening the stage refuses
     # those paths, for any split layer whose submodules are not themselves wrapped.)
     calls = dict.fromkeys(split_points, 0)
-    hooks = [module.get_submodule(name).register_forward_pre_hook(_begin_stage(calls, name)) for name in split_points]
+    in_forward: set[str] = set()
     was_training = module.training
     module.train(training)
     try:
-        # Data-dependent routing, and custom backwards that a trace through the forward would lose: one operator each.
-        with opaque_routed_experts(module), opaque_autograd_functions():
-            pipe = pipeline(module, args, kwargs or None, split_policy=bind_subgraphs)
+        while True:
+            # Data-dependent routing, and custom backwards that a trace through the forward would lose: one operator each.
+            with _stage_markers(module, calls, in_forward), opaque_routed_experts(module), opaque_autograd_functions():
+                pipe = pipeline(module, args, kwargs or None, split_policy=bind_subgraphs)
+            unmarked = {name for name, count in calls.items() if count == 0} - in_forward
+            if not unmarked:
+                break
+            # A parent that runs its layers as ``layer.forward(...)`` (SqueezeBERT's encoder) skips their hooks:
+            # trace again with those split points marked inside their forward.
+            in_forward |= unmarked
         _check_called_once(calls, type(module).__name__)
         check_stage_inputs(pipe)
         contiguous_boundaries(pipe)  # p2p sends need contiguous activations and gradients
@@ -317,8 +342,30 @@ def _trace(
         return pipe
     finally:
         module.train(was_training)
-        for hook in hooks:
-            hook.remove()
+
+
+@contextmanager
+def _stage_markers(module: nn.Module, calls: dict[str, int], in_forward: Collection[str]) -> Iterator[None]:
+    """Cut the trace where each split point in ``calls`` runs, counting its runs in ``calls`` (reset here).
+
+    A forward pre-hook marks a split point; one in ``in_forward`` is marked by a wrapper of its instance's
+    ``forward`` instead, which also sees a parent's direct ``layer.forward(...)`` call (hooks do not).
+    """
+    undo = []
+    for name in calls:
+        calls[name] = 0
+        layer = module.get_submodule(name)
+        if name in in_forward:
+            own = layer.__dict__.get("forward")
+            layer.forward = _marked_forward(layer.forward, calls, name)
+            undo.append(functools.partial(restore_forward, layer, own))
+        else:
+            undo.append(layer.register_forward_pre_hook(_begin_stage(calls, name)).remove)
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
 
 
 def _begin_stage(calls: dict[str, int], name: str) -> Any:
@@ -329,6 +376,18 @@ def _begin_stage(calls: dict[str, int], name: str) -> Any:
         pipe_split()
 
     return begin_stage
+
+
+def _marked_forward(forward: Any, calls: dict[str, int], name: str) -> Any:
+    """``forward`` of the split point ``name``, cutting the traced graph before it runs."""
+
+    @functools.wraps(forward)
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        calls[name] += 1
+        pipe_split()
+        return forward(*args, **kwargs)
+
+    return marked
 
 
 def _check_called_once(calls: dict[str, int], module_name: str) -> None:
