@@ -374,3 +374,26 @@ def test_modules_discarded_in_init_draw_their_random_numbers_in_turn(build):
     for name, expected in eager.state_dict().items():
         assert torch.equal(module.state_dict()[name], expected), name
     assert torch.equal(torch.get_rng_state(), after_eager)
+
+
+def test_a_layer_built_where_a_dropped_container_was_ends_when_it_ends():
+    """A container attached then dropped frees its address; a layer built there later must not take its end (the
+    order draws are replayed in): keyed by id(), a layer took the container's earlier end and two layers swapped."""
+    from lightning_parallel.parallelize.placement.deferred_record import Construction
+
+    construction = Construction()
+    container = nn.Sequential()
+    construction.attached(container)  # event 1
+    address = id(container)
+    del container
+    kept = []
+    for _ in range(10_000):
+        layer = nn.Linear(1, 1)
+        if id(layer) == address:
+            break
+        kept.append(layer)
+    else:
+        pytest.skip("the allocator never gave the container's address to a new layer")
+    construction.registered(layer)  # event 2
+    construction.attached(layer)  # event 3
+    assert construction.position(layer) == 3

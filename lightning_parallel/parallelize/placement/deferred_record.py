@@ -227,25 +227,30 @@ class Construction:
 
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []  # registration order; strong: a discarded module is kept to be replayed
-        self._ended: dict[int, int] = {}  # id -> event number of its first attachment to a parent
-        self._registered: dict[int, int] = {}  # id -> event number of its last parameter registration
+        # Keyed weakly by identity, not by id(): a container attached and then dropped (``del self.block``) frees its
+        # address, and a layer built next at that address took the container's earlier end (seen in CI: two layers
+        # drew in swapped order). An entry now leaves with its module.
+        self._ended: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> event number of its first attachment
+        self._registered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> event of its last registration
         self._events = 0
 
     def __deepcopy__(self, memo: dict) -> Construction:
         return self  # a record of one build, shared by copies of its meta parameters (not a copy of every module)
 
     def registered(self, module: nn.Module) -> None:
-        if id(module) not in self._registered:
+        if module not in self._registered:
             self.modules.append(module)
-        self._registered[id(module)] = self._next()
+        self._registered[module] = self._next()
 
     def attached(self, module: nn.Module) -> None:
         """``module`` was given a parent: its ``__init__`` is done (a module never attached ends at its last registration)."""
-        self._ended.setdefault(id(module), self._next())
+        if module not in self._ended:
+            self._ended[module] = self._next()
 
     def position(self, module: nn.Module) -> int | None:
         """When ``module`` finished building, relative to the others (``None``: not built here or never attached)."""
-        return self._ended.get(id(module), self._registered.get(id(module)))
+        ended = self._ended.get(module)
+        return ended if ended is not None else self._registered.get(module)
 
     def _next(self) -> int:
         self._events += 1
