@@ -40,6 +40,12 @@ def local_bytes(tensor: Tensor | None) -> int:
     return local.numel() * local.element_size()
 
 
+def local_rows(tensor: Tensor) -> int:
+    """Rows (dim 0) of ``tensor`` on this rank (a DTensor's local part; 1 for a scalar): what FSDP2 divides."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local.shape[0] if local.dim() else 1
+
+
 def state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> StateBytes:
     """Parameter, gradient and optimizer-state bytes of ``module`` on this rank (see module doc)."""
     params = list(module.parameters())  # de-duplicated: tied weights once

@@ -21,6 +21,7 @@ No torch here.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 
@@ -179,8 +180,11 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, microbatches: i
     return float(warmup)
 
 
-def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware: HardwareProfile) -> Prediction:
-    """Predict memory, communication and time of ``layout`` (see module doc).
+def predict(
+    profile: ModelProfile, layout: Layout, workload: Workload, hardware: HardwareProfile, shard_index: int = 0
+) -> Prediction:
+    """Predict memory, communication and time of ``layout`` (see module doc). Memory is that of the ranks at
+    ``shard_index`` in their sharding group (:func:`shard_index_of`; the first, the default, holds the most).
 
     Raises:
         ValueError: The layout does not fit the workload (batch, ranks) or the model.
@@ -218,9 +222,11 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         experts = names & step.expert_parameters if layout.ep > 1 else set()
         dense = names - experts
         # Divided experts: 1/ep of each, held whole by the data-parallel mode (FSDP2 and DDP leave them alone).
-        params = sum(step.parameter_bytes[n] for n in dense)
         gradients = sum(step.parameter_bytes[n] for n in dense - step.frozen)
-        optimizer = sum(step.optimizer_bytes.get(n, 0) for n in dense)
+        # Shard rank shard_index's part (FSDP2 cuts dim 0 in whole rows; 1/shards of each only where rows divide).
+        held_params = step.shard_bytes(step.parameter_bytes, dense, shards, shard_index)
+        held_gradients = step.shard_bytes(step.parameter_bytes, dense - step.frozen, shards, shard_index)
+        held_optimizer = step.shard_bytes(step.optimizer_bytes, dense, shards, shard_index)
         # Tensor parallelism leaves divided experts whole (its plan excludes them): their bytes are the unsplit ones.
         expert_params = sum(unsplit.parameter_bytes[n] for n in experts) / layout.ep
         expert_gradients = sum(unsplit.parameter_bytes[n] for n in experts - step.frozen) / layout.ep
@@ -237,15 +243,15 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
         in_flight = in_flight_microbatches(layout.schedule, layout.pp, pp_rank, layout.microbatches, layout.stages_per_rank)
         memory.append(
             RankMemory(
-                parameters=params / shards + expert_params,
-                gradients=gradients / shards + expert_gradients,
-                optimizer=optimizer / shards + expert_optimizer,
+                parameters=held_params + expert_params,
+                gradients=held_gradients + expert_gradients,
+                optimizer=held_optimizer + expert_optimizer,
                 activations=_activation_bytes(profile, step, segments, layout.activation_checkpointing) * micro * in_flight * tokens,
                 transient=_transient_bytes(profile, step, segments, layout, micro, shards),
                 optimizer_step=_optimizer_step_bytes(step, unsplit, layout, dense - step.frozen, experts - step.frozen, shards),
                 runtime=hardware.training_runtime_bytes + (hardware.pipeline_runtime_bytes if layout.pp > 1 else 0.0),
                 lookup_backward=_lookup_backward_bytes(profile, step, dense - step.frozen, shards),
-                setup=_setup_bytes(step, params / shards + expert_params, layout, workload),
+                setup=_setup_bytes(step, held_params + expert_params, layout, workload),
             )
         )
         micro_times.append(timed.seconds)
@@ -285,10 +291,12 @@ def predict(profile: ModelProfile, layout: Layout, workload: Workload, hardware:
     dp_wire += _ring_factor(expert_replicas, "all_reduce") * expert_dp_bytes
     # Every rank steps its optimizer after the last batch; the step ends with the slowest.
     step_seconds = workload.accumulate * batch_seconds + dp_seconds + max(optimizer_seconds)
-    ring_received = batches * _ring_bytes(profile, layout, micro, shares[0])[1]
+    ring_received = batches * (_ring_bytes(profile, layout, micro, shares[0])[1]
+                               + _output_gather_bytes(profile, layout, rank_stages[0], micro) * (layout.cp - 1))
     comm_by_rank = [
         {"dp": dp_payload_rank0(layout, grad_bytes[r], workload) + (expert_grad_bytes[r] if expert_replicas > 1 else 0.0),
-         "tp": tp_bytes[r] * batches, "cp": batches * _ring_bytes(profile, layout, micro, shares[r])[0],
+         "tp": tp_bytes[r] * batches,
+         "cp": batches * (_ring_bytes(profile, layout, micro, shares[r])[0] + _output_gather_bytes(profile, layout, rank_stages[r], micro)),
          "pp": p2p_bytes[r] * batches, "ep": ep_bytes[r] * batches}
         for r in range(len(rank_stages))
     ]
@@ -391,11 +399,14 @@ def _micro_seconds(
     tp_calls = step.tp_collectives * share
     tp_t = _collective_seconds(hardware, layout.tp, tp_b, tp_calls, _tp_crosses(layout, workload), "all_reduce",
                                meeting="lockstep", between_s=compute / tp_calls if tp_calls else None)
-    p2p_b = _boundary_bytes(profile, stages) * micro if layout.pp > 1 else 0.0
+    # A stage boundary carries this rank's part of the sequence (1/cp of each sample's activations).
+    p2p_b = _boundary_bytes(profile, stages) * micro * tokens if layout.pp > 1 else 0.0
     p2p_t = _transfer_seconds(hardware, p2p_b, _pp_crosses(layout, workload)) if layout.pp > 1 else 0.0
     ep_b = _all_to_all_bytes(step, layout) * micro * tokens * share  # this stage's share of the MoE layers
     ep_t = _all_to_all_seconds(hardware, layout, ep_b, step.expert_calls * share, _dp_crosses(layout, workload))
     ring_t = _ring_seconds(hardware, profile, layout, workload, micro, share)
+    ring_t += _collective_seconds(hardware, layout.cp, _output_gather_bytes(profile, layout, stages, micro) * layout.cp, 1,
+                                  layout.cp * layout.tp > workload.devices_per_node, "all_gather")
     return MicroTime(compute, tp_t, p2p_t, ep_t, ring_t, tp_b, p2p_b, ep_b)
 
 
@@ -659,6 +670,16 @@ def _all_to_all_seconds(hardware: HardwareProfile, layout: Layout, payload: floa
     return 8 * moe_calls * latency + payload * (layout.ep - 1) / layout.ep / bandwidth
 
 
+def shard_index_of(layout: Layout, axes: Mapping[str, int]) -> int:
+    """A rank's index in the group that shards its replica's state (``axes``: its mesh coordinates, as
+    :meth:`~lightning_parallel.layout.ParallelLayout.axis_coordinates` gives them): ``dp_shard`` flattened with
+    ``cp`` (cp fastest) where FSDP2 shards over both, 0 where nothing is sharded."""
+    if _shard_ranks(layout) == 1:
+        return 0
+    dp_shard = axes.get("dp_shard", 0) if layout.data_parallel_mode != "replicate" else 0
+    return dp_shard * layout.cp + axes.get("cp", 0) if _uses_fsdp(layout) else dp_shard
+
+
 def _shard_ranks(layout: Layout) -> int:
     """Ranks that shard one replica's state: the data-parallel shard group, times cp where FSDP2 runs (sharded
     modes, or DTensor parameters under TP without pipelines: the engine shards over ``dp_shard × cp``; replicated
@@ -695,6 +716,15 @@ def _ring_bytes(profile: ModelProfile, layout: Layout, micro: float, share: floa
     payload = gathers * kv / cp + kv
     received = (gathers + 1) * kv * (cp - 1) / cp
     return payload, received
+
+
+def _output_gather_bytes(profile: ModelProfile, layout: Layout, stages: list[list[str]], micro: float) -> float:
+    """Bytes one rank hands to context parallelism's gather of the model call's outputs per micro-batch: its part of
+    the logits (1/cp), gathered whole on every cp rank by the rank that computes the end of the model (the last
+    pipeline stage). Its backward hands each rank its slice of the output gradient: no exchange."""
+    if layout.cp == 1 or not any(AFTER in stage for stage in stages):
+        return 0.0
+    return profile.output_bytes * micro / layout.cp
 
 
 def _ring_seconds(

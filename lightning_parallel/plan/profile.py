@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,12 +30,12 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_parallel.measure.collectives import DTensorCollectives
 from lightning_parallel.measure.dispatch import CpuAttentionKernel, StepOperators, TemporaryPeak
-from lightning_parallel.measure.memory import local_bytes
+from lightning_parallel.measure.memory import local_bytes, local_rows
 from lightning_parallel.parallelize.common.meta_run import without_values
 from lightning_parallel.parallelize.common.model_call import capture_model_call
 from lightning_parallel.parallelize.pipeline.split import (
@@ -113,6 +113,25 @@ class StepProfile:
     # Weights of embeddings split over the vocabulary here (their lookup's gradient is computed for the rank's rows,
     # and added to a tied head's at the end of backward)
     vocabulary_lookups: frozenset[str] = frozenset()
+    # canonical parameter name -> rows (dim 0) of this rank's tensor: FSDP2 shards dim 0 in whole rows
+    parameter_rows: dict[str, int] = field(default_factory=dict)
+
+    def shard_bytes(self, sizes: Mapping[str, float], names: Iterable[str], shards: int, index: int = 0) -> float:
+        """Bytes of ``sizes`` (per parameter name: this rank's parameter or optimizer-state bytes) for ``names``
+        held by FSDP2's shard ``index`` of ``shards``: each tensor is cut along dim 0 into chunks of
+        ⌈rows / shards⌉ whole rows (``torch.chunk``), so the first ranks hold whole chunks and the last may hold
+        none — a tensor of fewer rows than ranks costs each of the first a whole row, not 1/shards of it.
+        Index 0 is the fullest."""
+        total = 0.0
+        for name in names:
+            rows = self.parameter_rows.get(name, 0)
+            if not rows:  # not recorded: an even share
+                total += sizes.get(name, 0) / shards
+                continue
+            chunk = math.ceil(rows / shards)
+            held = min(chunk, max(0, rows - index * chunk))
+            total += sizes.get(name, 0) * held / rows
+        return total
 
 
 @dataclass(frozen=True)
@@ -131,6 +150,8 @@ class ModelProfile:
         attention_heads: Head counts found on attention modules (limit tensor parallelism).
         dtype_bytes: Bytes per element of the parameters.
         steps: Per tensor-parallel degree, the step's share per rank.
+        output_bytes: Bytes per sample of the model call's sequence-shaped outputs (logits: context parallelism
+            gathers them whole on every rank).
         expert_lists: Some MoE block keeps its routed experts as an ``nn.ModuleList`` (which expert parallelism
             divides with fewer layouts).
     """
@@ -145,6 +166,7 @@ class ModelProfile:
     steps: dict[int, StepProfile] = field(default_factory=dict)
     tp_invalid: dict[int, str] = field(default_factory=dict)
     expert_lists: bool = False
+    output_bytes: float = 0.0
 
     @property
     def trunk_layers(self) -> tuple[str, ...]:
@@ -212,7 +234,7 @@ def profile_model(
           named_failures(module, "one training step")):
         whole = _dry_run(module, meta_batch, rows, tp=1, routed=routed)
         routed_calls, routed_bytes = routed.calls, routed.pair_bytes  # of the step's one forward
-        root_name, segments, parameter_segments, layer_inputs, costs = _structure(module, meta_batch, rows)
+        root_name, segments, parameter_segments, layer_inputs, costs, output_bytes = _structure(module, meta_batch, rows)
     names = _canonical_names(module)
     expert_names = frozenset(names[id(p)] for name, p in module.named_parameters() if name in routed.parameters)
     counts = tuple(sorted(routed.counts))
@@ -226,6 +248,7 @@ def profile_model(
         parameter_segments=parameter_segments,
         layer_input_bytes=layer_inputs,
         layer_costs=costs,
+        output_bytes=output_bytes,
         dtype_bytes=next(module.parameters()).element_size(),
         steps={1: whole},
         expert_lists=routed.lists,
@@ -291,6 +314,7 @@ def _dry_run(
     memory = _shared_out(forward_memory, sum(dispatches.memory_bytes.values()), tracker.segments)
     backward_factor = counter.get_total_flops() / max(sum(forward.values()), 1)
     parameter_bytes = {names[id(p)]: local_bytes(p) for p in module.parameters()}
+    parameter_rows = {names[id(p)]: local_rows(p) for p in module.parameters()}
     if whole is not None:
         # FlopCounterMode counts a DTensor op at its global shape: a rank's share of a segment's FLOPs is
         # taken to be its share of the segment's parameters (matmuls and attention heads split with them).
@@ -308,6 +332,7 @@ def _dry_run(
     return StepProfile(
         tp=tp,
         parameter_bytes=parameter_bytes,
+        parameter_rows=parameter_rows,
         optimizer_bytes=optimizer_bytes,
         flops={k: v / rows for k, v in flops.items()},
         forward_flops={k: v / rows for k, v in forward.items()},
@@ -334,14 +359,20 @@ def _dry_run(
 
 def _structure(
     module: LightningModule, batch: Any, rows: int
-) -> tuple[str, tuple[str, ...], dict[str, tuple[str, ...]], dict[str, float], tuple[float, ...]]:
-    """The pipelined module, the segments, which segments use each parameter, layer input sizes, split costs."""
+) -> tuple[str, tuple[str, ...], dict[str, tuple[str, ...]], dict[str, float], tuple[float, ...], float]:
+    """The pipelined module, the segments, which segments use each parameter, layer input sizes, split costs, and
+    the model call's output bytes per sample."""
     with _quiet():
         captured = capture_model_call(module, "training_step", (batch, 0), {})
     root = module.get_submodule(captured.name)
     tracker = _SegmentTracker(module, batch)
-    with _quiet(), tracker.tracking(), torch.no_grad():
-        module.training_step(batch, 0)
+    outputs: list[float] = []
+    recorder = root.register_forward_hook(lambda _, __, output: outputs.append(_sequence_output_bytes(output)))
+    try:
+        with _quiet(), tracker.tracking(), torch.no_grad():
+            module.training_step(batch, 0)
+    finally:
+        recorder.remove()
     found = _trunk_of(root)
     costs = layer_costs(root, list(found[1].children()), captured.args, captured.kwargs, "params") if found else []
     names = _canonical_names(module)
@@ -349,7 +380,14 @@ def _structure(
     for name in names.values():  # never used in the step: held by the stage whose module owns it
         used.setdefault(name, (tracker.owner_segment(name),))
     inputs = {layer: nbytes / rows for layer, nbytes in tracker.layer_input_bytes.items()}
-    return captured.name, tracker.segments, used, inputs, tuple(costs)
+    return captured.name, tracker.segments, used, inputs, tuple(costs), (outputs[0] if outputs else 0.0) / rows
+
+
+def _sequence_output_bytes(output: Any) -> float:
+    """Bytes of the model call's floating outputs of two dims or more (logits, hidden states: what context parallelism
+    gathers whole over the sequence on every rank)."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point() and t.dim() >= 2]
+    return float(sum(_local(t).numel() * _local(t).element_size() for t in tensors))
 
 
 class _SegmentTracker:

@@ -30,7 +30,7 @@ AGREEMENT = (0.9, 1.1)
 #: Bytes compared per rank: state held, and what the step hands to collectives (as the cost model predicts them
 #: for the rank's pipeline position).
 STATE = ("parameters", "gradients", "optimizer")
-COMM = ("dp", "tp", "pp")
+COMM = ("dp", "tp", "cp", "pp")
 
 
 def chosen_ranks(layout: ParallelLayout, spec: str = "auto") -> list[int]:
@@ -104,13 +104,13 @@ def disagreements(pairs: Mapping[str, tuple[float, float]]) -> list[str]:
     return out
 
 
-def print_simulation(results: Sequence[Mapping[str, Any]], prediction: Prediction, console: Console) -> int:
-    """One row per simulated rank; returns how many quantities disagree."""
+def print_simulation(results: Sequence[Mapping[str, Any]], predictions: Sequence[Prediction], console: Console) -> int:
+    """One row per simulated rank (beside ``predictions``: each rank's own); returns how many quantities disagree."""
     table = Table(title=f"dry run of {results[0]['layout']} · {results[0]['world_size']} ranks · predicted / simulated bytes")
     for column in ("rank", "coordinates", *STATE, *(f"{a} comm" for a in COMM), "setup s", "process s", "peak RSS"):
         table.add_column(column, justify="left" if column in ("rank", "coordinates") else "right")
     bad = 0
-    for figures in results:
+    for figures, prediction in zip(results, predictions):
         pairs = compare(figures, prediction)
         wrong = set(disagreements(pairs))
         bad += len(wrong)
@@ -155,7 +155,7 @@ def simulate_configured(
         workload_from_config,
         world_of,
     )
-    from lightning_parallel.plan.cost import predict
+    from lightning_parallel.plan.cost import predict, shard_index_of
 
     devices, nodes = world_of(cfg)
     strategy = configured_strategy(cfg)
@@ -169,17 +169,23 @@ def simulate_configured(
         )
     layout = strategy.layout_for(devices * nodes, devices, f"trainer.devices={devices} × trainer.num_nodes={nodes}")
     started = time.perf_counter()
-    prediction = predict(profile_from_config(cfg, {planned.tp}), planned, workload_from_config(cfg), hardware_from_config(cfg))
+    profile, workload, hardware = profile_from_config(cfg, {planned.tp}), workload_from_config(cfg), hardware_from_config(cfg)
+    prediction = predict(profile, planned, workload, hardware)
     console.print(f"predicted {planned.describe()} in {time.perf_counter() - started:.1f} s (meta-device dry run of the model)")
     results = []
     for rank in chosen_ranks(layout, ranks):
         console.print(f"simulating rank {rank} of {layout.world_size} ...")
         results.append(run_rank(rank, overrides, config_dir, config_name))
+    # FSDP2's later shard ranks hold fewer rows of a tensor that does not divide: each rank is set beside the
+    # prediction for its own place in the sharding group (the planner's memory figures are the first's, the fullest).
+    by_index = {index: predict(profile, planned, workload, hardware, shard_index=index)
+                for index in {shard_index_of(planned, figures["coordinates"]) for figures in results}}
+    predictions = [by_index[shard_index_of(planned, figures["coordinates"])] for figures in results]
     if json_path:
-        report = [{**figures, "predicted_vs_simulated": compare(figures, prediction)} for figures in results]
+        report = [{**figures, "predicted_vs_simulated": compare(figures, own)} for figures, own in zip(results, predictions)]
         text = json.dumps({"prediction": prediction.as_dict(), "ranks": report}, indent=2, default=str)
         if json_path == "-":  # JSON on stdout; the tables went to stderr
             print(text)
         else:
             Path(json_path).write_text(text)
-    return 1 if print_simulation(results, prediction, console) else 0
+    return 1 if print_simulation(results, predictions, console) else 0

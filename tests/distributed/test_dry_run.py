@@ -99,3 +99,28 @@ def test_replicated_data_parallel_dry_runs_with_its_gradient_all_reduce_counted(
     predicted, simulated = figures["predicted_vs_simulated"]["dp comm"]
     assert simulated == pytest.approx(predicted, rel=0.10)
     assert simulated == pytest.approx(figures["state_bytes"]["parameters"], rel=0.05)  # one all-reduce of the gradients
+
+
+#: dp 64 (shard) × cp 2 × tp 4 × pp 8 on 512 nodes of 8: the recipe GPT with 16 layers (issue 54's figures).
+CP_IN_STAGES = ["strategy=hybrid", "trainer.devices=8", "trainer.num_nodes=512", "strategy.context_parallel_size=2",
+                "strategy.tensor_parallel_size=4", "strategy.pipeline_parallel_size=8", "strategy.data_parallel_mode=shard",
+                "model.n_layer=16", "strategy.microbatches=8", "data.batch_size=8"]
+
+
+def test_context_parallel_figures_agree_with_the_planner_on_every_rank(tmp_path):
+    """Under cp the planner counts a stage boundary's 1/cp of the sequence (it predicted 2.00× the pipeline bytes), the
+    last stage's gather of the logits (0.80 of the context-parallel bytes there), and FSDP2's whole-row chunks over
+    dp_shard × cp = 128 ranks (the first shard rank holds a whole row of a 32-row tensor: 0.60 of its parameters;
+    rank 256, in the group's middle, 2.26× fewer)."""
+    out = tmp_path / "simulation.json"
+    proc = simulate(tmp_path, "--simulate-ranks", "256,4095", "--json", str(out), layout=CP_IN_STAGES)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    first_stage, last_stage = json.loads(out.read_text())["ranks"]
+    assert (first_stage["coordinates"]["pp"], last_stage["coordinates"]["pp"]) == (0, 7)
+    for figures in (first_stage, last_stage):
+        pairs = figures["predicted_vs_simulated"]
+        assert {"parameters", "optimizer", "dp comm", "tp comm", "cp comm", "pp comm"} <= set(pairs)
+        for name, (predicted, simulated) in pairs.items():
+            assert predicted == pytest.approx(simulated, rel=0.10), (figures["rank"], name)
+    # The last stage gathers the logits over cp beside the ring: it hands more to cp collectives than the first.
+    assert last_stage["comm_bytes"]["cp"] > first_stage["comm_bytes"]["cp"]

@@ -169,9 +169,12 @@ def test_context_parallel_prediction_divides_tokens_and_adds_the_ring():
     assert cp2.memory[0].activations == pytest.approx(single.memory[0].activations / 2)
     assert cp2.memory[0].parameters == single.memory[0].parameters  # replicas of the weights
     kv = sum(2 * prof.layer_input_bytes[layer] for layer in prof.trunk_layers) * 8  # the whole batch's K and V
-    # Forward and backward gather half of it each; backward passes the gradients in two exchanges of half.
-    assert cp2.comm_bytes["cp"] == pytest.approx(kv / 2 + kv / 2 + kv)
-    assert cp2.wire_bytes["cp"] == pytest.approx(3 * kv / 2)
+    # Forward and backward gather half of it each; backward passes the gradients in two exchanges of half. The
+    # model's outputs (logits) are gathered whole: each rank hands its half and receives the other.
+    logits = prof.output_bytes * 8
+    assert logits > 0
+    assert cp2.comm_bytes["cp"] == pytest.approx(kv / 2 + kv / 2 + kv + logits / 2)
+    assert cp2.wire_bytes["cp"] == pytest.approx(3 * kv / 2 + logits / 2)
     assert cp2.cp_s == pytest.approx(cp2.wire_bytes["cp"] / (hardware.intra_node_gbps * 1e9))
     assert cp2.comm_bytes["dp"] == single.memory[0].gradients  # gradients all-reduced over the cp pair
     assert cp2.step_s == pytest.approx(cp2.compute_s + cp2.cp_s + cp2.dp_s)
@@ -484,3 +487,14 @@ def test_crowded_tensor_parallel_collectives_are_charged_at_the_compute_between_
     assert flat.tp_s == pytest.approx(calls * 1e-3)
     # The gradient all-reduce among the 2 replicas: after a whole step's compute, the last point measured.
     assert flat.dp_s < tp.dp_s
+
+
+def test_sharded_state_is_counted_in_fsdp2_whole_row_chunks():
+    """FSDP2 cuts dim 0 as ``torch.chunk`` does: ⌈rows / shards⌉ whole rows to each of the first ranks, the rest to
+    the last (or nothing). A 1/shards share undercounted the first rank of a small tensor over many ranks."""
+    step = profile().step(1)
+    name = next(iter(step.parameter_bytes))
+    for rows, held in ((10, [3, 3, 3, 1]), (3, [1, 1, 1, 0]), (8, [2, 2, 2, 2])):
+        chunked = replace(step, parameter_rows={name: rows})
+        assert [chunked.shard_bytes({name: rows * 4.0}, [name], 4, index) for index in range(4)] == [4.0 * h for h in held]
+    assert replace(step, parameter_rows={}).shard_bytes({name: 40.0}, [name], 4) == 10.0  # rows unknown: an even share
