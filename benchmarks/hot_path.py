@@ -4,7 +4,8 @@
     python benchmarks/hot_path.py --smoke --results /tmp/smoke   # the 2-block jobs only
 
 Runs the jobs of :mod:`tests.hot_path` (4 CPU processes on gloo, the recipe GPT with 2 and 8 blocks, a pipeline with
-4 and 16 micro-batches; gradient clipping, the non-finite guard and the ScalingMonitor on) and counts, per optimizer
+4 and 16 micro-batches, experts divided over 2 ranks, fp16 with a gradient scaler; gradient clipping, the non-finite
+guard and the ScalingMonitor on) and counts, per optimizer
 step after the first, on the rank that makes the most:
 
 - host syncs: reads of a tensor's value on the host (``item``, ``tolist``, ``bool``/``int``/``float``/``index``),
@@ -42,7 +43,11 @@ def markdown(rows: dict[str, dict[str, dict[str, int]]], commit: str) -> str:
         f"`python benchmarks/hot_path.py` at `{commit}`: 4 CPU processes (gloo), the recipe GPT, accumulation "
         f"{hot_path.ACCUMULATE}, gradient clipping 1.0, the non-finite guard and the ScalingMonitor on; the most "
         "any rank makes in one optimizer step after the first. Cells: host syncs / library collectives / torch "
-        "collectives (FSDP2's own per-block collectives are in the last figure).",
+        "collectives (FSDP2's own per-block collectives are in the last figure). `dp4xep2`: the recipe GPT with a "
+        "4-expert Mixture-of-Experts layer in every block, its experts divided over 2 ranks; its dispatch reads its "
+        "all-to-all split sizes on the host once per MoE layer and forward (by design, as every dropless dispatch: "
+        f"{hot_path.ACCUMULATE} forwards per step). `dp4_fp16`: `16-mixed` with Lightning's gradient scaler (the "
+        "strategy's, its found-inf agreed over the world in one all-reduce; torch's scaler reads it once in `step`).",
         "",
         "| layout | " + " | ".join(case.replace("_", " ") for case in cases) + " |",
         "|---|" + "---|" * len(cases),

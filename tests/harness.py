@@ -26,6 +26,7 @@ import lightning as L
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm
 from torch.distributed.tensor import DTensor
@@ -610,13 +611,18 @@ def build(spec: JobSpec, save_path: Path | None = None) -> tuple[L.LightningModu
     if spec.ema is not None:  # after the recorder: it reads the average before the callback's end copies it
         callbacks.append(EMAWeightAveraging(decay=spec.ema))
     # Lightning's own strategy with our checkpoint I/O: atomic files, and it reads sharded checkpoints.
-    plugins = [ParallelCheckpointIO()] if spec.strategy == "single" else None
+    plugins: list[Any] = [ParallelCheckpointIO()] if spec.strategy == "single" else []
+    precision: str | None = spec.precision
+    if precision == "16-mixed":
+        # Lightning refuses the flag on a CPU; its plugin runs there (CPU autocast to float16, torch's CPU scaler).
+        plugins.append(MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu")))
+        precision = None
     trainer = L.Trainer(
-        plugins=plugins,
+        plugins=plugins or None,
         accelerator="cpu",
         devices=spec.devices,
         strategy=strategy,
-        precision=spec.precision,
+        precision=precision,
         max_steps=spec.steps,
         accumulate_grad_batches=spec.accumulate,
         sync_batchnorm=spec.trainer_sync_batchnorm,

@@ -24,7 +24,19 @@ LAYOUTS: dict[str, tuple[str, dict[str, Any]]] = {
     "dp2xcp2": ("hybrid", {"data_parallel_size": 2, "context_parallel_size": 2}),
     "dp2xpp2": ("hybrid", {"data_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4}),
     "tp2xpp2": ("hybrid", {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "microbatches": 4}),
+    "dp4xep2": ("hybrid", {"data_parallel_size": 4, "expert_parallel_size": 2}),
+    "dp4_fp16": ("hybrid", {"data_parallel_size": 4}),
 }
+#: What a layout's jobs change of the default job beside the strategy: the recipe GPT with a Mixture-of-Experts layer
+#: in each block (its experts divided), and fp16 with Lightning's gradient scaler (the strategy's world-agreed one).
+JOB_OPTIONS: dict[str, dict[str, Any]] = {
+    "dp4xep2": {"model": "gpt_moe"},
+    "dp4_fp16": {"precision": "16-mixed"},
+}
+#: Host reads per MoE layer and forward that a layout makes by design: dropless expert dispatch hands all_to_all its
+#: split sizes as Python lists (NCCL's all_to_all too), so each MoE layer reads its token counts once (both
+#: directions in one read), as torchtitan's and Megatron's dropless dispatch do. Nothing else may grow with depth.
+PER_MOE_LAYER_SYNCS = {"dp4xep2": 1}
 #: Blocks of the shallow and the deep model: counts must not depend on it.
 DEPTHS = (2, 8)
 #: A pipeline with four times the micro-batches: counts must not depend on it either.
@@ -47,7 +59,7 @@ def job(layout: str, depth: int, microbatches: int | None = None) -> JobSpec:
         kwargs["microbatches"] = microbatches
     return JobSpec(
         strategy=strategy, devices=4, batch_size=BATCH, accumulate=ACCUMULATE, steps=STEPS, n_layer=depth,
-        gradient_clip_val=1.0, monitor=True, count_host_syncs=True, strategy_kwargs=kwargs,
+        gradient_clip_val=1.0, monitor=True, count_host_syncs=True, strategy_kwargs=kwargs, **JOB_OPTIONS.get(layout, {}),
     )
 
 

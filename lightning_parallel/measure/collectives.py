@@ -58,25 +58,45 @@ def expert_parallel_exchange() -> Iterator[None]:
         _dispatching[0] -= 1
 
 
-@dataclass
 class ExpertLoad:
     """How evenly routers spread tokens over experts: per MoE layer call, the busiest expert's tokens over the
-    mean (1.0: perfectly even; counted over this rank's tokens), while a :class:`DTensorCollectives` is active."""
+    mean (1.0: perfectly even; counted over this rank's tokens), while a :class:`DTensorCollectives` is active.
 
-    calls: int = 0
-    imbalance_sum: float = 0.0
-    imbalance_max: float = 0.0
+    Each call's figures are added up on the tokens' device: reading them on the host every MoE layer would stall a
+    GPU's stream twice per layer. They are read (one sync) where the monitor takes its snapshot of a step."""
+
+    def __init__(self) -> None:
+        self._totals: torch.Tensor | None = None  # [calls, sum of ratios, largest ratio], float64 on the device
 
     def record(self, tokens_per_expert: torch.Tensor) -> None:
-        mean = float(tokens_per_expert.double().mean())
-        if mean > 0:
-            ratio = float(tokens_per_expert.max()) / mean
-            self.calls += 1
-            self.imbalance_sum += ratio
-            self.imbalance_max = max(self.imbalance_max, ratio)
+        counts = tokens_per_expert.detach().double()
+        mean = counts.mean()
+        routed = mean > 0
+        ratio = torch.where(routed, counts.max() / mean.clamp_min(1e-300), torch.zeros_like(mean))
+        call = torch.stack([routed.double(), ratio, ratio])
+        if self._totals is None or self._totals.device != call.device:
+            self._totals = torch.zeros(3, dtype=torch.float64, device=call.device)
+        self._totals = torch.stack([self._totals[0] + call[0], self._totals[1] + call[1], torch.maximum(self._totals[2], call[2])])
+
+    def read(self) -> tuple[int, float, float]:
+        """(calls, sum of the calls' ratios, the largest ratio), in one read of the device."""
+        calls, total, largest = [0.0, 0.0, 0.0] if self._totals is None else self._totals.tolist()
+        return int(calls), total, largest
+
+    @property
+    def calls(self) -> int:
+        return self.read()[0]
+
+    @property
+    def imbalance_sum(self) -> float:
+        return self.read()[1]
+
+    @property
+    def imbalance_max(self) -> float:
+        return self.read()[2]
 
     def reset(self) -> None:
-        self.calls, self.imbalance_sum, self.imbalance_max = 0, 0.0, 0.0
+        self._totals = None
 
 
 def record_expert_load(tokens_per_expert: torch.Tensor) -> None:

@@ -279,6 +279,7 @@ class ScalingMonitor(Callback):
     def _counters(self, trainer: Trainer) -> dict[str, float]:
         comm = getattr(trainer.strategy, "comm_stats", None)
         tally = self._collectives.tally
+        ep_calls, ep_imbalance_sum, _ = self._collectives.expert_load.read()
         return {
             "dp_s": comm.exposed_seconds if comm is not None else 0.0,
             "dp_bytes": comm.bytes if comm is not None else 0,
@@ -288,8 +289,8 @@ class ScalingMonitor(Callback):
             "cp_bytes": self._collectives.context_tally.bytes,
             "ep_s": self._collectives.expert_tally.seconds,
             "ep_bytes": self._collectives.expert_tally.bytes,
-            "ep_calls": self._collectives.expert_load.calls,
-            "ep_imbalance_sum": self._collectives.expert_load.imbalance_sum,
+            "ep_calls": ep_calls,
+            "ep_imbalance_sum": ep_imbalance_sum,
             "cp_scores_computed": self._collectives.context_work.scores_computed,
             "cp_scores_skipped": self._collectives.context_work.scores_skipped,
             "cp_layouts": self._collectives.context_work.layouts,

@@ -34,7 +34,9 @@ def counts(four_rank_launch):
 def test_the_step_costs_the_same_host_syncs_and_collectives_at_any_depth(layout, counts):
     row = counts[layout]
     shallow, deep = (row[f"{depth}_blocks"] for depth in hot_path.DEPTHS)
-    assert shallow["host_syncs"] == deep["host_syncs"], row
+    # Only expert dispatch's read of its split sizes grows: once per MoE layer (one in every block) and forward.
+    by_design = hot_path.PER_MOE_LAYER_SYNCS.get(layout, 0) * (hot_path.DEPTHS[1] - hot_path.DEPTHS[0]) * hot_path.ACCUMULATE
+    assert deep["host_syncs"] - shallow["host_syncs"] == by_design, row
     assert shallow["library_collectives"] == deep["library_collectives"], row
     for more in (key for key in row if key.endswith("_microbatches")):
         assert row[more]["host_syncs"] == shallow["host_syncs"], row

@@ -59,17 +59,22 @@ def dispatch_and_combine(
         destination = torch.where(valid, experts.div(local_experts, rounding_mode="floor"), size)
         order = torch.argsort(destination, stable=True)
         send_counts = torch.bincount(destination, minlength=size + 1)[:size]
-        sent = order[: int(send_counts.sum())]
         token_of_pair = torch.arange(tokens, device=hidden.device).repeat_interleave(choices)
 
-        recv_counts = torch.empty_like(send_counts)
-        collectives.all_to_all_single(recv_counts, send_counts, group=group)
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+        # The counts and the pairs' experts are this layer's own exchanges, as its tokens are (one per MoE layer).
+        recv_counts = collectives.functional_all_to_all_single(send_counts, None, None, group)
+        # all_to_all takes its split sizes as Python lists (NCCL's too): one read of the device per MoE layer call,
+        # both directions at once — as in every dropless dispatch (torchtitan's, Megatron's); only a capacity-padded
+        # one (fixed splits, dropped or padded tokens) avoids it.
+        splits = torch.cat([send_counts, recv_counts]).tolist()
+        send_splits, recv_splits = splits[:size], splits[size:]
+        sent = order[: sum(send_splits)]
 
         outgoing = hidden[token_of_pair[sent]].contiguous()
         incoming = all_to_all_with_gradient(outgoing, recv_splits, send_splits, group)
-        local_index = torch.empty(sum(recv_splits), dtype=experts.dtype, device=experts.device)
-        collectives.all_to_all_single(local_index, (experts[sent] % local_experts).contiguous(), recv_splits, send_splits, group)
+        local_index = collectives.functional_all_to_all_single(
+            (experts[sent] % local_experts).contiguous(), recv_splits, send_splits, group
+        )
 
         ones = routing_weights.new_ones((incoming.shape[0], 1))
         computed = run_local_experts(incoming, local_index.unsqueeze(1), ones).contiguous()
