@@ -42,6 +42,7 @@ __all__ = [
     "functional_all_gather",
     "functional_all_gather_autograd",
     "functional_all_reduce",
+    "functional_reduce_scatter",
     "functional_all_to_all_single",
 ]
 
@@ -272,6 +273,12 @@ def functional_all_reduce(tensor: Tensor, op: str, group: dist.ProcessGroup) -> 
     """A new tensor: ``tensor`` reduced with ``op`` (``"sum"``, ``"min"``, ``"max"``, ``"avg"``) over ``group``."""
     funcol = _functional()
     return funcol.wait_tensor(funcol.all_reduce(tensor, op, group))
+
+
+def functional_reduce_scatter(tensor: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """This rank's equal chunk along ``dim`` of ``tensor`` summed over ``group`` (waited on; not differentiable)."""
+    funcol = _functional()
+    return funcol.wait_tensor(funcol.reduce_scatter_tensor(tensor.contiguous(), "sum", dim, group))
 
 
 def functional_all_to_all_single(

@@ -72,12 +72,16 @@ def patch_collectives(monkeypatch: Any) -> None:
     def functional_all_reduce(tensor: Tensor, op: str, group: SimulatedGroup) -> Tensor:
         return _reduce(group.exchange(tensor.clone()), op)
 
+    def reduce_scatter(tensor: Tensor, dim: int, group: SimulatedGroup) -> Tensor:
+        return _reduce(group.exchange(tensor.clone()), "sum").chunk(group.size, dim)[group.rank].contiguous()
+
     def all_reduce(tensor: Tensor, op: Any = collectives.SUM, group: SimulatedGroup | None = None) -> Tensor:
         return tensor.copy_(_reduce(group.exchange(tensor.clone()), op))
 
     monkeypatch.setattr(collectives, "functional_all_gather", all_gather)
     monkeypatch.setattr(collectives, "functional_all_to_all_single", all_to_all)
     monkeypatch.setattr(collectives, "functional_all_reduce", functional_all_reduce)
+    monkeypatch.setattr(collectives, "functional_reduce_scatter", reduce_scatter)
     monkeypatch.setattr(collectives, "all_reduce", all_reduce)
     monkeypatch.setattr(collectives, "group_device", lambda group=None: torch.device("cpu"))
 

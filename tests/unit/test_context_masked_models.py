@@ -20,6 +20,7 @@ from lightning_parallel.parallelize.context.splitter import SequenceSplitter
 from tests.unit.cp_simulated import run_ranks
 
 transformers = pytest.importorskip("transformers")
+CausalLMOutput = transformers.modeling_outputs.CausalLMOutput  # the model call's output, gathered whole
 
 VOCAB, LENGTH, BATCH = 32, 16, 2
 
@@ -207,10 +208,12 @@ def test_transformers_written_out_attention_runs_as_the_ring(family, monkeypatch
     assert all(splitter.checked for splitter in splitters)
 
 
-def test_written_out_attention_the_ring_does_not_compute_stays_as_it_is_and_is_refused(monkeypatch):
+def test_written_out_attention_the_ring_does_not_compute_runs_over_every_key(monkeypatch):
     # An eager_attention_forward with another score function (squared scores): the first call's check finds the ring's
-    # kernel computing something else, the function runs on this rank's part, and the splitter refuses the model.
+    # kernel computing something else, so the function itself runs, its products taken over every key (.written):
+    # whatever it does to the scores in between holds, exactly.
     from lightning_parallel.parallelize.context.hf_attention import wrapped_attention
+    from lightning_parallel.parallelize.context.hf_masks import _current
 
     def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         weights = (torch.matmul(query, key.transpose(2, 3)) * scaling).square().softmax(-1)
@@ -219,19 +222,56 @@ def test_written_out_attention_the_ring_does_not_compute_stays_as_it_is_and_is_r
     class Squared(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.qkv = torch.nn.Linear(8, 24)
+            self.embed, self.qkv, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, 24), torch.nn.Linear(8, VOCAB)
             self.attend = wrapped_attention(eager_attention_forward, _current)
 
-        def forward(self, x):
-            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
-            return self.attend(self, q, k, v, None, scaling=0.5)[0].flatten(2)
+        def forward(self, input_ids):
+            q, k, v = self.qkv(self.embed(input_ids)).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+            return CausalLMOutput(logits=self.head(self.attend(self, q, k, v, None, scaling=0.5)[0].flatten(2)))
 
-    from lightning_parallel.parallelize.context.hf_masks import _current
+    torch.manual_seed(0)
+    x, y = _tokens(6)
+    _compare(Squared().double(), {"input_ids": x}, y, 2, monkeypatch)
+
+
+class WrittenCausalAttention(torch.nn.Module):
+    """Attention written by hand, as the older transformers families write it: a causal table sliced to the scores'
+    size (``cropped``: ``bias[:, :, :w.size(-2), :w.size(-1)]`` as OpenAI GPT; else GPT-Neo's
+    ``bias[:, :, k - q:k, :k]`` from the key and query lengths), then ``bmm``/``matmul`` with the values."""
+
+    def __init__(self, cropped: bool, sized_locally: bool = False):
+        super().__init__()
+        self.cropped, self.sized_locally = cropped, sized_locally
+        self.embed, self.qkv, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, 24), torch.nn.Linear(8, VOCAB)
+        self.register_buffer("bias", torch.tril(torch.ones(64, 64, dtype=torch.bool)).view(1, 1, 64, 64), persistent=False)
+
+    def forward(self, input_ids):
+        q, k, v = self.qkv(self.embed(input_ids)).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+        w = torch.matmul(q, k.transpose(-1, -2)) / 2.0
+        length = k.size(-2)
+        if self.sized_locally:  # scores viewed at the size of this rank's keys: refused, naming why
+            w = w.view(w.size(0), w.size(1), q.size(-2), length)
+        causal = self.bias[:, :, : w.size(-2), : w.size(-1)] if self.cropped else self.bias[:, :, length - q.size(-2) : length, :length]
+        w = torch.where(causal, w, torch.finfo(w.dtype).min).softmax(-1)
+        out = torch.matmul(w, v).transpose(1, 2).flatten(2)
+        return CausalLMOutput(logits=self.head(out))
+
+
+@pytest.mark.parametrize("cropped", [True, False], ids=["cropped_to_scores", "sliced_by_lengths"])
+def test_attention_written_in_matrix_products_is_exact_over_the_whole_sequence(cropped, monkeypatch):
+    torch.manual_seed(0)
+    x, y = _tokens(7)
+    splitters = _compare(WrittenCausalAttention(cropped).double(), {"input_ids": x}, y, 2, monkeypatch)
+    assert all(splitter.checked for splitter in splitters)
+
+
+def test_written_attention_sized_from_this_ranks_part_is_refused_naming_why(monkeypatch):
+    x, _ = _tokens(8)
 
     def work(rank, group):
-        model = Squared().double()
+        model = WrittenCausalAttention(cropped=True, sized_locally=True).double()
         SequenceSplitter(model, group, rank, 2).checked = True
-        with pytest.raises(RuntimeError, match="made no F.scaled_dot_product_attention call"):
-            model(torch.randn(2, 8, 8, dtype=torch.float64))
+        with pytest.raises(ValueError, match="writes its attention out in matrix products"):
+            model(input_ids=x)
 
     run_ranks(2, work, monkeypatch)

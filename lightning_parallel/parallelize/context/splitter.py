@@ -40,12 +40,13 @@ from lightning_parallel import collectives
 from lightning_parallel.parallelize.common.activation_checkpointing import inside_mode_carrying_checkpoint
 from lightning_parallel.parallelize.context import hf_masks
 from lightning_parallel.parallelize.context.masks import four_dims, ring_mask
-from lightning_parallel.parallelize.context.ops import handle_sequence_op, sequence_op
+from lightning_parallel.parallelize.context.ops import calling_module, handle_sequence_op, sequence_op
 from lightning_parallel.measure.collectives import outside_training, record_context_layout
 from lightning_parallel.parallelize.context.balance import assignment_for
 from lightning_parallel.parallelize.context.ring_attention import ring_attention
 from lightning_parallel.parallelize.context.ring_plan import RingPlan, plan_for_mask
 from lightning_parallel.parallelize.context.whole import WholeSequence
+from lightning_parallel.parallelize.context.written import PRODUCTS, WrittenAttention
 from lightning_parallel.parallelize.context.sequence import (
     SEQUENCE_DIM,
     SequenceLayout,
@@ -94,6 +95,7 @@ class ContextParallelMode(TorchFunctionMode):
         self.whole = WholeSequence(layout.local_length)
         for part, whole in whole_inputs or ():
             self.whole.add(part, whole, follow=not part.is_floating_point())
+        self.written = WrittenAttention(layout, group, self.whole.of, module_tensors)
         self._suspended = 0
         self._active: list[Any] = []
         #: Largest relative difference between written-out attention and the ring on a rank's part (float32 inside).
@@ -131,6 +133,16 @@ class ContextParallelMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)
+        if func in PRODUCTS:  # attention written out in matrix products (.written)
+            taken = self.written.products
+            result = self.written.product(func, args, kwargs, lambda: calling_module(self.module_names))
+            if result is not NotImplemented:
+                if self.written.products > taken:
+                    self._check_not_recomputed_elsewhere()
+                    self.attention_calls += 1
+                return result
+        if self.written.active and self.written.touches_rows(args, kwargs):
+            return self.written.run_beside_rows(func, args, kwargs, lambda: calling_module(self.module_names))
         self.whole.forget_written(func, args)
         if self.whole.follows(func, args, kwargs):
             result = func(*args, **kwargs)
@@ -180,8 +192,6 @@ class ContextParallelMode(TorchFunctionMode):
         if not (wide and narrow):
             return
         name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-        from lightning_parallel.parallelize.context.ops import calling_module
-
         # ValueError, not TypeError: Tensor's operators turn a TypeError into NotImplemented.
         raise ValueError(
             f"{calling_module(self.module_names)} combines an attention mask over the whole sequence (shape "
@@ -219,9 +229,10 @@ class ContextParallelMode(TorchFunctionMode):
             )
         self._check_not_recomputed_elsewhere()
         self.attention_calls += 1
-        return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                              attn_mask=ring, plan=plan, rank=self.layout.rank, size=self.layout.size,
-                              softcap=softcap, sinks=sinks, assignment=self.layout.assignment)
+        with self.suspended():  # the ring's own kernels are not the model's (no products read as attention)
+            return ring_attention(query, key, value, self.group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                  attn_mask=ring, plan=plan, rank=self.layout.rank, size=self.layout.size,
+                                  softcap=softcap, sinks=sinks, assignment=self.layout.assignment)
 
     def _ring_mask(self, mask: Tensor) -> tuple[Tensor | None, bool, RingPlan | None]:
         """The model's ``attn_mask`` in the ring's form (:func:`~.masks.ring_mask`) and the ring's plan for it;
@@ -278,25 +289,44 @@ class ContextParallelMode(TorchFunctionMode):
 
     def _global_rows(self, table: Tensor, index: Any) -> Tensor | None:
         parts = index if isinstance(index, tuple) else (index,)
+        if any(part is None for part in parts) and any(isinstance(part, slice) for part in parts):
+            # New dims beside the slices (position_ids[None, :L_local]): the rows, then the same new dims.
+            rows = self._global_rows(table, tuple(part for part in parts if part is not None))
+            return None if rows is None else rows[tuple(None if part is None else slice(None) for part in parts)]
         if not all(isinstance(part, slice) for part in parts):  # integers, tensors, Ellipsis, None: not a prefix
             return None
         position_dims = [d for d, part in enumerate(parts) if self._is_local_prefix(part)]
-        others_whole = all(part == slice(None) for d, part in enumerate(parts) if d not in position_dims)
-        if len(position_dims) != 1 or not others_whole:
+        # Dims kept whole, or cut to the whole sequence's length: the keys' positions beside this rank's queries
+        # (a causal table read as table[:, :, :L_local, :L] against scores rows over every key, .written).
+        key_dims = [d for d, part in enumerate(parts) if d not in position_dims and self._is_prefix(part, self.layout.length)]
+        others_whole = all(part == slice(None) for d, part in enumerate(parts) if d not in position_dims + key_dims)
+        if not others_whole or len(position_dims) not in (1, 2) or (len(position_dims) == 2 and key_dims):
             return None
-        (dim,) = position_dims
-        if table.size(dim) < self.layout.length:
+        if len(position_dims) == 2:  # a square table cut to this rank's part twice (GPT-Neo's causal bias)
+            dim, keys = position_dims
+            key_dims = [keys]
+        else:
+            (dim,) = position_dims
+        if table.size(dim) < self.layout.length or any(table.size(d) < self.layout.length for d in key_dims):
             raise IndexError(
                 f"A table of {table.size(dim)} rows along dim {dim} is read at positions up to {self.layout.length - 1} "
                 "(the whole sequence, split by context parallelism); it is shorter than the sequence."
             )
-        return table.index_select(dim, self.positions(table.device))
+        rows = table.index_select(dim, self.positions(table.device))
+        for d in key_dims:
+            rows = rows.narrow(d, 0, self.layout.length)
+        return rows
 
     def _is_local_prefix(self, part: Any) -> bool:
+        return self._is_prefix(part, self.layout.local_length)
+
+    @staticmethod
+    def _is_prefix(part: Any, length: int) -> bool:
+        """Whether the slice ``part`` is ``[:length]`` (or ``[0:length:1]``)."""
         def plain(bound: Any, default: int) -> int | None:
             return default if bound is None else bound if isinstance(bound, int) else None
 
-        return plain(part.start, 0) == 0 and plain(part.step, 1) == 1 and plain(part.stop, -1) == self.layout.local_length
+        return plain(part.start, 0) == 0 and plain(part.step, 1) == 1 and plain(part.stop, -1) == length
 
 
 class SequenceSplitter:
