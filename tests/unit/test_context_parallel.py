@@ -72,8 +72,9 @@ class HandWrittenAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
-        weights = (h @ h.transpose(1, 2)).softmax(-1)  # attention without SDPA
-        return weights @ h
+        # Attention in einsum, neither SDPA nor matrix products (which context parallelism takes over every key)
+        weights = torch.einsum("bqd,bkd->bqk", h, h).softmax(-1)
+        return torch.einsum("bqk,bkd->bqd", weights, h)
 
 
 def test_model_without_sdpa_is_refused_before_any_collective():

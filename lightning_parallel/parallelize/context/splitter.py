@@ -437,9 +437,10 @@ class SequenceSplitter:
         self._rounding = max(self._rounding, mode.rounding)
         if mode.attention_calls == 0:
             raise RuntimeError(
-                f"{type(module).__name__} made no F.scaled_dot_product_attention call under context parallelism: "
-                "attention written by hand (or Hugging Face's attn_implementation='eager') would attend only within "
-                "this rank's part of the sequence. Use F.scaled_dot_product_attention (attn_implementation='sdpa'), "
+                f"{type(module).__name__} made no F.scaled_dot_product_attention call under context parallelism, "
+                "and no attention in matrix products (torch.matmul / bmm / baddbmm of queries and transposed keys): "
+                "attention written otherwise (einsum, a loop, a kernel of its own) would attend only within this "
+                "rank's part of the sequence. Use F.scaled_dot_product_attention (attn_implementation='sdpa'), "
                 "or set context_parallel_size=1."
             )
         return self._gather_outputs(module, output, mode.layout)
