@@ -238,18 +238,18 @@ def running_statistics_warning(divergent: list[str], module_name: str, replicas:
     Args:
         divergent: What :func:`replica_divergent_buffers` found after one of the first training steps (not named before).
         module_name: The module's class name, for the message.
-        replicas: Data-parallel replicas.
+        replicas: Data-parallel replicas, times context-parallel peers.
     """
     if not divergent or replicas <= 1:
         return None
     named = _first_names(divergent)
     return (
-        f"{module_name} has {len(divergent)} buffers ({named}) that differ between data-parallel replicas after a "
-        f"training step: running statistics of the batch each one sees. Each of the {replicas} replicas updates them "
-        f"from its own slice of the global batch "
+        f"{module_name} has {len(divergent)} buffers ({named}) that differ between data-parallel replicas (or "
+        f"context-parallel peers) after a training step: running statistics of the batch each one sees. Each of the "
+        f"{replicas} replicas updates them from its own slice of the global batch (or part of each sequence) "
         f"(replicas start every step from rank 0's under DDP), so they differ from one device training on the whole "
         f"batch, and so do the values saved in checkpoints. Where they feed the forward (quantization ranges, "
-        f"normalisation), training differs too; keep data_parallel_size=1 for such a model, or freeze the statistics."
+        f"normalisation), training differs too; keep data_parallel_size=1 (and context_parallel_size=1) for such a model, or freeze the statistics."
     )
 
 

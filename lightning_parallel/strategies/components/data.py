@@ -243,8 +243,11 @@ class DataParallelComponent(Component):
 
     def _check_buffers_after(self, hook: str, run: Callable[[], Any]) -> Any:
         engine = self.engine
+        # Context-parallel peers hold the same weights and see other parts of each sequence: statistics of what a
+        # rank sees part ways between them as between data-parallel replicas.
+        replicas = engine.layout.data_parallel_size * engine.layout.context_parallel_size
         if (hook != "training_step" or self._buffer_checks >= self.BUFFER_CHECK_STEPS
-                or engine.layout.data_parallel_size == 1 or is_dry_run()):
+                or replicas == 1 or is_dry_run()):
             return run()
         # After each of the first training steps, buffers that differ between replicas are statistics of each one's
         # slice; every rank checks at the same steps (one small all-gather each).
@@ -252,10 +255,10 @@ class DataParallelComponent(Component):
         output = run()
         module = engine.lightning_module
         with outside_training():
-            divergent = replica_divergent_buffers(module, engine.data_parallel_group)
+            divergent = replica_divergent_buffers(module, engine.replica_group)
         new = [name for name in divergent if name not in self.divergent_buffers]
         self.divergent_buffers += new
-        message = running_statistics_warning(new, type(module).__name__, engine.layout.data_parallel_size)
+        message = running_statistics_warning(new, type(module).__name__, replicas)
         if message is not None:  # once per newly found set, not every step
             rank_zero_warn(message)
         return output
