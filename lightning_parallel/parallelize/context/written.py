@@ -63,6 +63,11 @@ class WrittenAttention:
         """``func(a, b)`` (or ``baddbmm(input, a, b, beta=, alpha=)``) with the keys or values gathered whole where it
         is a scores or weighted-values product; ``NotImplemented`` for any other product."""
         added = func in ADDED_PRODUCTS
+        if added:  # baddbmm(input, batch1, batch2, *, beta, alpha), the batches by position or by name (BLOOM)
+            named = dict(zip(("input", "batch1", "batch2"), args))
+            named.update({k: v for k, v in kwargs.items() if k in ("input", "batch1", "batch2")})
+            rest = {k: v for k, v in kwargs.items() if k not in named}
+            args, kwargs = (named.get("input"), named.get("batch1"), named.get("batch2"), *args[3:]), rest
         operands = args[1:3] if added else args
         if len(operands) != 2 or (kwargs and not added) or not all(isinstance(t, Tensor) for t in operands):
             return NotImplemented
